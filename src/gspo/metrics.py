@@ -1,0 +1,240 @@
+"""Training metrics: one JSON object per line in ``run_dir/metrics.jsonl``, mirrored to TensorBoard.
+
+Each line is ``{"step": int, "kind": "train" | "eval", <key>: float | int | null, ...}``. The file is the
+source of truth: plots and the summary (``gspo.plots``) are drawn from it, and a resumed run rewrites it
+to the lines at or before its checkpoint's step, so that a run killed and resumed ends with exactly the
+lines of an uninterrupted one.
+
+Deliberate choices:
+- Non-finite floats are written as ``null``: ``NaN`` is not valid JSON and breaks other readers (jq, pandas
+  with the strict parser). TensorBoard gets the raw value.
+- Every line is flushed to the OS when it is written, so a SIGKILL loses at most that line;
+  ``read_metrics`` skips a truncated last line.
+- TensorBoard is optional: without the ``tensorboard`` package the logger warns once and writes JSONL only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+KINDS = ("train", "eval")
+
+_warned_no_tensorboard = False
+
+
+def metrics_path(run_dir: str | Path) -> Path:
+    """``run_dir/metrics.jsonl``; a path that already names a ``.jsonl`` file is returned as is."""
+    path = Path(run_dir)
+    return path if path.suffix == ".jsonl" else path / METRICS_FILE
+
+
+def tensors_to_floats(tensors: Sequence[torch.Tensor]) -> list[float]:
+    """Python floats of single-element tensors, with one device sync per device rather than one per tensor.
+
+    Tensors are stacked per device (float64 where the device has it, so CPU values are not rounded) and
+    read back with one ``.tolist()``.
+    """
+    out: list[float] = [0.0] * len(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.numel() != 1:
+            raise ValueError(f"expected a single-element tensor, got shape {tuple(t.shape)}")
+        by_device.setdefault(t.device, []).append(i)
+    for device, indices in by_device.items():
+        dtype = torch.float32 if device.type == "mps" else torch.float64
+        stacked = torch.stack([tensors[i].detach().reshape(()).to(dtype) for i in indices])
+        for i, value in zip(indices, stacked.tolist(), strict=True):
+            out[i] = value
+    return out
+
+
+def _to_python(values: Mapping[str, Any]) -> dict[str, float | int | None]:
+    """Tensors -> float (one sync), bools and integers -> int, other reals -> float, None kept."""
+    out: dict[str, float | int | None] = {}
+    tensor_keys = [k for k, v in values.items() if isinstance(v, torch.Tensor)]
+    try:
+        tensor_values = tensors_to_floats([values[k] for k in tensor_keys])
+    except ValueError as e:
+        bad = [k for k in tensor_keys if values[k].numel() != 1]
+        raise ValueError(f"metrics {bad}: {e}") from None
+    converted = dict(zip(tensor_keys, tensor_values, strict=True))
+    for key, value in values.items():
+        if not isinstance(key, str):
+            raise TypeError(f"metric names must be str, got {key!r}")
+        if key in converted:
+            out[key] = converted[key]
+        elif value is None:
+            out[key] = None
+        elif isinstance(value, numbers.Integral):
+            out[key] = int(value)
+        elif isinstance(value, numbers.Real):
+            out[key] = float(value)
+        else:
+            raise TypeError(f"metric {key!r} must be a number or a tensor, got {type(value).__name__}")
+    return out
+
+
+def _json_value(value: float | int | None) -> float | int | None:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _parse_lines(text: str, path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(raw line, record) for each complete line of a metrics file.
+
+    The last line may be cut short by a kill mid-write: it is dropped if it does not parse. Any other
+    line that does not parse is corruption, not an interrupted write, and raises.
+    """
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    records: list[tuple[str, dict[str, Any]]] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError("not an object with an integer 'step'")
+        except ValueError as e:
+            if number == len(lines):
+                break  # truncated by a kill mid-write
+            raise ValueError(f"{path}:{number}: malformed metrics line ({e}): {line[:200]!r}") from None
+        records.append((line, record))
+    return records
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """All records of ``run_dir/metrics.jsonl`` in file order; a truncated last line is skipped.
+
+    >>> read_metrics("runs/demo")  # doctest: +SKIP
+    [{'step': 1, 'kind': 'train', 'reward_mean': 0.25, ...}, {'step': 1, 'kind': 'eval', 'accuracy': 0.2}]
+    """
+    path = metrics_path(run_dir)
+    if not path.is_file():
+        raise FileNotFoundError(f"no metrics file at {path}")
+    return [record for _, record in _parse_lines(path.read_text(encoding="utf-8"), path)]
+
+
+def mean_metrics(items: Sequence[Mapping[str, torch.Tensor | float]]) -> dict[str, float]:
+    """Mean per key over minibatches; a key missing from some items is averaged over those that have it.
+
+    All tensors are read back together (one device sync), not with one ``.item()`` per key.
+
+    >>> mean_metrics([{"loss": torch.tensor(1.0), "kl": 0.5}, {"loss": torch.tensor(3.0)}])
+    {'loss': 2.0, 'kl': 0.5}
+    """
+    tensors: list[torch.Tensor] = []
+    tensor_keys: list[str] = []
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for item in items:
+        for key, value in item.items():
+            counts[key] = counts.get(key, 0) + 1
+            sums.setdefault(key, 0.0)
+            if isinstance(value, torch.Tensor):
+                tensors.append(value)
+                tensor_keys.append(key)
+            else:
+                sums[key] += float(value)
+    for key, value in zip(tensor_keys, tensors_to_floats(tensors), strict=True):
+        sums[key] += value
+    return {key: sums[key] / counts[key] for key in counts}
+
+
+class MetricsLogger:
+    """Appends metric records to ``run_dir/metrics.jsonl`` and, if available, TensorBoard.
+
+    ``resume_step``: when resuming from the checkpoint taken at that step, the lines logged after it by the
+    killed run are dropped first (train and eval alike), and TensorBoard purges its events after it.
+
+    >>> with MetricsLogger("runs/demo") as logger:  # doctest: +SKIP
+    ...     logger.log(1, {"loss": torch.tensor(0.5), "lr": 1e-5})
+    ...     logger.log(1, {"accuracy": 0.2}, kind="eval")
+    """
+
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, resume_step: int | None = None):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / METRICS_FILE
+        self._prepare_file(resume_step)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        self._writer = self._open_tensorboard(resume_step) if tensorboard else None
+
+    def _prepare_file(self, resume_step: int | None) -> None:
+        """Drop a truncated last line, and on resume the lines after ``resume_step``, atomically."""
+        if not self.path.is_file():
+            return
+        text = self.path.read_text(encoding="utf-8")
+        if resume_step is None and (not text or text.endswith("\n")):
+            return
+        records = _parse_lines(text, self.path)
+        kept = [line for line, record in records if resume_step is None or record["step"] <= resume_step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(tmp, self.path)
+
+    def _open_tensorboard(self, resume_step: int | None) -> Any:
+        global _warned_no_tensorboard
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            if not _warned_no_tensorboard:
+                warnings.warn(
+                    "tensorboard is not installed, so metrics go to metrics.jsonl only; "
+                    "`pip install tensorboard` to get TensorBoard event files",
+                    stacklevel=3,
+                )
+                _warned_no_tensorboard = True
+            return None
+        # purge_step makes TensorBoard discard the killed run's events after the checkpoint.
+        purge_step = None if resume_step is None else resume_step + 1
+        return SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIR), purge_step=purge_step)
+
+    def log(
+        self, step: int, metrics: Mapping[str, float | int | torch.Tensor], *, kind: str = "train"
+    ) -> None:
+        """Write one line ``{"step", "kind", **metrics}`` and flush it; tensors must have one element."""
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+            raise TypeError(f"step must be an int, got {step!r}")
+        step = int(step)
+        reserved = {"step", "kind"} & set(metrics)
+        if reserved:
+            raise ValueError(f"metric names {sorted(reserved)} are reserved")
+        values = _to_python(metrics)
+        record = {"step": step, "kind": kind, **{k: _json_value(v) for k, v in values.items()}}
+        # One write per line, flushed at once: a kill leaves whole lines plus at most one partial line.
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file.flush()
+        if self._writer is not None:
+            for key, value in values.items():
+                if value is not None:
+                    self._writer.add_scalar(f"{kind}/{key}", value, global_step=step)
+            self._writer.flush()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

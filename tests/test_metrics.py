@@ -1,0 +1,260 @@
+"""Metrics logging (JSONL, TensorBoard), plots and summary of gspo.metrics / gspo.plots."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import warnings
+
+import pytest
+import torch
+
+import gspo.metrics as metrics_module
+from gspo.metrics import MetricsLogger, mean_metrics, read_metrics
+from gspo.plots import plot_run, write_summary
+
+
+def _lines(run_dir) -> list[str]:
+    return (run_dir / "metrics.jsonl").read_text().splitlines()
+
+
+def test_log_writes_exact_jsonl_lines(tmp_path):
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        logger.log(1, {"loss": torch.tensor(0.5), "lr": 1e-5, "zero_std_groups": 2})
+        logger.log(1, {"accuracy": 0.25, "reward_mean": torch.tensor(float("nan"))}, kind="eval")
+        logger.log(
+            2,
+            {
+                "reward/numeric": torch.tensor(0.75, dtype=torch.float64),
+                "kl": float("inf"),
+                "grad_norm": torch.tensor([3.0]),
+                "truncated_frac": torch.tensor(1, dtype=torch.int64),
+            },
+        )
+    assert _lines(tmp_path) == [
+        '{"step": 1, "kind": "train", "loss": 0.5, "lr": 1e-05, "zero_std_groups": 2}',
+        '{"step": 1, "kind": "eval", "accuracy": 0.25, "reward_mean": null}',
+        '{"step": 2, "kind": "train", "reward/numeric": 0.75, "kl": null, "grad_norm": 3.0, '
+        '"truncated_frac": 1.0}',
+    ]
+    assert read_metrics(tmp_path)[1] == {"step": 1, "kind": "eval", "accuracy": 0.25, "reward_mean": None}
+
+
+def test_log_flushes_each_line_before_close(tmp_path):
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    logger.log(3, {"loss": 1.0})
+    assert _lines(tmp_path) == ['{"step": 3, "kind": "train", "loss": 1.0}']
+    logger.close()
+    logger.close()  # idempotent
+
+
+def test_log_rejects_bad_input(tmp_path):
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        with pytest.raises(ValueError, match="kind"):
+            logger.log(1, {"loss": 1.0}, kind="rollout")
+        with pytest.raises(ValueError, match="loss"):
+            logger.log(1, {"loss": torch.ones(2)})
+        with pytest.raises(ValueError, match="reserved"):
+            logger.log(1, {"step": 1.0})
+    assert _lines(tmp_path) == []
+
+
+def test_resume_step_keeps_exactly_lines_up_to_the_checkpoint(tmp_path):
+    def log_step(logger, step):
+        logger.log(step, {"loss": float(step)})
+        if step % 2 == 0:
+            logger.log(step, {"accuracy": step / 10}, kind="eval")
+
+    with MetricsLogger(tmp_path / "full", tensorboard=False) as logger:
+        for step in range(1, 7):
+            log_step(logger, step)
+
+    # Killed after step 5 (mid-write of a line), resumed from the checkpoint of step 4.
+    with MetricsLogger(tmp_path / "killed", tensorboard=False) as logger:
+        for step in range(1, 6):
+            log_step(logger, step)
+    with open(tmp_path / "killed" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "kind": "tr')
+    with MetricsLogger(tmp_path / "killed", tensorboard=False, resume_step=4) as logger:
+        assert [(r["step"], r["kind"]) for r in read_metrics(tmp_path / "killed")] == [
+            (1, "train"),
+            (2, "train"),
+            (2, "eval"),
+            (3, "train"),
+            (4, "train"),
+            (4, "eval"),
+        ]
+        for step in range(5, 7):
+            log_step(logger, step)
+    assert _lines(tmp_path / "killed") == _lines(tmp_path / "full")
+
+
+def test_truncated_last_line_is_skipped_and_repaired_on_append(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "kind": "train", "loss": 1.0}\n{"step": 2, "kind": "train", "lo')
+    assert read_metrics(tmp_path) == [{"step": 1, "kind": "train", "loss": 1.0}]
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        logger.log(2, {"loss": 2.0})
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+
+
+def test_corrupt_middle_line_raises(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 1, "kind": "train"}\nnot json\n{"step": 2, "kind": "train"}\n'
+    )
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2"):
+        read_metrics(tmp_path)
+
+
+def test_mean_metrics_averages_each_key_over_the_items_that_have_it():
+    items = [
+        {"loss": torch.tensor(1.0), "clip_frac_seq": 0.5, "kl": torch.tensor(0.25, dtype=torch.float64)},
+        {"loss": torch.tensor(2.0), "clip_frac_seq": torch.tensor(0.0)},
+        {"loss": 6.0},
+    ]
+    assert mean_metrics(items) == {"loss": 3.0, "clip_frac_seq": 0.25, "kl": 0.25}
+    assert mean_metrics([]) == {}
+    assert math.isnan(mean_metrics([{"x": torch.tensor(float("nan"))}, {"x": 1.0}])["x"])
+
+
+def test_mean_metrics_reads_tensors_back_with_one_sync(monkeypatch):
+    calls = []
+    real_tolist = torch.Tensor.tolist
+
+    def counting_tolist(self):
+        calls.append(self.shape)
+        return real_tolist(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail(".item() called"))
+    items = [{f"k{i}": torch.tensor(float(i + j)) for i in range(5)} for j in range(4)]
+    assert mean_metrics(items) == {f"k{i}": i + 1.5 for i in range(5)}
+    assert calls == [torch.Size([20])]
+
+
+def test_tensorboard_events_hold_the_logged_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricsLogger(tmp_path) as logger:
+        logger.log(1, {"loss": torch.tensor(0.5), "reward/numeric": 0.25})
+        logger.log(2, {"loss": 0.125, "kl": None})
+        logger.log(2, {"accuracy": 0.75}, kind="eval")
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    scalars = events.Tags()["scalars"]
+    assert sorted(scalars) == ["eval/accuracy", "train/loss", "train/reward/numeric"]
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 0.5), (2, 0.125)]
+    assert [(e.step, e.value) for e in events.Scalars("train/reward/numeric")] == [(1, 0.25)]
+    assert [(e.step, e.value) for e in events.Scalars("eval/accuracy")] == [(2, 0.75)]
+
+
+def test_resume_purges_tensorboard_events_after_the_checkpoint(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricsLogger(tmp_path) as logger:
+        for step in range(1, 7):
+            logger.log(step, {"loss": float(step)})
+    with MetricsLogger(tmp_path, resume_step=4) as logger:
+        for step in range(5, 7):
+            logger.log(step, {"loss": 10.0 * step})
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    expected = [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 50.0), (6, 60.0)]
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == expected
+
+
+def test_missing_tensorboard_warns_once_and_logs_jsonl(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    monkeypatch.setattr(metrics_module, "_warned_no_tensorboard", False)
+    with pytest.warns(UserWarning, match="pip install tensorboard"):
+        first = MetricsLogger(tmp_path / "a")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = MetricsLogger(tmp_path / "b")
+    for logger in (first, second):
+        logger.log(1, {"loss": 1.0})
+        logger.close()
+    assert not (tmp_path / "a" / "tensorboard").exists()
+    assert read_metrics(tmp_path / "b") == [{"step": 1, "kind": "train", "loss": 1.0}]
+
+
+def _synthetic_run(run_dir, *, kl: bool, evals: bool = True) -> None:
+    with MetricsLogger(run_dir, tensorboard=False) as logger:
+        for step in range(1, 7):
+            train = {
+                "reward_mean": 0.1 * step,
+                "reward_std": 0.2,
+                "reward/numeric": 0.1 * step,
+                "reward/format": 0.9,
+                "loss": -0.01 * step,
+                "clip_frac_token": 0.1,
+                "clip_frac_token_low": 0.04,
+                "clip_frac_token_high": 0.06,
+                "clip_frac_seq": 0.2,
+                "ratio_seq_mean": 1.0,
+                "ratio_seq_min": 0.999,
+                "ratio_seq_max": 1.001,
+                "ratio_token_mean": 1.0,
+                "ratio_token_min": 0.9,
+                "ratio_token_max": 1.1,
+                "log_ratio_abs_mean": 0.01,
+                "grad_norm": 1.5,
+                "lr": 1e-5,
+                "completion_len_mean": 12.0,
+                "truncated_frac": 0.0,
+                "time_rollout": 2.0,
+                "time_old_logprobs": 0.5,
+                "time_update": 1.5,
+            }
+            if kl:
+                train["kl"] = 0.001 * step
+            logger.log(step, train)
+            if evals and step % 3 == 0:
+                logger.log(step, {"accuracy": 0.05 * step, "reward_mean": 0.3}, kind="eval")
+
+
+def test_plot_run_writes_one_png_per_present_group(tmp_path):
+    _synthetic_run(tmp_path / "with_kl", kl=True)
+    _synthetic_run(tmp_path / "no_kl", kl=False)
+    groups = ["reward", "clip_fractions", "ratios", "kl", "completion_lengths", "loss", "lr"]
+    written = plot_run(tmp_path / "with_kl")
+    assert written == [tmp_path / "with_kl" / "plots" / f"{g}.png" for g in groups]
+    for path in written:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.stem for p in plot_run(tmp_path / "no_kl")] == [g for g in groups if g != "kl"]
+    assert sorted(p.name for p in (tmp_path / "no_kl" / "plots").iterdir()) == sorted(
+        f"{g}.png" for g in groups if g != "kl"
+    )
+
+
+def test_plot_run_without_matplotlib_names_the_install_command(tmp_path, monkeypatch):
+    _synthetic_run(tmp_path, kl=False)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match="pip install matplotlib"):
+        plot_run(tmp_path)
+
+
+def test_write_summary_reports_first_last_best_accuracy_and_totals(tmp_path):
+    _synthetic_run(tmp_path, kl=False)
+    text = write_summary(tmp_path)
+    assert (tmp_path / "summary.md").read_text() == text
+    assert "Updates (train steps logged): 6, steps 1 to 6" in text
+    assert "Eval accuracy: first 0.1500 (step 3), last 0.3000 (step 6), best 0.3000 (step 6)" in text
+    assert "Train reward mean: first 0.1000 (step 1), last 0.6000 (step 6)" in text
+    assert "clip_frac_seq 0.2000" in text
+    assert "clip_frac_token 0.1000" in text
+    assert "Total time: 24.0 s (old_logprobs 3.0 s, rollout 12.0 s, update 9.0 s)" in text
+
+
+def test_write_summary_without_eval_lines(tmp_path):
+    _synthetic_run(tmp_path, kl=False, evals=False)
+    text = write_summary(tmp_path)
+    assert "Eval accuracy: no eval lines" in text
+    assert "Train reward mean: first 0.1000 (step 1), last 0.6000 (step 6)" in text
+
+
+def test_read_metrics_round_trips_json(tmp_path):
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        logger.log(7, {"x": 1.5})
+    assert json.loads(_lines(tmp_path)[0]) == read_metrics(tmp_path / "metrics.jsonl")[0]
