@@ -1,0 +1,394 @@
+"""Prompts for training: examples, built-in verifiable tasks, user data, eval split, a resumable stream.
+
+An :class:`Example` is a user message plus the fields a reward function needs (``{"answer": "8"}``). The
+trainer formats the prompt with :func:`format_prompt` (the tokenizer's chat template) and passes the fields
+to reward functions as keyword lists aligned with the completions (:func:`batch_fields`).
+
+Built-in tasks (``TASKS``) generate examples deterministically from a seed, without duplicate prompts:
+
+- ``arithmetic``: "What is 3 + 5? Answer with just the number.", usual precedence (``*`` before ``+ -``).
+- ``count_letter``: "How many times does the letter "r" appear in the word "strawberry"? ...".
+
+User data comes from JSONL, CSV or a ``datasets`` directory saved with ``save_to_disk``
+(:func:`load_examples`). :class:`PromptStream` serves batches forever, one reshuffled pass per epoch, and its
+``state_dict`` resumes it exactly.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "TASKS",
+    "Example",
+    "PromptStream",
+    "arithmetic_task",
+    "batch_fields",
+    "count_letter_task",
+    "format_prompt",
+    "load_examples",
+    "split_eval",
+]
+
+ANSWER_INSTRUCTION = "Answer with just the number."
+
+
+@dataclass(frozen=True)
+class Example:
+    """One training prompt.
+
+    Attributes:
+        prompt: the user message, without any chat template applied.
+        fields: what reward functions receive for this prompt, e.g. ``{"answer": "12"}``; each key becomes a
+            keyword argument holding one value per completion.
+    """
+
+    prompt: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Built-in tasks
+
+
+def _check_count(num_examples: int, available: int, task: str, fix: str) -> None:
+    if num_examples < 0:
+        raise ValueError(f"{task}: num_examples must be >= 0, got {num_examples}")
+    if num_examples > available:
+        raise ValueError(
+            f"{task}: asked for {num_examples} examples but only {available} distinct problems exist; {fix}"
+        )
+
+
+def _evaluate(operands: Sequence[int], operations: Sequence[str]) -> int:
+    """Value of ``operands[0] op operations[0] operands[1] ...`` with ``*`` binding tighter than ``+ -``."""
+    total, sign, product = 0, 1, operands[0]
+    for operation, operand in zip(operations, operands[1:], strict=True):
+        if operation == "*":
+            product *= operand
+        else:
+            total += sign * product
+            sign, product = (1 if operation == "+" else -1), operand
+    return total + sign * product
+
+
+def arithmetic_task(
+    num_examples: int,
+    *,
+    operand_min: int = 0,
+    operand_max: int = 9,
+    operations: str = "+",
+    num_operands: int = 2,
+    seed: int = 0,
+) -> list[Example]:
+    """Arithmetic problems with integer answers, e.g. "What is 3 + 5? Answer with just the number.".
+
+    Operands are drawn uniformly from ``[operand_min, operand_max]`` (negative ones are written in
+    parentheses), operators from ``operations`` (any of ``"+-*"``); the answer (``fields["answer"]``, a
+    string such as ``"8"`` or ``"-2"``) follows the usual precedence. The same seed gives the same list,
+    and no prompt repeats: problems are drawn without replacement from all
+    ``(operand range) ** num_operands * len(operations) ** (num_operands - 1)`` of them.
+    """
+    if operand_min > operand_max:
+        raise ValueError(f"arithmetic_task: operand_min ({operand_min}) > operand_max ({operand_max})")
+    if num_operands < 2:
+        raise ValueError(f"arithmetic_task: num_operands must be >= 2, got {num_operands}")
+    unknown = sorted(set(operations) - set("+-*"))
+    if not operations or unknown:
+        raise ValueError(
+            f"arithmetic_task: operations must be a non-empty string of '+-*', got {operations!r}"
+        )
+    ops = sorted(set(operations), key="+-*".index)
+    span = operand_max - operand_min + 1
+    available = span**num_operands * len(ops) ** (num_operands - 1)
+    _check_count(
+        num_examples,
+        available,
+        "arithmetic_task",
+        "widen the operand range, add operations or operands, or ask for fewer examples",
+    )
+
+    examples = []
+    # random.sample over a range draws distinct indices without materialising the range, however large.
+    for index in random.Random(seed).sample(range(available), num_examples):
+        operands = []
+        for _ in range(num_operands):
+            index, digit = divmod(index, span)
+            operands.append(operand_min + digit)
+        chosen_ops = []
+        for _ in range(num_operands - 1):
+            index, digit = divmod(index, len(ops))
+            chosen_ops.append(ops[digit])
+        text = " ".join(
+            [_operand_text(operands[0])]
+            + [f"{op} {_operand_text(x)}" for op, x in zip(chosen_ops, operands[1:], strict=True)]
+        )
+        answer = _evaluate(operands, chosen_ops)
+        examples.append(Example(f"What is {text}? {ANSWER_INSTRUCTION}", {"answer": str(answer)}))
+    return examples
+
+
+def _operand_text(value: int) -> str:
+    return f"({value})" if value < 0 else str(value)
+
+
+# Common English words with repeated letters, so that counts above 1 are frequent.
+_COUNT_LETTER_WORDS_TEXT = """
+    strawberry banana apple cherry coffee balloon bookkeeper committee mississippi address accommodate
+    necessary tomorrow pepper letter little bottle puzzle success possess assessment occurrence parallel
+    millennium embarrass giraffe hippopotamus elephant alligator butterfly caterpillar grasshopper kangaroo
+    cinnamon broccoli spaghetti zucchini avocado pineapple raspberry blueberry watermelon tangerine
+    lemonade marshmallow chocolate vanilla caramel popcorn muffin pancake waffle sandwich
+    engineering programming algorithm referee teepee toffee sassafras barrel mirror
+    terrier errors corridor referral current carrot arrow narrow sorrow borrow
+    assistant possession mattress glasses passenger message pressure lesson classroom dessert
+    beginning running swimming shopping stopping dinner summer hammer bubble pebble
+    freedom sleeping coordinate volunteer cookbook doorknob raccoon scooter balloonist woodpecker
+    bandana savanna papaya alpaca cabbage grammar calendar database javascript
+    keyboard notebook computer internet telephone television radiator refrigerator
+    reassessment unnecessary irresistible independence international intelligence opportunity
+    everything nevertheless cheeseburger peppermint mammoth mummy yummy happiness goodness seventeen
+"""
+COUNT_LETTER_WORDS: tuple[str, ...] = tuple(_COUNT_LETTER_WORDS_TEXT.split())
+
+
+def count_letter_task(
+    num_examples: int, *, words: Sequence[str] | None = None, seed: int = 0
+) -> list[Example]:
+    """Letter counting: 'How many times does the letter "r" appear in the word "strawberry"? ...'.
+
+    Each problem is a (word, letter) pair with the letter taken from the word, so answers are >= 1;
+    counting ignores case. ``words`` replaces the built-in list (``COUNT_LETTER_WORDS``). The answer is
+    ``fields["answer"]``, a string such as ``"3"``. Deterministic per seed, no prompt repeats.
+    """
+    pool = list(dict.fromkeys(COUNT_LETTER_WORDS if words is None else words))
+    not_alpha = [w for w in pool if not w.isalpha()]
+    if not_alpha:
+        raise ValueError(f"count_letter_task: words must be letters only, got {not_alpha[:5]}")
+    problems = [(word, letter) for word in pool for letter in sorted(set(word.lower()))]
+    _check_count(
+        num_examples, len(problems), "count_letter_task", "pass more words or ask for fewer examples"
+    )
+    examples = []
+    for word, letter in random.Random(seed).sample(problems, num_examples):
+        prompt = (
+            f'How many times does the letter "{letter}" appear in the word "{word}"? {ANSWER_INSTRUCTION}'
+        )
+        examples.append(Example(prompt, {"answer": str(word.lower().count(letter))}))
+    return examples
+
+
+TASKS: dict[str, Callable[..., list[Example]]] = {
+    "arithmetic": arithmetic_task,
+    "count_letter": count_letter_task,
+}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# User data
+
+
+def load_examples(
+    path: str | Path, *, prompt_field: str = "prompt", answer_fields: Sequence[str] = ("answer",)
+) -> list[Example]:
+    """Read examples from a ``.jsonl`` file, a ``.csv`` file (with a header), or a ``datasets`` directory.
+
+    Each row needs ``prompt_field`` (the user message) and every name in ``answer_fields``; those become
+    ``Example.fields`` with their values as stored (CSV values are strings, JSONL keeps JSON types). A null
+    or absent value counts as missing. Rows are numbered from 1: the line number for JSONL, the data row
+    (after the header) for CSV, the row index + 1 for ``datasets``.
+    """
+    path = Path(path)
+    if isinstance(answer_fields, str):  # a lone name is a common slip for a one-element tuple
+        answer_fields = (answer_fields,)
+    if not path.exists():
+        raise FileNotFoundError(f"data file not found: {path}")
+    if path.is_dir():
+        rows = _dataset_rows(path)
+    elif path.suffix == ".jsonl":
+        rows = _jsonl_rows(path)
+    elif path.suffix == ".csv":
+        rows = _csv_rows(path)
+    else:
+        raise ValueError(
+            f"{path}: unsupported data format {path.suffix!r}; use .jsonl, .csv, or a directory saved "
+            "with datasets' save_to_disk"
+        )
+
+    examples = []
+    for row_number, row in rows:
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}: row {row_number} is a {type(row).__name__}, expected an object")
+        for name in (prompt_field, *answer_fields):
+            if row.get(name) is None:
+                raise ValueError(
+                    f"{path}: row {row_number} has no field {name!r} (or it is null); "
+                    f"the row has fields {sorted(row)}"
+                )
+        prompt = row[prompt_field]
+        if not isinstance(prompt, str):
+            raise ValueError(
+                f"{path}: row {row_number}: field {prompt_field!r} must be a string, "
+                f"got {type(prompt).__name__}"
+            )
+        examples.append(Example(prompt, {name: row[name] for name in answer_fields}))
+    if not examples:
+        raise ValueError(f"{path}: no examples found")
+    return examples
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    with path.open(encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield line_number, json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}: row {line_number} is not valid JSON: {error}") from error
+
+
+def _csv_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    # utf-8-sig drops the byte-order mark spreadsheet programs put in front of the header.
+    with path.open(encoding="utf-8-sig", newline="") as handle:
+        for row_number, row in enumerate(csv.DictReader(handle), start=1):
+            # DictReader files surplus cells under the key None; they are no field of ours.
+            yield row_number, {key: value for key, value in row.items() if key is not None}
+
+
+def _dataset_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    try:
+        import datasets
+    except ImportError as error:
+        raise ImportError(
+            f"{path} is a directory, read as a `datasets` dataset, which needs: pip install datasets"
+        ) from error
+    dataset = datasets.load_from_disk(str(path))
+    if isinstance(dataset, datasets.DatasetDict):
+        if "train" not in dataset:
+            raise ValueError(
+                f"{path}: a DatasetDict without a 'train' split (splits: {sorted(dataset)}); "
+                "save the split to use with dataset[split].save_to_disk(...)"
+            )
+        dataset = dataset["train"]
+    for index, row in enumerate(dataset):
+        yield index + 1, row
+
+
+def split_eval(
+    examples: Sequence[Example], eval_size: int, *, seed: int = 0
+) -> tuple[list[Example], list[Example]]:
+    """Hold out ``eval_size`` examples chosen at random (deterministic per seed): ``(train, eval)``.
+
+    Both lists keep the original order; together they are ``examples``, with no example in both.
+    """
+    if not 0 <= eval_size < len(examples):
+        raise ValueError(
+            f"eval_size must be between 0 and {len(examples) - 1} (the number of examples, "
+            f"{len(examples)}, minus one for training); got {eval_size}"
+        )
+    held_out = set(random.Random(seed).sample(range(len(examples)), eval_size))
+    train = [example for index, example in enumerate(examples) if index not in held_out]
+    evaluation = [example for index, example in enumerate(examples) if index in held_out]
+    return train, evaluation
+
+
+def batch_fields(examples: Sequence[Example], repeat: int = 1) -> dict[str, list[Any]]:
+    """Fields of a batch as reward keyword lists, each value repeated ``repeat`` times in a row.
+
+    ``repeat`` is the group size G when every prompt gets G consecutive completions.
+    """
+    if not examples:
+        return {}
+    names = list(examples[0].fields)
+    for index, example in enumerate(examples):
+        if sorted(example.fields) != sorted(names):
+            raise ValueError(
+                f"example {index} has fields {sorted(example.fields)}, example 0 has {sorted(names)}"
+            )
+    return {name: [e.fields[name] for e in examples for _ in range(repeat)] for name in names}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Prompt formatting
+
+
+def format_prompt(tokenizer: Any, prompt: str, *, system_prompt: str | None = None) -> str:
+    """The text the policy continues: the chat template applied with a generation prompt, when any.
+
+    With a template, ``system_prompt=None`` sends no system message, so a template's own default system
+    message (SmolLM2's, for instance) stays. Without a template the prompt is returned as is, after
+    ``system_prompt + "\\n\\n"`` when a system prompt is given.
+    """
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": prompt}]
+        if system_prompt is not None:
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return prompt if system_prompt is None else f"{system_prompt}\n\n{prompt}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Prompt stream
+
+
+class PromptStream:
+    """Batches of examples forever; each epoch visits every example once, in a fresh order.
+
+    Epoch ``e``'s order is a permutation drawn from ``(seed, e)`` alone, so a stream restored with
+    :meth:`load_state_dict` continues exactly where the saved one was. A batch that reaches the end of an
+    epoch is completed from the start of the next one.
+    """
+
+    def __init__(self, examples: Sequence[Example], batch_size: int, *, seed: int = 0) -> None:
+        if not examples:
+            raise ValueError("PromptStream needs at least one example")
+        if batch_size < 1:
+            raise ValueError(f"PromptStream batch_size must be >= 1, got {batch_size}")
+        self.examples = list(examples)
+        self.batch_size = batch_size
+        self.seed = seed
+        self.epoch = 0
+        self.position = 0
+        self._order = self._epoch_order(0)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.examples)))
+        # A string seed is hashed with SHA-512 by random.seed: stable across runs and Python versions.
+        random.Random(f"gspo.PromptStream:{self.seed}:{epoch}").shuffle(order)
+        return order
+
+    def next_batch(self) -> list[Example]:
+        batch = []
+        while len(batch) < self.batch_size:
+            if self.position == len(self.examples):
+                self.epoch += 1
+                self.position = 0
+                self._order = self._epoch_order(self.epoch)
+            take = min(self.batch_size - len(batch), len(self.examples) - self.position)
+            batch.extend(self.examples[i] for i in self._order[self.position : self.position + take])
+            self.position += take
+        return batch
+
+    def __iter__(self) -> Iterator[list[Example]]:
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict[str, int]:
+        """``{"epoch": e, "position": p}``: the next batch starts at index p of epoch e's order."""
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position <= len(self.examples):
+            raise ValueError(
+                f"PromptStream state {state} does not fit a stream of {len(self.examples)} examples"
+            )
+        self.epoch, self.position = epoch, position
+        self._order = self._epoch_order(epoch)

@@ -1,0 +1,263 @@
+"""Reward functions: plain callables, their built-ins, and the checked call that combines several.
+
+A reward function takes ``(prompts, completions, **fields)`` (lists aligned with one another; every
+``Example.fields`` key arrives as a keyword list) and returns one float per completion. Functions accept
+``**_`` so that fields meant for other functions pass through.
+
+Numbers in completions (``correct_number``, ``number_format``) are decimal: an optional ``-``, digits, an
+optional fraction (``3.5``; ``.5`` and ``3.`` are not fractions), and thousands written either plainly
+(``1000``) or with commas in groups of three (``1,000``; ``1,00`` reads as ``1`` and ``00``, and a list
+written "1,234" as 1234). A ``-`` right after a digit is an operator: "5-3" holds 5 and 3. Values are compared
+exactly with :class:`decimal.Decimal`, so ``"12.0"`` equals ``12``. Scientific notation, words
+("twelve") and fractions ("1/2") are not read.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.util
+import math
+import numbers
+import re
+import sys
+from collections.abc import Callable, Sequence
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "BUILTIN_REWARDS",
+    "RewardError",
+    "RewardFunction",
+    "compute_rewards",
+    "correct_number",
+    "exact_answer",
+    "number_format",
+    "resolve_reward",
+]
+
+RewardFunction = Callable[..., list[float]]
+
+_NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?"
+# Not after a digit, so "5-3" reads as 5 and 3 rather than 5 and -3; not after a ".", so ".5" is not
+# misread as 5 (it is not read at all).
+_NUMBER_IN_TEXT = re.compile(rf"(?<![\d.]){_NUMBER}")
+_BARE_NUMBER = re.compile(rf"{_NUMBER}\.?")
+
+
+class RewardError(RuntimeError):
+    """A reward function failed or returned something unusable; the message names it and the sample."""
+
+
+def _to_decimal(text: str) -> Decimal:
+    return Decimal(text.replace(",", ""))
+
+
+def _answer_value(answer: Any) -> Decimal:
+    match = re.fullmatch(_NUMBER, str(answer).strip())
+    if match is None:
+        raise ValueError(f"answer {answer!r} is not a number")
+    return _to_decimal(match.group())
+
+
+def last_number(text: str) -> Decimal | None:
+    """The last number in ``text`` (see the module docstring for what counts), or None.
+
+    >>> last_number("3 + 4 = 7, so the answer is 1,000.")
+    Decimal('1000')
+    >>> last_number("no digits") is None
+    True
+    """
+    matches = _NUMBER_IN_TEXT.findall(text)
+    return _to_decimal(matches[-1]) if matches else None
+
+
+def correct_number(prompts: list[str], completions: list[str], *, answer: list[Any], **_: Any) -> list[float]:
+    """1.0 where the last number in the completion equals the answer, else 0.0.
+
+    >>> correct_number(["What is 5 + 7?"] * 3, ["The answer is 12.", "12, no 13", "-12"], answer=["12"] * 3)
+    [1.0, 0.0, 0.0]
+
+    Answers may be strings or numbers; one that is not a number raises ValueError.
+    """
+    rewards = []
+    for completion, expected in zip(completions, answer, strict=True):
+        value = last_number(completion)
+        rewards.append(float(value is not None and value == _answer_value(expected)))
+    return rewards
+
+
+def exact_answer(prompts: list[str], completions: list[str], *, answer: list[Any], **_: Any) -> list[float]:
+    """1.0 where the completion, stripped of whitespace and one trailing period, is the answer; else 0.0.
+
+    The comparison is on text (``str(answer)``, also stripped), case-sensitive.
+
+    >>> exact_answer(["What is 5 + 7?"] * 3, [" 12.\\n", "The answer is 12.", "12.0"], answer=["12"] * 3)
+    [1.0, 0.0, 0.0]
+    """
+    rewards = []
+    for completion, expected in zip(completions, answer, strict=True):
+        text = completion.strip()
+        text = text[:-1].rstrip() if text.endswith(".") else text
+        rewards.append(float(text == str(expected).strip()))
+    return rewards
+
+
+def number_format(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+    """1.0 where the completion is a bare number (whitespace and one trailing period allowed), else 0.0.
+
+    >>> number_format(["What is 5 + 7?"] * 4, ["12", " -1,000.\\n", "12 apples", "twelve"])
+    [1.0, 1.0, 0.0, 0.0]
+    """
+    return [float(_BARE_NUMBER.fullmatch(completion.strip()) is not None) for completion in completions]
+
+
+BUILTIN_REWARDS: dict[str, RewardFunction] = {
+    "correct_number": correct_number,
+    "exact_answer": exact_answer,
+    "number_format": number_format,
+}
+
+
+def _excerpt(completion: str) -> str:
+    return repr(completion[:80]) + ("..." if len(completion) > 80 else "")
+
+
+def _call_one(
+    name: str, function: RewardFunction, prompts: list[str], completions: list[str], fields: dict[str, list]
+) -> list[float]:
+    try:
+        return function(prompts, completions, **fields)
+    except Exception as batch_error:
+        # The batch call does not say which sample broke it: retry one sample at a time to find out.
+        for index in range(len(completions)):
+            single_fields = {key: values[index : index + 1] for key, values in fields.items()}
+            try:
+                function(prompts[index : index + 1], completions[index : index + 1], **single_fields)
+            except Exception as error:
+                raise RewardError(
+                    f"reward function {name!r} raised {type(error).__name__}: {error} "
+                    f"at sample {index} (completion {_excerpt(completions[index])})"
+                ) from error
+        raise RewardError(
+            f"reward function {name!r} raised {type(batch_error).__name__}: {batch_error} on the batch "
+            f"of {len(completions)} samples, though no single sample raises alone"
+        ) from batch_error
+
+
+def _check_values(name: str, values: Any, completions: list[str]) -> list[float]:
+    if hasattr(values, "tolist"):  # tensors and numpy arrays
+        values = values.tolist()
+    if not isinstance(values, (list, tuple)):
+        raise RewardError(
+            f"reward function {name!r} returned {type(values).__name__}, expected a list of "
+            f"{len(completions)} floats (one per completion)"
+        )
+    if len(values) != len(completions):
+        raise RewardError(
+            f"reward function {name!r} returned {len(values)} values for {len(completions)} completions"
+        )
+    for index, value in enumerate(values):
+        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise RewardError(
+                f"reward function {name!r} returned {value!r} at sample {index} "
+                f"(completion {_excerpt(completions[index])}); rewards must be finite numbers"
+            )
+    return [float(value) for value in values]
+
+
+def compute_rewards(
+    functions: Sequence[tuple[str, RewardFunction, float]],
+    prompts: list[str],
+    completions: list[str],
+    fields: dict[str, list],
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Call each reward function on the batch and combine: ``(total, {name: rewards})``.
+
+    ``functions`` holds ``(name, function, weight)``; every list (prompts, each field) is aligned with
+    ``completions``, B long. Returns float32 tensors:
+
+        total = sum_k weight_k * r_k    (B,)
+        r_k                             (B,)
+
+    A function that raises, returns a non-finite or non-numeric value, or the wrong number of values gives a
+    :class:`RewardError` naming it (and the sample, where there is one). To find the sample behind an
+    exception, the function is called again one sample at a time.
+    """
+    if not functions:
+        raise ValueError("compute_rewards needs at least one reward function")
+    names = [name for name, _, _ in functions]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(f"reward names must be unique, repeated: {duplicates}")
+    for name, _, weight in functions:
+        if not isinstance(weight, numbers.Real) or not math.isfinite(weight):
+            raise ValueError(f"reward {name!r} has weight {weight!r}; weights must be finite numbers")
+    for key, values in {"prompts": prompts, **fields}.items():
+        if len(values) != len(completions):
+            raise ValueError(f"{key!r} has {len(values)} entries for {len(completions)} completions")
+
+    total = torch.zeros(len(completions), dtype=torch.float32)
+    per_function = {}
+    for name, function, weight in functions:
+        values = _check_values(name, _call_one(name, function, prompts, completions, fields), completions)
+        rewards = torch.tensor(values, dtype=torch.float32)
+        per_function[name] = rewards
+        total += float(weight) * rewards
+    return total, per_function
+
+
+def resolve_reward(name_or_path: str) -> RewardFunction:
+    """A reward function from a built-in name, ``"package.module:function"`` or ``"path/file.py:function"``.
+
+    >>> resolve_reward("correct_number") is correct_number
+    True
+    """
+    if name_or_path in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[name_or_path]
+    if ":" not in name_or_path:
+        close = difflib.get_close_matches(name_or_path, BUILTIN_REWARDS, n=1, cutoff=0.5)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(
+            f"unknown reward {name_or_path!r}: built-ins are {sorted(BUILTIN_REWARDS)}, or give "
+            f"'module:function' or 'path/to/file.py:function'{hint}"
+        )
+
+    # rpartition keeps a Windows drive letter ("C:\\rewards.py:fn") in the module part.
+    source, _, attribute = name_or_path.rpartition(":")
+    if source.endswith(".py") or "/" in source or "\\" in source:
+        module = _import_file(Path(source))
+    else:
+        try:
+            module = importlib.import_module(source)
+        except ImportError as error:
+            raise ImportError(f"reward {name_or_path!r}: cannot import module {source!r}: {error}") from error
+    function = getattr(module, attribute, None)
+    if function is None:
+        available = sorted(
+            key for key, value in vars(module).items() if callable(value) and not key.startswith("_")
+        )
+        raise ValueError(f"reward {name_or_path!r}: {source} has no {attribute!r}; callables: {available}")
+    if not callable(function):
+        raise TypeError(f"reward {name_or_path!r} is a {type(function).__name__}, not a callable")
+    return function
+
+
+def _import_file(path: Path) -> Any:
+    if not path.is_file():
+        raise FileNotFoundError(f"reward file not found: {path}")
+    # Executed afresh on every call, so an edited file is picked up (in a notebook, say).
+    module_name = f"gspo_user_rewards_{path.stem}_{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses and pickling look the module up here
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
+    return module

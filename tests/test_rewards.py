@@ -1,0 +1,207 @@
+"""Built-in reward functions, the checked combination compute_rewards, and resolve_reward."""
+
+from __future__ import annotations
+
+import doctest
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import gspo.rewards as rewards_module
+from gspo.rewards import (
+    BUILTIN_REWARDS,
+    RewardError,
+    compute_rewards,
+    correct_number,
+    exact_answer,
+    number_format,
+    resolve_reward,
+)
+
+
+def test_docstring_examples():
+    result = doctest.testmod(rewards_module)
+    assert result.attempted >= 6 and result.failed == 0
+
+
+CORRECT_NUMBER_CASES = [
+    ("The answer is 12.", "12", 1.0),
+    ("12", "12", 1.0),
+    ("3 + 9 = 12", 12, 1.0),  # answers may be ints
+    ("12, no wait, 13", "12", 0.0),  # the LAST number counts
+    ("-3", "-3", 1.0),
+    ("-3", "3", 0.0),
+    ("5-8 = -3", "-3", 1.0),
+    ("5-3", "-3", 0.0),  # a minus after a digit is an operator
+    ("It is 1,000 apples", "1000", 1.0),
+    ("1000", "1,000", 1.0),
+    ("12.0", "12", 1.0),
+    ("2.5", 2.5, 1.0),
+    ("about .5", "0.5", 0.0),  # ".5" is not read
+    ("twelve", "12", 0.0),
+    ("", "0", 0.0),
+]
+
+
+@pytest.mark.parametrize(("completion", "answer", "expected"), CORRECT_NUMBER_CASES)
+def test_correct_number(completion, answer, expected):
+    assert correct_number(["p"], [completion], answer=[answer]) == [expected]
+
+
+def test_correct_number_rejects_non_numeric_answer():
+    with pytest.raises(ValueError, match="'cat' is not a number"):
+        correct_number(["p"], ["3"], answer=["cat"])
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "expected"),
+    [
+        ("The answer is 12.", "12", 0.0),
+        ("12", "12", 1.0),
+        ("  12.\n", "12", 1.0),
+        ("12..", "12", 0.0),  # only one period goes
+        ("12.0", "12", 0.0),  # text, not value
+        ("12", 12, 1.0),
+        ("Paris", "paris", 0.0),  # case-sensitive
+    ],
+)
+def test_exact_answer(completion, answer, expected):
+    assert exact_answer(["p"], [completion], answer=[answer]) == [expected]
+
+
+def test_number_format():
+    completions = ["12", "-3", " 1,000.\n", "2.5", "12 apples", "The answer is 12", "1,00", ""]
+    assert number_format(["p"] * 8, completions) == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_builtins_ignore_fields_meant_for_others():
+    assert number_format(["p"], ["1"], answer=["2"], unit=["x"]) == [1.0]
+    assert set(BUILTIN_REWARDS) == {"correct_number", "exact_answer", "number_format"}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# compute_rewards
+
+PROMPTS = ["What is 1 + 1?", "What is 2 + 2?", "What is 3 + 3?"]
+COMPLETIONS = ["2", "The answer is 4.", "7"]
+FIELDS = {"answer": ["2", "4", "6"]}
+
+
+def test_compute_rewards_weighted_sum():
+    functions = [("correct", correct_number, 2.0), ("format", number_format, -0.5)]
+    total, per_function = compute_rewards(functions, PROMPTS, COMPLETIONS, FIELDS)
+    # correct = [1, 1, 0], format = [1, 0, 1]
+    assert total.dtype == torch.float32 and total.shape == (3,)
+    assert total.tolist() == [1.5, 2.0, -0.5]
+    assert per_function["correct"].tolist() == [1.0, 1.0, 0.0]
+    assert per_function["format"].tolist() == [1.0, 0.0, 1.0]
+
+
+def test_compute_rewards_passes_fields_as_keyword_lists():
+    received = {}
+
+    def spy(prompts, completions, **fields):
+        received.update(prompts=prompts, completions=completions, **fields)
+        return np.array([0.25, 0.5, 0.75])  # arrays are accepted as well as lists
+
+    fields = {"answer": ["2", "4", "6"], "unit": ["a", "b", "c"]}
+    total, _ = compute_rewards([("spy", spy, 1.0)], PROMPTS, COMPLETIONS, fields)
+    assert received == {"prompts": PROMPTS, "completions": COMPLETIONS, **fields}
+    assert total.tolist() == [0.25, 0.5, 0.75]
+
+
+def test_raising_function_names_function_and_sample():
+    def picky(prompts, completions, **_):
+        return [1.0 / len(c) for c in completions]  # an empty completion divides by zero
+
+    completions = ["ok", "fine", ""]
+    with pytest.raises(RewardError, match=r"'picky' raised ZeroDivisionError.*sample 2") as info:
+        compute_rewards([("picky", picky, 1.0)], PROMPTS, completions, FIELDS)
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+
+    def rejects_long(prompts, completions, **_):
+        if any(len(c) > 100 for c in completions):
+            raise ValueError("too long")
+        return [0.0] * len(completions)
+
+    completions = ["ok", "x" * 200, "fine"]
+    with pytest.raises(RewardError, match=r"'rejects_long'.*too long.*sample 1") as info:
+        compute_rewards([("rejects_long", rejects_long, 1.0)], PROMPTS, completions, FIELDS)
+    assert f"'{'x' * 80}'..." in str(info.value)  # the first 80 characters, no more
+    assert "x" * 81 not in str(info.value)
+
+
+def test_batch_only_failure_is_reported_for_the_batch():
+    def needs_pairs(prompts, completions, **_):
+        if len(completions) != 1:
+            raise RuntimeError("batch unsupported")
+        return [0.0]
+
+    with pytest.raises(RewardError, match=r"'needs_pairs'.*batch of 3 samples.*no single sample"):
+        compute_rewards([("needs_pairs", needs_pairs, 1.0)], PROMPTS, COMPLETIONS, FIELDS)
+
+
+@pytest.mark.parametrize(
+    ("returned", "pattern"),
+    [
+        ([1.0, math.nan, 0.0], r"'bad' returned nan at sample 1 \(completion 'The answer is 4.'\)"),
+        ([1.0, 0.0, math.inf], r"'bad' returned inf at sample 2"),
+        ([1.0, "1", 0.0], r"'bad' returned '1' at sample 1"),
+        ([1.0, None, 0.0], r"'bad' returned None at sample 1"),
+        ([1.0, 0.0], r"'bad' returned 2 values for 3 completions"),
+        (1.0, r"'bad' returned float, expected a list of 3 floats"),
+    ],
+)
+def test_bad_return_values(returned, pattern):
+    def bad(prompts, completions, **_):
+        return returned
+
+    functions = [("good", number_format, 1.0), ("bad", bad, 1.0)]
+    with pytest.raises(RewardError, match=pattern):
+        compute_rewards(functions, PROMPTS, COMPLETIONS, FIELDS)
+
+
+def test_compute_rewards_argument_checks():
+    with pytest.raises(ValueError, match="'answer' has 2 entries for 3 completions"):
+        compute_rewards([("f", number_format, 1.0)], PROMPTS, COMPLETIONS, {"answer": ["1", "2"]})
+    with pytest.raises(ValueError, match=r"repeated: \['f'\]"):
+        compute_rewards([("f", number_format, 1.0)] * 2, PROMPTS, COMPLETIONS, FIELDS)
+    with pytest.raises(ValueError, match="'f' has weight nan"):
+        compute_rewards([("f", number_format, math.nan)], PROMPTS, COMPLETIONS, FIELDS)
+    with pytest.raises(ValueError, match="at least one"):
+        compute_rewards([], PROMPTS, COMPLETIONS, FIELDS)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# resolve_reward
+
+
+def test_resolve_builtin_and_module():
+    assert resolve_reward("exact_answer") is exact_answer
+    assert resolve_reward("gspo.rewards:correct_number") is correct_number
+
+
+def test_resolve_file(tmp_path):
+    path = tmp_path / "my_rewards.py"
+    path.write_text(
+        "def length_penalty(prompts, completions, **_):\n    return [-len(c) / 10 for c in completions]\n"
+    )
+    function = resolve_reward(f"{path}:length_penalty")
+    assert function(["p", "p"], ["abcde", ""]) == [-0.5, 0.0]
+
+    with pytest.raises(ValueError, match=r"no 'missing'.*\['length_penalty'\]"):
+        resolve_reward(f"{path}:missing")
+    with pytest.raises(FileNotFoundError, match=r"other\.py"):
+        resolve_reward(f"{tmp_path / 'other.py'}:f")
+
+
+def test_resolve_unknown_name_lists_builtins_and_closest():
+    with pytest.raises(
+        ValueError, match=r"'correct_numbr'.*correct_number.*exact_answer.*number_format"
+    ) as info:
+        resolve_reward("correct_numbr")
+    assert "did you mean 'correct_number'?" in str(info.value)
+    with pytest.raises(ImportError, match="no_such_module"):
+        resolve_reward("no_such_module:f")
