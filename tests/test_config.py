@@ -1,0 +1,96 @@
+"""Config: defaults match configs/default.yaml, YAML + overrides, clear errors naming the field."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gspo.config import Config, ConfigError, describe, field_docs, load_config, save_config, to_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _all_dataclasses(cls: type) -> list[type]:
+    out = [cls]
+    for f in dataclasses.fields(cls):
+        value = getattr(cls(), f.name)
+        if dataclasses.is_dataclass(value):
+            out.extend(_all_dataclasses(type(value)))
+    return out
+
+
+def test_every_field_has_a_docstring() -> None:
+    for cls in _all_dataclasses(Config):
+        docs = field_docs(cls)
+        missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
+        assert not missing, f"{cls.__name__} fields without a docstring: {missing}"
+
+
+def test_default_yaml_equals_the_dataclass_defaults() -> None:
+    data = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
+    assert to_dict(load_config(ROOT / "configs" / "default.yaml")) == to_dict(Config())
+    assert data, "configs/default.yaml should spell the defaults out"
+
+
+def test_overrides_are_typed_and_nested(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  lr: 2.0e-5\n  objective: grpo\nrollout:\n  group_size: 4\n")
+    config = load_config(
+        path, ["train.lr=3e-6", "rollout.temperature=0.7", "rewards={correct_number: 2}", "seed=5"]
+    )
+    assert config.train.lr == 3e-6
+    assert config.train.objective == "grpo"
+    assert config.rollout.group_size == 4
+    assert config.rollout.temperature == 0.7
+    assert config.rewards == {"correct_number": 2.0}
+    assert config.seed == 5
+    assert config.train.eps_low is None  # objective default applies later
+
+
+def test_resolved_config_round_trips(tmp_path: Path) -> None:
+    config = load_config(None, ["train.objective=gspo_token", "lora.rank=4", "train.eps_high=1e-3"])
+    save_config(config, tmp_path / "config.yaml")
+    assert to_dict(load_config(tmp_path / "config.yaml")) == to_dict(config)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.lrr=1e-5", "unknown config key 'train.lrr'; did you mean 'lr'"),
+        ("trian.lr=1e-5", "unknown config key 'trian'; did you mean 'train'"),
+        ("train.lr=fast", "train.lr: expected a number, got 'fast'"),
+        ("train.objective=ppo", "train.objective: 'ppo' is not one of 'gspo', 'gspo_token', 'grpo'"),
+        ("rollout.group_size=2.5", "rollout.group_size: expected an integer, got 2.5"),
+        ("rollout.group_size=0", "rollout.group_size must be at least 1, got 0"),
+        ("train.eps_low=1.5", "train.eps_low must be < 1"),
+        ("progress=maybe", "progress: expected true or false, got 'maybe'"),
+        ("train", "is not of the form section.key=value"),
+        ("train=3", "train: expected a mapping of its fields"),
+        ("task.name=file", "task.name=file needs task.data_path"),
+    ],
+)
+def test_bad_input_names_the_field(override: str, message: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [override])
+    assert message in str(error.value)
+
+
+def test_minibatches_must_fit_the_rollout_batch() -> None:
+    with pytest.raises(ConfigError, match="minibatches_per_rollout=8 exceeds the 4 completions"):
+        load_config(
+            None, ["rollout.prompts_per_step=1", "rollout.group_size=4", "train.minibatches_per_rollout=8"]
+        )
+
+
+def test_missing_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="nope.yaml"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_describe_lists_dotted_keys_with_docs() -> None:
+    lines = describe()
+    assert any(line.startswith("train.eps_low = None  # Lower clip range") for line in lines)
+    assert any(line.startswith("rollout.group_size = 8") for line in lines)

@@ -1,0 +1,200 @@
+"""End-to-end training on tiny random models: updates, determinism, exact resume after SIGKILL, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from gspo.batching import Sequence, make_micro_batches
+from gspo.checkpoint import latest_checkpoint, load_trainer_state
+from gspo.config import load_config
+from gspo.losses import PACKED_OBJECTIVES
+from gspo.metrics import read_metrics
+from gspo.rewards import RewardError
+from gspo.trainer import Trainer, _score, train
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
+
+
+def _config(tmp_path: Path, *overrides: str):
+    return load_config(TINY, [f"output_dir={tmp_path / 'run'}", "tensorboard=false", *overrides])
+
+
+def _train_metrics(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("time_")} for r in read_metrics(run_dir)]
+
+
+def _final_params(run_dir: Path) -> dict[str, torch.Tensor]:
+    model = AutoModelForCausalLM.from_pretrained(latest_checkpoint(run_dir) / "model")
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("objective", ["gspo", "gspo_token", "grpo"])
+def test_one_step_changes_parameters_with_finite_metrics(tmp_path: Path, objective: str) -> None:
+    config = _config(tmp_path, f"train.objective={objective}", "train.steps=1", "checkpoint.every=0")
+    trainer = Trainer(config)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    metrics = trainer.train_step()
+    after = trainer.model.state_dict()
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert changed, "no parameter moved after one rollout batch of updates"
+    assert all(torch.isfinite(torch.tensor(float(v))) for v in metrics.values()), metrics
+    # 2 minibatches: the first is on-policy, so some ratios are exactly 1 and nothing there is clipped
+    assert metrics["ratio_token_min"] <= 1.0 <= metrics["ratio_token_max"]
+    assert 0.0 <= metrics["clip_frac_token"] <= 1.0
+    assert metrics["sampler_logprob_abs_diff"] < 1e-3  # the sampler and the trainer agree on fp32 CPU
+
+
+def test_two_seeded_runs_give_identical_metrics(tmp_path: Path) -> None:
+    train(_config(tmp_path / "a", "train.steps=2"))
+    train(_config(tmp_path / "b", "train.steps=2"))
+    a, b = _train_metrics(tmp_path / "a" / "run"), _train_metrics(tmp_path / "b" / "run")
+    assert a == b
+    assert len([r for r in a if r["kind"] == "train"]) == 2
+
+
+def test_packed_and_padded_minibatches_give_the_same_gradients(tmp_path: Path) -> None:
+    trainer = Trainer(_config(tmp_path))
+    rollouts, _ = trainer.rollout(trainer.stream.next_batch())
+    sequences = [
+        Sequence(p, c, [True] * len(c)) for p, c in zip(rollouts.prompt_ids, rollouts.completion_ids, strict=False)
+    ]
+    advantages = torch.linspace(-1, 1, len(sequences))
+    grads = {}
+    for packed in (True, False):
+        trainer.model.zero_grad()
+        micro = make_micro_batches(sequences, packed=packed, pack_length=64, micro_batch_tokens=128, pad_id=0)
+        assert len(micro) > 1  # several micro-batches: accumulation is exercised too
+        for mb in micro:
+            logp = _score(trainer.model, mb, trainer.config)
+            old = logp.detach() - 0.01  # off-policy, so clipping and ratios matter
+            loss, _ = PACKED_OBJECTIVES["gspo"](
+                logp, old, advantages[mb.indices], mb.segment_ids, len(mb.indices), eps_low=0.2, eps_high=0.2,
+                normalizer=len(sequences),
+            )  # fmt: skip
+            loss.backward()
+        grads[packed] = torch.cat([p.grad.reshape(-1) for p in trainer.model.parameters()])
+    assert grads[True].abs().sum() > 0
+    torch.testing.assert_close(grads[True], grads[False], rtol=1e-4, atol=1e-6)
+
+
+def test_lora_and_kl_run_and_save_an_adapter(tmp_path: Path) -> None:
+    config = _config(
+        tmp_path, "lora.rank=4", "lora.target_modules=[q_proj, v_proj]", "train.beta=0.1", "train.steps=1"
+    )
+    result = train(config)
+    checkpoint = latest_checkpoint(result["run_dir"])
+    assert (checkpoint / "model" / "adapter_config.json").is_file()
+    line = next(r for r in read_metrics(result["run_dir"]) if r["kind"] == "train")
+    assert line["kl"] is not None and line["kl"] >= 0.0
+
+
+def test_reward_error_names_the_function_and_leaves_a_loadable_checkpoint(tmp_path: Path) -> None:
+    calls = {"n": 0}
+
+    def flaky(prompts, completions, **_):
+        calls["n"] += 1
+        if calls["n"] == 3:  # calls: the step-0 eval, step 1's rollout, step 2's rollout
+            raise ZeroDivisionError("boom")
+        return [0.0] * len(completions)
+
+    config = _config(tmp_path, "rewards={flaky: 1.0}", "checkpoint.every=0", "eval.every=0")
+    trainer = Trainer(config, reward_functions={"flaky": flaky})
+    with pytest.raises(RewardError, match="flaky"):
+        trainer.run()
+    # checkpoint.every=0 saved only step 0; the error saved the state at the start of step 2
+    checkpoint = latest_checkpoint(trainer.run_dir)
+    assert load_trainer_state(checkpoint)["step"] == 1
+    AutoModelForCausalLM.from_pretrained(checkpoint / "model")
+
+
+def _cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "gspo", *args], cwd=cwd, env={**ENV, **(env or {})}, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+
+
+def test_cli_reports_config_errors_clearly(tmp_path: Path) -> None:
+    unknown = _cli("train", str(TINY), "train.lrr=1", cwd=tmp_path)
+    assert unknown.returncode == 1
+    assert "unknown config key 'train.lrr'; did you mean 'lr'" in unknown.stderr
+    bad = _cli("train", str(TINY), "rollout.group_size=many", cwd=tmp_path)
+    assert bad.returncode == 1
+    assert "rollout.group_size: expected an integer, got 'many'" in bad.stderr
+    assert not (tmp_path / "runs").exists()  # nothing was started
+
+
+KILLER = """
+import os, signal
+from pathlib import Path
+from gspo.rewards import correct_number
+
+def reward(prompts, completions, **fields):
+    counter = Path(os.environ["KILL_COUNTER"])
+    n = int(counter.read_text()) + 1 if counter.exists() else 1
+    counter.write_text(str(n))
+    if n == int(os.environ.get("KILL_AT", "0")):
+        os.kill(os.getpid(), signal.SIGKILL)  # a real SIGKILL in the middle of a step
+    return correct_number(prompts, completions, **fields)
+"""
+
+
+def test_sigkill_and_resume_equals_an_uninterrupted_run(tmp_path: Path) -> None:
+    (tmp_path / "killer.py").write_text(KILLER)
+    common = ["train.steps=4", "eval.every=2", "checkpoint.every=1", "tensorboard=false",
+              f"rewards={{{tmp_path / 'killer.py'}:reward: 1.0}}"]  # fmt: skip
+    full = _cli(
+        "train", str(TINY), f"output_dir={tmp_path / 'full'}", *common, cwd=tmp_path,
+        env={"KILL_COUNTER": str(tmp_path / "count_full")},
+    )  # fmt: skip
+    assert full.returncode == 0, full.stderr
+
+    env_kill = {
+        "KILL_COUNTER": str(tmp_path / "count"),
+        "KILL_AT": "5",
+    }  # reward calls: eval 0, steps 1-2, eval 2, step 3
+    killed = _cli(
+        "train", str(TINY), f"output_dir={tmp_path / 'resumed'}", *common, cwd=tmp_path, env=env_kill
+    )
+    assert killed.returncode == -9, killed.stderr
+    assert load_trainer_state(latest_checkpoint(tmp_path / "resumed"))["step"] == 2
+    resumed = _cli(
+        "train", "--resume", str(tmp_path / "resumed"), cwd=tmp_path, env=env_kill
+    )  # counter > 3 now
+    assert resumed.returncode == 0, resumed.stderr
+
+    assert _train_metrics(tmp_path / "resumed") == _train_metrics(tmp_path / "full")
+    a, b = _final_params(tmp_path / "full"), _final_params(tmp_path / "resumed")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_cli_runs_the_tiny_config_end_to_end(tmp_path: Path) -> None:
+    result = _cli("train", str(TINY), "output_dir=run", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    run = tmp_path / "run"
+    assert "held-out accuracy:" in result.stdout
+    for name in (
+        "config.yaml",
+        "metrics.jsonl",
+        "summary.md",
+        "plots/reward.png",
+        "plots/clip_fractions.png",
+    ):
+        assert (run / name).is_file(), name
+    assert list((run / "tensorboard").iterdir())
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if r["kind"] == "train"] == [1, 2, 3]
+    assert [r["step"] for r in lines if r["kind"] == "eval"] == [0, 2, 3]
+    AutoModelForCausalLM.from_pretrained(latest_checkpoint(run) / "model")
+    replot = _cli("plot", str(run), cwd=tmp_path)
+    assert replot.returncode == 0 and "reward.png" in replot.stdout
