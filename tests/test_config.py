@@ -86,7 +86,7 @@ def test_minibatches_must_fit_the_rollout_batch() -> None:
 
 
 def test_missing_file_is_named(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="nope.yaml"):
+    with pytest.raises(ConfigError, match=r"nope\.yaml"):
         load_config(tmp_path / "nope.yaml")
 
 

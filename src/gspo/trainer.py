@@ -342,33 +342,45 @@ class Trainer:
             )
             for i in keep
         ]  # fmt: skip
-        sampler = [rollouts.sampler_logprobs[i] for i in keep]
-        adv = advantages[keep]
-        batches = self.minibatches(sequences)
+        learned = self.learn(sequences, advantages[keep], [rollouts.sampler_logprobs[i] for i in keep])
+        self.step += 1
+        return {**logged, **learned, **times}
 
+    def learn(
+        self, sequences: list[Sequence], advantages: torch.Tensor, sampler_logprobs: list[list[float]]
+    ) -> dict[str, float]:
+        """Old-policy log-probs, then `minibatches_per_rollout` updates on scored sequences.
+
+        sequences: prompt + completion token ids with a per-token train mask; advantages: (n,) one per
+        sequence; sampler_logprobs: the sampler's log-prob of each completion token (used as the old policy
+        with `train.old_logprobs=sampler`, and for the sampler/trainer mismatch metric otherwise).
+        """
+        cfg = self.config
+        batches = self.minibatches(sequences)
         t0 = time.perf_counter()
         old, ref, mismatch = [], [], []
         with torch.no_grad():  # old policy = the current weights, before any update of this step
             for ids, micro in batches:
-                sampled = [_place([sampler[i] for i in ids], mb) for mb in micro]
+                sampled = [_place([sampler_logprobs[i] for i in ids], mb) for mb in micro]
                 if cfg.train.old_logprobs == "recompute":
                     recomputed = [_score(self.model, mb, cfg) for mb in micro]
-                    for mb, r, s in zip(micro, recomputed, sampled, strict=False):
+                    for mb, r, s in zip(micro, recomputed, sampled, strict=True):
                         where = mb.logprob_mask.reshape(-1)
                         mismatch.append((r[where] - s[where]).abs().mean())
                     old.append(recomputed)
                 else:
                     old.append(sampled)
                 ref.append([self._reference_score(mb) for mb in micro] if cfg.train.beta > 0 else None)
-        times["time_old_logprobs"] = time.perf_counter() - t0
+        out: dict[str, float] = {"time_old_logprobs": time.perf_counter() - t0}
         if mismatch:
-            logged["sampler_logprob_abs_diff"] = float(torch.stack(mismatch).mean())
-
+            out["sampler_logprob_abs_diff"] = float(torch.stack(mismatch).mean())
         t0 = time.perf_counter()
-        updates = [self.update(ids, micro, adv, o, r) for (ids, micro), o, r in zip(batches, old, ref, strict=False)]
-        times["time_update"] = time.perf_counter() - t0
-        self.step += 1
-        return {**logged, **_reduce_metrics(updates), **times}
+        updates = [
+            self.update(ids, micro, advantages, o, r)
+            for (ids, micro), o, r in zip(batches, old, ref, strict=True)
+        ]
+        out["time_update"] = time.perf_counter() - t0
+        return {**_reduce_metrics(updates), **out}
 
     # ---- evaluation ---------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
