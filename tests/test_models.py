@@ -35,7 +35,7 @@ def test_tiny_tokenizer_round_trips_text_and_template() -> None:
     assert tok.decode(ids) == text
     assert (
         tok.decode(
-            tok("12", add_special_tokens=False).input_ids + [tok.eos_token_id], skip_special_tokens=True
+            [*tok("12", add_special_tokens=False).input_ids, tok.eos_token_id], skip_special_tokens=True
         )
         == "12"
     )

@@ -143,6 +143,10 @@ class TrainConfig:
     """Tokens per chunk through the LM head (memory bound of the log-prob computation)."""
     old_logprobs: Literal["recompute", "sampler"] = "recompute"
     """Old-policy log-probs: the trainer's own forward pass at rollout time, or the sampler's."""
+    routing_replay: bool = False
+    """Mixture-of-Experts models only: Routing Replay. The update forward passes reuse the expert choices
+    recorded in the old-policy pass (gates recomputed by the current router over those experts), so the
+    ratio compares the two policies under the same routing (GSPO paper, section 4.3; see gspo.moe)."""
 
 
 @dataclass
