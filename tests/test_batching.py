@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gspo.batching import Sequence, make_micro_batches
+from gspo.batching import Sequence, make_micro_batches, packing_is_exact
 
 
 def _sequences() -> list[Sequence]:
@@ -72,3 +72,24 @@ def test_a_sequence_longer_than_the_pack_length_gets_its_own_row() -> None:
     _check_layout(seqs, batches, packed=True)
     assert batches[0].input_ids.shape[0] == 2
     assert torch.equal(batches[0].input_ids[0, :21], torch.tensor([*range(1, 20), 30, 31]))
+
+
+def test_packing_probe_detects_attention_that_mixes_sequences() -> None:
+    def per_token(mb):  # depends only on the token and its position in its own sequence: packing-safe
+        return (mb.input_ids * 0.01 + mb.position_ids * 0.1).float().reshape(-1)
+
+    def mixing(mb):  # a running sum over the whole row: packed sequences leak into each other
+        return mb.input_ids.float().cumsum(-1).reshape(-1)
+
+    assert packing_is_exact(per_token, vocab_size=50, pad_id=0)
+    assert not packing_is_exact(mixing, vocab_size=50, pad_id=0)
+
+
+def test_packing_probe_passes_on_a_real_tiny_llama() -> None:
+    from gspo.config import Config
+    from gspo.models import tiny_model
+    from gspo.trainer import _score
+
+    model = tiny_model("llama", vocab_size=99, seed=0)
+    with torch.no_grad():
+        assert packing_is_exact(lambda mb: _score(model, mb, Config()), vocab_size=99, pad_id=0)

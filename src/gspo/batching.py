@@ -9,6 +9,7 @@ cost of a row; micro-batches hold rows up to a token budget so a minibatch of an
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -123,3 +124,26 @@ def make_micro_batches(
     if current:
         batches.append(_build(sequences, current, pad_id, packed))
     return batches
+
+
+def packing_is_exact(score: Callable[[MicroBatch], torch.Tensor], vocab_size: int, pad_id: int) -> bool:
+    """Probe whether a model keeps packed sequences apart: the log-probs of two short sequences must be
+    the same packed into one row as padded into two. `score(mb)` returns (R*L,) flattened log-probs."""
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(1, vocab_size, (14,), generator=generator).tolist()
+    sequences = [
+        Sequence(tokens[:3], tokens[3:8], [True] * 5),
+        Sequence(tokens[8:10], tokens[10:], [True] * 4),
+    ]
+    values = []
+    for packed in (True, False):
+        (mb,) = make_micro_batches(
+            sequences, packed=packed, pack_length=64, micro_batch_tokens=1024, pad_id=pad_id
+        )
+        flat = score(mb)
+        # completion-token log-probs in sequence order (make_micro_batches orders by length, so sort back)
+        per_sequence = {}
+        for k, i in enumerate(mb.indices):
+            per_sequence[i] = flat[mb.segment_ids == k]
+        values.append(torch.cat([per_sequence[i] for i in range(len(sequences))]))
+    return bool(torch.allclose(values[0], values[1], rtol=1e-4, atol=1e-4))

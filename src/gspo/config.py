@@ -134,9 +134,10 @@ class TrainConfig:
     """Divide centred rewards by the group std, the batch std, or nothing."""
     filter_zero_std_groups: bool = False
     """Drop groups whose rewards are all equal (they carry no signal); counted in metrics either way."""
-    packing: bool = True
-    """Pack minibatch sequences into rows without padding (position_ids restart per sequence); false pads
-    each sequence to its own row (for models whose attention ignores restarting position_ids)."""
+    packing: Literal["auto", "packed", "padded"] = "auto"
+    """"packed": several sequences per row, no padding inside a row (position_ids restart per sequence);
+    "padded": one right-padded sequence per row; "auto": packed if a probe at start-up shows the model's
+    attention keeps packed sequences apart (log-probs equal to the padded layout), else padded."""
     pack_length: int = 1024
     """Longest packed row in tokens (bounds the quadratic attention cost of a row)."""
     logprob_chunk_size: int = 1024

@@ -16,6 +16,7 @@ import dataclasses
 import math
 import random
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from datetime import datetime
 from pathlib import Path
@@ -28,7 +29,7 @@ from tqdm.auto import tqdm
 
 from gspo import moe
 from gspo.advantages import group_advantages
-from gspo.batching import MicroBatch, Sequence, make_micro_batches
+from gspo.batching import MicroBatch, Sequence, make_micro_batches, packing_is_exact
 from gspo.checkpoint import latest_checkpoint, load_trainer_state, rng_state, save_checkpoint, set_rng_state
 from gspo.config import Config, ConfigError, load_config, save_config
 from gspo.data import TASKS, Example, PromptStream, arithmetic_task, format_prompt, load_examples, split_eval
@@ -199,7 +200,7 @@ class Trainer:
         eps = OBJECTIVE_DEFAULTS[config.train.objective]
         self.eps_low = config.train.eps_low if config.train.eps_low is not None else eps[0]
         self.eps_high = config.train.eps_high if config.train.eps_high is not None else eps[1]
-        self.packed = config.train.packing
+        self.packed = self._choose_packing()
         self.pad_id = self.tokenizer.pad_token_id
         self.is_moe = moe.is_moe(self.model)  # MoE: routing volatility is logged, Routing Replay possible
         if config.train.routing_replay and not self.is_moe:
@@ -241,6 +242,23 @@ class Trainer:
             return _score(self.reference, mb, self.config)
         with self.model.disable_adapter():
             return _score(self.model, mb, self.config)
+
+    def _choose_packing(self) -> bool:
+        mode = self.config.train.packing
+        if mode != "auto":
+            return mode == "packed"
+        vocab = self.model.get_input_embeddings().num_embeddings
+        with torch.no_grad():
+            exact = packing_is_exact(
+                lambda mb: _score(self.model, mb, self.config), vocab, self.tokenizer.pad_token_id
+            )
+        if not exact:
+            warnings.warn(
+                "this model's attention mixes packed sequences (it ignores restarting position_ids): "
+                "training on padded rows instead (set train.packing=padded to skip this probe)",
+                stacklevel=2,
+            )
+        return exact
 
     # ---- one step -----------------------------------------------------------------------------------
     def prompts(self, examples: list[Example]) -> list[str]:
