@@ -169,6 +169,24 @@ class CheckpointConfig:
 
 
 @dataclass
+class DistributedConfig:
+    wrapper: Literal["ddp", "fsdp2"] = "ddp"
+    """Under torchrun (WORLD_SIZE > 1): "ddp" keeps a full model per rank and sums gradients;
+    "fsdp2" (torch.distributed.fsdp.fully_shard) shards parameters, gradients and optimizer state per
+    decoder layer. Ignored in a single process. See docs/distributed.md."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Process-group backend: "auto" is NCCL when training on CUDA GPUs, gloo on CPU."""
+    mixed_precision: Literal["bf16", "none"] = "bf16"
+    """On CUDA only: bf16 compute with fp32 master weights and fp32 gradient reduction (fsdp2 through its
+    MixedPrecisionPolicy, ddp through autocast). CPU training always runs in model.dtype."""
+    find_unused_parameters: bool = False
+    """Allow parameters that get no gradient in a backward (e.g. MoE experts no token was routed to):
+    DDP's find_unused_parameters, FSDP2's zero gradients for unused parameters. Costs a little per step."""
+    timeout_minutes: float = 30.0
+    """How long a collective waits for the other ranks before failing (a crashed or hung rank)."""
+
+
+@dataclass
 class Config:
     seed: int = 0
     """Seed for sampling, minibatch order and model initialisation (tiny models)."""
@@ -190,6 +208,8 @@ class Config:
     """Held-out greedy evaluation."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpointing."""
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    """Multi-process training under torchrun (ignored in a single process)."""
     tensorboard: bool = True
     """Write TensorBoard event files beside metrics.jsonl."""
     progress: bool = True
@@ -370,6 +390,29 @@ def validate(config: Config) -> None:
         raise ConfigError("set either model.path or model.tiny, not both")
     if config.eval.every < 0 or config.checkpoint.every < 0:
         raise ConfigError("eval.every and checkpoint.every must be >= 0")
+    if config.distributed.timeout_minutes <= 0:
+        raise ConfigError(
+            f"distributed.timeout_minutes must be > 0, got {config.distributed.timeout_minutes}"
+        )
+
+
+def validate_world(config: Config, num_processes: int) -> None:
+    """Checks that depend on the number of processes a run is launched with (torchrun's WORLD_SIZE)."""
+    if num_processes <= 1:
+        return
+    prompts = config.rollout.prompts_per_step
+    if prompts % num_processes:
+        up = -(-prompts // num_processes) * num_processes
+        raise ConfigError(
+            f"rollout.prompts_per_step={prompts} does not divide across {num_processes} processes (each "
+            f"generates whole groups for an equal share of the prompts): set rollout.prompts_per_step={up} "
+            f"(a multiple of {num_processes}), or launch a number of processes that divides {prompts}"
+        )
+    if config.distributed.wrapper == "fsdp2" and config.lora.rank > 0:
+        raise ConfigError(
+            "lora.rank > 0 with distributed.wrapper=fsdp2 is not supported: use distributed.wrapper=ddp "
+            "(the adapters' gradients and optimizer state are small enough to replicate)"
+        )
 
 
 def save_config(config: Config, path: str | Path) -> None:
