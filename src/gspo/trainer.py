@@ -404,15 +404,18 @@ class Trainer:
         with torch.no_grad():  # old policy = the current weights, before any update of this step
             for ids, micro in batches:
                 sampled = [_place([sampler_logprobs[i] for i in ids], mb) for mb in micro]
-                routes.append([moe.expert_choices(self.model, mb) for mb in micro] if self.is_moe else None)
                 if cfg.train.old_logprobs == "recompute":
-                    recomputed = [_score(self.model, mb, cfg) for mb in micro]
+                    with moe.record_passes(self.model, enabled=self.is_moe) as passes:  # MoE: expert choices
+                        recomputed = [_score(self.model, mb, cfg) for mb in micro]
+                    routes.append(passes or None)
                     for mb, r, s in zip(micro, recomputed, sampled, strict=True):
                         where = mb.logprob_mask.reshape(-1)
                         mismatch.append((r[where] - s[where]).abs().mean())
                     old.append(recomputed)
                 else:
                     old.append(sampled)
+                    choices = [moe.expert_choices(self.model, mb) for mb in micro] if self.is_moe else None
+                    routes.append(choices)
                 ref.append([self._reference_score(mb) for mb in micro] if cfg.train.beta > 0 else None)
         out: dict[str, float] = {"time_old_logprobs": time.perf_counter() - t0}
         # what the updates compute vs what is real: padding overhead of the layout
