@@ -143,7 +143,12 @@ class TrainConfig:
     logprob_chunk_size: int = 1024
     """Tokens per chunk through the LM head (memory bound of the log-prob computation)."""
     old_logprobs: Literal["recompute", "sampler"] = "recompute"
-    """Old-policy log-probs: the trainer's own forward pass at rollout time, or the sampler's."""
+    """Old-policy log-probs: the trainer's own forward pass at rollout time, or the sampler's (the
+    inference engine's; a token it did not report is recomputed). See gspo.mismatch."""
+    sampler_is_cap: float = 0.0
+    """With old_logprobs=recompute: truncated importance sampling from the sampler to the old policy,
+    each sequence's loss weighted by w_i = min(exp(mean_t (log pi_old - log pi_sampler)), cap), the
+    length-normalised sequence ratio truncated at cap (e.g. 2.0). 0 disables. See gspo.mismatch."""
     routing_replay: bool = False
     """Mixture-of-Experts models only: Routing Replay. The update forward passes reuse the expert choices
     recorded in the old-policy pass (gates recomputed by the current router over those experts), so the
@@ -390,6 +395,13 @@ def validate(config: Config) -> None:
         raise ConfigError("set either model.path or model.tiny, not both")
     if config.eval.every < 0 or config.checkpoint.every < 0:
         raise ConfigError("eval.every and checkpoint.every must be >= 0")
+    if config.train.sampler_is_cap < 0:
+        raise ConfigError(f"train.sampler_is_cap must be >= 0 (0 disables), got {config.train.sampler_is_cap}")
+    if config.train.sampler_is_cap > 0 and config.train.old_logprobs != "recompute":
+        raise ConfigError(
+            "train.sampler_is_cap corrects sampler -> old policy and needs train.old_logprobs=recompute "
+            "(with old_logprobs=sampler the ratio itself already divides by the sampler's probabilities)"
+        )
     if config.distributed.timeout_minutes <= 0:
         raise ConfigError(
             f"distributed.timeout_minutes must be > 0, got {config.distributed.timeout_minutes}"
