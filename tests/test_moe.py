@@ -199,6 +199,7 @@ def test_reduced_paper_experiment_writes_its_report(tmp_path: Path) -> None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"]({png.name})" in report
     summary = json.loads((tmp_path / "runs" / "summary.json").read_text())
-    assert set(summary) == {"grpo", "grpo_replay", "gspo"}
-    records = read_metrics(tmp_path / "runs" / "grpo_replay-seed0")
+    assert set(summary) == {"0.0003", "0.001"}  # the two learning rates
+    assert all(set(table) == {"grpo", "grpo_replay", "gspo"} for table in summary.values())
+    records = read_metrics(tmp_path / "runs" / "grpo_replay-lr0.0003-seed0")
     assert any("routing_volatility" in r for r in records)
