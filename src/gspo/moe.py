@@ -10,7 +10,8 @@ token-wise (no expert capacity), so packing sequences into rows does not change 
 
 Everything is done with forward hooks on the router modules; the model code is not touched.
 
-- Recording (``record_routing``): the hook keeps a copy of the k experts each router chose.
+- Recording (``record_routing`` for one forward pass, ``record_passes`` for several, ``expert_choices``
+  for a micro-batch): the hook keeps a copy of the k experts each router chose.
 - Volatility (``routing_difference``, ``routing_volatility``): for the same tokens and two routings
   (before / after an update), per MoE layer and token, the k chosen experts are compared as sets.
   ``routing_volatility``: fraction of (token, layer) pairs whose expert set differs.
