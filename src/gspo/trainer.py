@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 import random
 import time
@@ -27,11 +28,11 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
-from gspo import moe
+from gspo import distributed, moe
 from gspo.advantages import group_advantages
 from gspo.batching import MicroBatch, Sequence, make_micro_batches, packing_is_exact
 from gspo.checkpoint import latest_checkpoint, load_trainer_state, rng_state, save_checkpoint, set_rng_state
-from gspo.config import Config, ConfigError, load_config, save_config
+from gspo.config import Config, ConfigError, load_config, save_config, validate_world
 from gspo.data import TASKS, Example, PromptStream, arithmetic_task, format_prompt, load_examples, split_eval
 from gspo.logprobs import causal_lm_logprobs
 from gspo.losses import PACKED_OBJECTIVES
@@ -117,9 +118,13 @@ def _schedule(config: Config, total_updates: int) -> Callable[[int], float]:
 
 
 def _score(model: torch.nn.Module, mb: MicroBatch, config: Config) -> torch.Tensor:
-    """log pi(token) of every completion token of a micro-batch, flattened to (R*L,); 0 elsewhere."""
-    logp = causal_lm_logprobs(
-        model, mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+    """log pi(token) of every completion token of a micro-batch, flattened to (R*L,); 0 elsewhere.
+
+    `model`: a causal LM, or the data-parallel scorer wrapping it (gspo.distributed.wrap_model).
+    """
+    score = model if distributed.is_scorer(model) else functools.partial(causal_lm_logprobs, model)
+    logp = score(
+        mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
         logprob_mask=mb.logprob_mask, temperature=config.rollout.temperature,
         chunk_size=config.train.logprob_chunk_size,
     )  # fmt: skip
@@ -146,6 +151,8 @@ class Trainer:
         resume: str | Path | None = None,
     ) -> None:
         self.config = config
+        distributed.init_from_env(config.distributed)  # under torchrun: join the process group
+        validate_world(config, distributed.world_size())
         self.rewards = resolve_rewards(config, reward_functions)
         self.train_examples, self.eval_examples = build_examples(config)
         checkpoint = None
@@ -158,14 +165,19 @@ class Trainer:
                 )
         else:
             stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-            self.run_dir = Path(config.output_dir or f"runs/{config.train.objective}-{stamp}")
+            # rank 0's name: the ranks' clocks may straddle a second
+            self.run_dir = Path(
+                distributed.broadcast_object(config.output_dir or f"runs/{config.train.objective}-{stamp}")
+            )
             if latest_checkpoint(self.run_dir) is not None:
                 raise FileExistsError(
                     f"{self.run_dir} already holds a run: continue it with `gspo train --resume {self.run_dir}` "
                     "or choose another output_dir"
                 )
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(config, self.run_dir / "config.yaml")
+            if distributed.is_main():
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+        if distributed.is_main():
+            save_config(config, self.run_dir / "config.yaml")
 
         transformers.utils.logging.disable_progress_bar()  # one progress bar: ours
         torch.manual_seed(config.seed)
@@ -175,6 +187,10 @@ class Trainer:
         self.reference = (
             self._load_reference(resumed=checkpoint is not None) if config.train.beta > 0 else None
         )
+        # under torchrun: the model wrapped by DDP or FSDP2 for log-probs with grad (self.model otherwise)
+        self.scorer = distributed.wrap_model(self.model, config.distributed, torch.device("cpu"))
+        if distributed.world_size() > 1:
+            distributed.seed_rank(config.seed)  # each rank samples its own completions
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params,
@@ -189,13 +205,18 @@ class Trainer:
         self.step = 0
         if checkpoint is not None:
             state = load_trainer_state(checkpoint)
-            self.optimizer.load_state_dict(state["optimizer"])
+            distributed.load_optimizer_state(self.scorer, self.optimizer, state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
-            self.stream.load_state_dict(state["stream"])
-            set_rng_state(state["rng"])
+            mine = distributed.resume_rank_state(state)  # this rank's RNG streams and data position
+            self.stream.load_state_dict(mine["stream"])
+            set_rng_state(mine["rng"])
             self.step = state["step"]
-        self.logger = MetricsLogger(
-            self.run_dir, tensorboard=config.tensorboard, resume_step=self.step if checkpoint else None
+        self.logger = (
+            MetricsLogger(
+                self.run_dir, tensorboard=config.tensorboard, resume_step=self.step if checkpoint else None
+            )
+            if distributed.is_main()
+            else distributed.SilentLogger()
         )
         eps = OBJECTIVE_DEFAULTS[config.train.objective]
         self.eps_low = config.train.eps_low if config.train.eps_low is not None else eps[0]
@@ -250,7 +271,7 @@ class Trainer:
         vocab = self.model.get_input_embeddings().num_embeddings
         with torch.no_grad():
             exact = packing_is_exact(
-                lambda mb: _score(self.model, mb, self.config), vocab, self.tokenizer.pad_token_id
+                lambda mb: _score(self.scorer, mb, self.config), vocab, self.tokenizer.pad_token_id
             )
         if not exact:
             warnings.warn(
@@ -269,27 +290,34 @@ class Trainer:
 
     def rollout(self, examples: list[Example]) -> tuple[Rollouts, list[Example]]:
         cfg = self.config.rollout
-        rollouts = generate(
-            self.model, self.tokenizer, self.prompts(examples), group_size=cfg.group_size,
-            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-            batch_size=cfg.generation_batch_size,
-        )  # fmt: skip
+        with distributed.full_parameters(self.scorer):
+            rollouts = generate(
+                self.model, self.tokenizer, self.prompts(examples), group_size=cfg.group_size,
+                max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                batch_size=cfg.generation_batch_size,
+            )  # fmt: skip
         return rollouts, [ex for ex in examples for _ in range(cfg.group_size)]
 
     def minibatches(self, sequences: list[Sequence]) -> list[tuple[list[int], list[MicroBatch]]]:
         """Shuffle (seeded by step) and split into minibatches, each laid out in micro-batches."""
         generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.step)
-        order = torch.randperm(len(sequences), generator=generator).tolist()
+        # one permutation of the whole batch (every rank's sequences, in rank order): minibatch k holds
+        # the same sequences however many ranks share the batch, each rank its own of them
+        counts = distributed.all_gather_objects(len(sequences))
+        offset = sum(counts[: distributed.rank()])
+        order = torch.randperm(sum(counts), generator=generator).tolist()
         k = self.config.train.minibatches_per_rollout
         out = []
         for chunk in np.array_split(np.array(order), k):
-            ids = chunk.tolist()
+            ids = [g - offset for g in chunk.tolist() if offset <= g < offset + len(sequences)]
             micro = make_micro_batches(
                 [sequences[i] for i in ids], packed=self.packed, pack_length=self.config.train.pack_length,
                 micro_batch_tokens=self.config.train.micro_batch_tokens, pad_id=self.pad_id,
             )  # fmt: skip
             out.append((ids, micro))
-        return out
+        # every rank runs as many micro-batches per minibatch (under FSDP2 each pass is a collective)
+        padded = distributed.pad_micro_batches([micro for _, micro in out], self.pad_id)
+        return [(ids, micro) for (ids, _), micro in zip(out, padded, strict=True)]
 
     def update(
         self, ids: list[int], micro: list[MicroBatch], advantages: torch.Tensor, old: list[torch.Tensor],
@@ -307,19 +335,23 @@ class Trainer:
             normalizer = float(sum(int((mb.segment_ids >= 0).sum()) for mb in micro))
         else:
             normalizer = float(len(ids))
+        # the whole minibatch's count, over all ranks: each rank's loss is its share of the one-process
+        # loss, and the ranks' gradients are summed (not averaged: see distributed.wrap_model)
+        normalizer = distributed.all_reduce_sum(normalizer)
         self.optimizer.zero_grad(set_to_none=True)
         metrics, loss_total = [], 0.0
         moved = moe.RoutingDifference()  # MoE: the current routers' own choices vs the old policy's
         for j, mb in enumerate(micro):
+            distributed.set_gradient_sync(self.scorer, j == len(micro) - 1)  # DDP: sum once, at the end
             if routes is None:
-                logp = _score(self.model, mb, self.config)
+                logp = _score(self.scorer, mb, self.config)
             else:
                 if cfg.routing_replay:
                     routing = moe.routing_replay(self.model, routes[j])
                 else:
                     routing = moe.record_routing(self.model)
                 with routing as natural:  # what the current routers choose themselves, replayed or not
-                    logp = _score(self.model, mb, self.config)
+                    logp = _score(self.scorer, mb, self.config)
                 moved = moved + moe.routing_difference(routes[j], natural, mb.logprob_mask)
             adv = advantages[[ids[i] for i in mb.indices]]
             loss, m = objective(
@@ -329,15 +361,16 @@ class Trainer:
             )  # fmt: skip
             loss.backward()
             loss_total += float(loss.detach())
-            metrics.append(m)
+            if mb.indices:  # not an idle micro-batch (distributed padding)
+                metrics.append(m)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = torch.nn.utils.clip_grad_norm_(
+        grad_norm = distributed.clip_grad_norm(
             params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
         )
         self.optimizer.step()
         self.scheduler.step()
-        out = _reduce_metrics(metrics)
-        out["loss"] = loss_total
+        out = _reduce_metrics(distributed.all_gather_metrics(metrics))  # all ranks' micro-batches
+        out["loss"] = distributed.all_reduce_sum(loss_total)
         out["grad_norm"] = float(grad_norm)
         if routes is not None:  # learn() renames them by the number of updates before this one
             out.update(moved.metrics("live_"))
@@ -347,32 +380,43 @@ class Trainer:
         cfg = self.config
         times: dict[str, float] = {}
         t0 = time.perf_counter()
-        examples = self.stream.next_batch()
+        examples = distributed.rank_slice(self.stream.next_batch())  # this rank's prompts, whole groups
         rollouts, sample_examples = self.rollout(examples)
         times["time_rollout"] = time.perf_counter() - t0
 
         prompts = [p for p in self.prompts(examples) for _ in range(cfg.rollout.group_size)]
-        rewards, per_function = compute_rewards(
-            self.rewards, prompts, rollouts.completions, _fields(sample_examples)
-        )
+        failure = None
+        try:
+            rewards, per_function = compute_rewards(
+                self.rewards, prompts, rollouts.completions, _fields(sample_examples)
+            )
+        except RewardError as error:
+            failure = error
+        distributed.raise_together(failure)  # all ranks stop together, so they can checkpoint together
+        # every rank sees the whole batch's rewards: advantages and reward metrics are one process's
+        rewards = distributed.all_gather_cat(rewards)
+        per_function = {name: distributed.all_gather_cat(v) for name, v in per_function.items()}
         advantages, zero_std = group_advantages(
             rewards, cfg.rollout.group_size, scale=cfg.train.advantage_scale
         )
+        first = distributed.rank() * len(rollouts)  # this rank's first sample in the whole batch
+        advantages = advantages[first : first + len(rollouts)]
         keep = [
             i for i in range(len(rollouts))
-            if not (cfg.train.filter_zero_std_groups and bool(zero_std[i // cfg.rollout.group_size]))
+            if not (cfg.train.filter_zero_std_groups and bool(zero_std[(first + i) // cfg.rollout.group_size]))
         ]  # fmt: skip
-        lengths = [len(c) for c in rollouts.completion_ids]
+        lengths = distributed.all_gather_list([len(c) for c in rollouts.completion_ids])
+        truncated = distributed.all_gather_list(rollouts.truncated)
         logged: dict[str, float] = {
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
             **{f"reward/{name}": float(v.mean()) for name, v in per_function.items()},
             "zero_std_groups": float(zero_std.sum()),
             "completion_len_mean": sum(lengths) / len(lengths),
-            "truncated_frac": sum(rollouts.truncated) / len(rollouts),
+            "truncated_frac": sum(truncated) / len(truncated),
             "lr": self.scheduler.get_last_lr()[0],
         }
-        if not keep:  # every group had equal rewards: nothing to learn from this batch
+        if cfg.train.filter_zero_std_groups and bool(zero_std.all()):  # nothing to learn on any rank
             self.step += 1
             return {**logged, **times, "time_old_logprobs": 0.0, "time_update": 0.0}
 
@@ -401,14 +445,17 @@ class Trainer:
         t0 = time.perf_counter()
         old, ref, mismatch = [], [], []
         routes: list[list[moe.Routing] | None] = []  # MoE: the old policy's expert choices per micro-batch
-        with torch.no_grad():  # old policy = the current weights, before any update of this step
+        # old policy = the current weights, before any update of this step; FSDP2 gathers them once
+        with torch.no_grad(), distributed.full_parameters(self.scorer):
             for ids, micro in batches:
                 sampled = [_place([sampler_logprobs[i] for i in ids], mb) for mb in micro]
                 if cfg.train.old_logprobs == "recompute":
                     with moe.record_passes(self.model, enabled=self.is_moe) as passes:  # MoE: expert choices
-                        recomputed = [_score(self.model, mb, cfg) for mb in micro]
+                        recomputed = [_score(self.scorer, mb, cfg) for mb in micro]
                     routes.append(passes or None)
                     for mb, r, s in zip(micro, recomputed, sampled, strict=True):
+                        if not mb.indices:  # an idle micro-batch scores nothing
+                            continue
                         where = mb.logprob_mask.reshape(-1)
                         mismatch.append((r[where] - s[where]).abs().mean())
                     old.append(recomputed)
@@ -419,8 +466,11 @@ class Trainer:
                 ref.append([self._reference_score(mb) for mb in micro] if cfg.train.beta > 0 else None)
         out: dict[str, float] = {"time_old_logprobs": time.perf_counter() - t0}
         # what the updates compute vs what is real: padding overhead of the layout
-        out["update_tokens"] = float(sum(mb.num_tokens for _, micro in batches for mb in micro))
-        out["real_tokens"] = float(sum(len(seq) for seq in sequences))
+        out["update_tokens"] = distributed.all_reduce_sum(
+            float(sum(mb.num_tokens for _, micro in batches for mb in micro if mb.indices))
+        )
+        out["real_tokens"] = distributed.all_reduce_sum(float(sum(len(seq) for seq in sequences)))
+        mismatch = distributed.all_gather_list(mismatch)
         if mismatch:
             out["sampler_logprob_abs_diff"] = float(torch.stack(mismatch).mean())
         t0 = time.perf_counter()
@@ -438,47 +488,60 @@ class Trainer:
                     if j:
                         out[f"{key.removeprefix('live_')}_after_{j}_updates"] = live
             # the whole rollout batch, routed again by the policy after all this step's updates
-            out.update(
-                moe.routing_volatility(
-                    self.model, [mb for _, micro in batches for mb in micro], [r for rs in routes for r in rs]
+            with distributed.full_parameters(self.scorer):  # this rank's batch; FSDP2: gathered once
+                out.update(
+                    moe.routing_volatility(
+                        self.model,
+                        [mb for _, micro in batches for mb in micro],
+                        [r for rs in routes for r in rs],
+                    )
                 )
-            )
             out["time_routing"] = time.perf_counter() - t0
         return {**_reduce_metrics(updates), **out}
 
     # ---- evaluation ---------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
         """Greedy completions on the held-out split; accuracy = mean of the first reward function."""
-        examples = self.eval_examples
+        examples = self.eval_examples[distributed.rank() :: distributed.world_size()]  # this rank's share
         prompts = self.prompts(examples)
-        rollouts = generate(
-            self.model, self.tokenizer, prompts, group_size=1, max_new_tokens=self.config.eval.max_new_tokens,
-            greedy=True, batch_size=self.config.eval.batch_size,
-        )  # fmt: skip
+        with distributed.full_parameters(self.scorer):
+            rollouts = generate(
+                self.model, self.tokenizer, prompts, group_size=1, max_new_tokens=self.config.eval.max_new_tokens,
+                greedy=True, batch_size=self.config.eval.batch_size,
+            )  # fmt: skip
         total, per_function = compute_rewards(self.rewards, prompts, rollouts.completions, _fields(examples))
+        total = distributed.all_gather_varlen(total)
+        per_function = {name: distributed.all_gather_varlen(v) for name, v in per_function.items()}
+        lengths = distributed.all_gather_list([len(c) for c in rollouts.completion_ids])
         first = self.rewards[0][0]
         return {
             "accuracy": float(per_function[first].mean()),
             "reward_mean": float(total.mean()),
-            "completion_len_mean": sum(len(c) for c in rollouts.completion_ids) / len(rollouts),
+            "completion_len_mean": sum(lengths) / len(lengths),
         }
 
     # ---- the loop -----------------------------------------------------------------------------------
     def checkpoint(self, rng: dict[str, Any] | None = None, stream: dict[str, Any] | None = None) -> Path:
         state = {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": distributed.optimizer_state(self.scorer, self.optimizer),  # FSDP2: gathered
             "scheduler": self.scheduler.state_dict(),
             "stream": stream if stream is not None else self.stream.state_dict(),
             "rng": rng if rng is not None else rng_state(),
         }
-        return save_checkpoint(
-            self.run_dir,
-            self.step,
-            model=self.model,
-            tokenizer=self.tokenizer,
-            state=state,
-            keep=self.config.checkpoint.keep,
-        )
+        if distributed.world_size() > 1:  # every rank's own RNG streams and data position
+            state["ranks"] = distributed.rank_states(state["rng"], state["stream"])
+        model = distributed.savable_model(self.scorer, self.model)  # FSDP2: full weights on rank 0
+        if distributed.is_main():
+            save_checkpoint(
+                self.run_dir,
+                self.step,
+                model=model,
+                tokenizer=self.tokenizer,
+                state=state,
+                keep=self.config.checkpoint.keep,
+            )
+        distributed.barrier()  # complete before any rank goes on
+        return latest_checkpoint(self.run_dir)
 
     def run(self) -> dict[str, Any]:
         cfg = self.config
@@ -486,7 +549,11 @@ class Trainer:
             self._log_eval()
             self.checkpoint()  # step 0: a resumable point exists before any update
         bar = tqdm(
-            total=cfg.train.steps, initial=self.step, disable=not cfg.progress, desc="gspo", unit="step"
+            total=cfg.train.steps,
+            initial=self.step,
+            disable=not (cfg.progress and distributed.is_main()),
+            desc="gspo",
+            unit="step",
         )
         while self.step < cfg.train.steps:
             start_rng, start_stream = rng_state(), self.stream.state_dict()
@@ -512,12 +579,14 @@ class Trainer:
                 self.checkpoint()
         bar.close()
         self.logger.close()
+        if not distributed.is_main():  # rank 0 plots and summarises
+            return {"run_dir": str(self.run_dir), "eval_accuracy_first": None, "eval_accuracy_last": None}
         return self._finish()
 
     def _log_eval(self, bar: Any = None) -> dict[str, float]:
         result = self.evaluate()
         self.logger.log(self.step, result, kind="eval")
-        if self.config.progress:
+        if self.config.progress and distributed.is_main():
             tqdm.write(
                 f"step {self.step}: eval accuracy {result['accuracy']:.3f} (reward {result['reward_mean']:.3f})"
             )
@@ -560,4 +629,7 @@ def train(
         config = load_config(Path(resume) / "config.yaml", overrides)
     elif config is None or isinstance(config, (str, Path)):
         config = load_config(config, overrides)
-    return Trainer(config, reward_functions=reward_functions, resume=resume).run()
+    try:
+        return Trainer(config, reward_functions=reward_functions, resume=resume).run()
+    finally:
+        distributed.shutdown()  # only if the Trainer created the process group

@@ -1,0 +1,349 @@
+"""Data parallelism on CPU/gloo with 2 processes: N ranks make the one-process update, exactly.
+
+Starting processes is most of the cost (each imports torch and transformers), so one pair of workers,
+spawned once for the module (``distributed_runs``), runs every scenario in turn on one process group
+and saves what it saw; the tests compare that with one-process references computed here. A scenario
+that fails records its traceback instead of stopping the others; a hung collective hits the group's
+60 s timeout and the spawn's deadline. One more test launches the real CLI under torchrun.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM
+
+from gspo import distributed
+from gspo.batching import Sequence
+from gspo.checkpoint import latest_checkpoint, load_trainer_state
+from gspo.config import ConfigError, load_config, validate_world
+from gspo.losses import PACKED_OBJECTIVES
+from gspo.metrics import read_metrics
+from gspo.rewards import RewardError
+from gspo.sequence_parallel import sequence_parallel_loss
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+WORLD = 2
+DEADLINE_S = 240
+
+# ---- sequence split: raw tensors --------------------------------------------------------------------
+SPLIT_AT = 17  # rank 0 holds tokens [0, 17), rank 1 the rest: segment 2 straddles the two
+CASES = [
+    (objective, aggregation, beta)
+    for objective in ("gspo", "gspo_token", "grpo")
+    for aggregation, beta in (("seq-mean-token-mean", 0.0), ("token-mean", 0.1))
+]
+
+
+def _split_inputs() -> dict[str, torch.Tensor]:
+    """A packed stream of 40 tokens in 5 segments (some tokens outside any), the same on every rank."""
+    g = torch.Generator().manual_seed(7)
+    segment_ids = torch.tensor([0] * 6 + [-1] * 2 + [1] * 5 + [2] * 9 + [-1] + [3] * 7 + [4] * 10)
+    features = torch.randn(40, 3, generator=g)  # token t's input x_t
+    targets = torch.randint(0, 5, (40,), generator=g)  # token t's sampled id y_t
+    weight = torch.randn(5, 3, generator=g)  # the "model": logp_t = log_softmax(W x_t)[y_t]
+    with torch.no_grad():
+        logp = torch.log_softmax(features @ weight.T, -1).gather(1, targets[:, None]).squeeze(1)
+    return {
+        "segment_ids": segment_ids,
+        "features": features,
+        "targets": targets,
+        "weight": weight,
+        # off-policy by a few percent per token: clipping happens, on both sides, for every objective
+        "old_logp": logp + 0.08 * torch.randn(40, generator=g),
+        "ref_logp": logp + 0.05 * torch.randn(40, generator=g),
+        "advantages": torch.tensor([1.0, -0.5, 0.8, -1.2, 0.0]),
+    }
+
+
+def _split_loss(
+    inputs: dict[str, torch.Tensor], objective: str, aggregation: str, beta: float, part: slice | None
+):
+    """(loss, metrics, d loss / d logp, d loss / d W) on the tokens `part` (None: all, one process)."""
+    weight = inputs["weight"].clone().requires_grad_(True)
+    tokens = slice(None) if part is None else part
+    logits = inputs["features"][tokens] @ weight.T
+    logp = torch.log_softmax(logits, -1).gather(1, inputs["targets"][tokens, None]).squeeze(1)
+    logp.retain_grad()
+    kwargs = dict(
+        eps_low=0.03, eps_high=0.04, aggregation=aggregation, beta=beta,
+        ref_logp=inputs["ref_logp"][tokens] if beta else None,
+    )  # fmt: skip
+    args = (logp, inputs["old_logp"][tokens], inputs["advantages"], inputs["segment_ids"][tokens], 5)
+    if part is None:
+        loss, metrics = PACKED_OBJECTIVES[objective](*args, **kwargs)
+    else:
+        loss, metrics = sequence_parallel_loss(objective, *args, **kwargs)
+    loss.backward()
+    return loss.detach(), metrics, logp.grad, weight.grad
+
+
+def _scenario_split(rank: int, out: Path) -> dict[str, Any]:
+    inputs = _split_inputs()
+    part = slice(0, SPLIT_AT) if rank == 0 else slice(SPLIT_AT, None)
+    return {case: _split_loss(inputs, *case, part) for case in CASES}
+
+
+# ---- Trainer.learn on fixed sequences ---------------------------------------------------------------
+LEARN_OVERRIDES = {
+    "ddp": ["train.objective=gspo"],
+    "fsdp2": ["train.objective=grpo", "train.aggregation=token-mean"],
+}
+RANK_SIZES = (10, 6)  # uneven on purpose: ranks hold different numbers of micro-batches
+
+
+def _config(run_dir: Path, *overrides: str):
+    return load_config(
+        TINY, [f"output_dir={run_dir}", "tensorboard=false", "progress=false", "eval.every=0", *overrides]
+    )
+
+
+def _learn_config(run_dir: Path, wrapper: str):
+    return _config(
+        run_dir, f"distributed.wrapper={wrapper}", "train.micro_batch_tokens=40", "train.pack_length=20",
+        *LEARN_OVERRIDES[wrapper],
+    )  # fmt: skip
+
+
+def _fixed_batch() -> tuple[list[Sequence], torch.Tensor, list[list[float]]]:
+    g = torch.Generator().manual_seed(3)
+    sequences = []
+    for _ in range(sum(RANK_SIZES)):
+        prompt = torch.randint(3, 90, (int(torch.randint(2, 6, (), generator=g)),), generator=g).tolist()
+        completion = torch.randint(3, 90, (int(torch.randint(1, 9, (), generator=g)),), generator=g).tolist()
+        mask = [True] * len(completion)
+        mask[-1] = len(completion) < 6  # long ones have an untrained last token (a truncation mask)
+        sequences.append(Sequence(prompt, completion, mask))
+    advantages = torch.randn(len(sequences), generator=g)
+    advantages[::5] = 0.0
+    sampler = [[-4.0] * len(s.completion_ids) for s in sequences]
+    return sequences, advantages, sampler
+
+
+def _learn(trainer, sequences, advantages, sampler) -> list[dict[str, float]]:
+    """Two rollout batches' worth of updates (learn() twice, as steps 0 and 1)."""
+    history = []
+    for step in range(2):
+        trainer.step = step
+        history.append(trainer.learn(sequences, advantages, sampler))
+    return history
+
+
+def _full_parameters(model) -> dict[str, torch.Tensor]:
+    return {k: distributed._full(v).detach().clone() for k, v in model.state_dict().items()}
+
+
+def _scenario_learn(rank: int, out: Path, wrapper: str) -> dict[str, Any]:
+    from gspo.trainer import Trainer
+
+    trainer = Trainer(_learn_config(out / f"learn_{wrapper}", wrapper))
+    sequences, advantages, sampler = _fixed_batch()
+    start = sum(RANK_SIZES[:rank])
+    mine = slice(start, start + RANK_SIZES[rank])
+    layout = trainer.minibatches(sequences[mine])
+    idle = sum(1 for _, micro in layout for mb in micro if not mb.indices)
+    history = _learn(trainer, sequences[mine], advantages[mine], sampler[mine])
+    return {"params": _full_parameters(trainer.model), "history": history, "idle": idle}
+
+
+# ---- full runs: resume, and a reward failing on one rank --------------------------------------------
+def _scenario_resume(rank: int, out: Path, wrapper: str) -> dict[str, Any]:
+    from gspo.trainer import Trainer
+
+    common = [f"distributed.wrapper={wrapper}", "eval.every=2", "checkpoint.every=1"]
+    Trainer(_config(out / f"full_{wrapper}", "train.steps=3", *common)).run()
+    Trainer(_config(out / f"stopped_{wrapper}", "train.steps=2", *common)).run()
+    resumed = out / f"stopped_{wrapper}"
+    Trainer(load_config(resumed / "config.yaml", ["train.steps=3"]), resume=resumed).run()
+    return {}
+
+
+def _scenario_reward_failure(rank: int, out: Path) -> dict[str, Any]:
+    from gspo.trainer import Trainer
+
+    calls = {"n": 0}
+
+    def flaky(prompts, completions, **_):
+        calls["n"] += 1
+        if rank == 1 and calls["n"] == 3:  # eval at step 0, step 1, then step 2's rollout on rank 1 only
+            raise ZeroDivisionError("boom")
+        return [0.0] * len(completions)
+
+    config = _config(out / "flaky", "rewards={flaky: 1.0}", "checkpoint.every=0", "train.steps=3")
+    trainer = Trainer(config, reward_functions={"flaky": flaky})
+    try:
+        trainer.run()
+    except RewardError as error:
+        return {"error": str(error), "step": load_trainer_state(latest_checkpoint(trainer.run_dir))["step"]}
+    return {"error": None}
+
+
+# ---- the workers ------------------------------------------------------------------------------------
+SCENARIOS = {
+    "split": _scenario_split,
+    "learn_ddp": lambda rank, out: _scenario_learn(rank, out, "ddp"),
+    "learn_fsdp2": lambda rank, out: _scenario_learn(rank, out, "fsdp2"),
+    "resume_ddp": lambda rank, out: _scenario_resume(rank, out, "ddp"),
+    "resume_fsdp2": lambda rank, out: _scenario_resume(rank, out, "fsdp2"),
+    "reward_failure": _scenario_reward_failure,
+}
+
+
+def _worker(rank: int, port: int, out: Path) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+    results: dict[str, Any] = {}
+    for name, scenario in SCENARIOS.items():
+        start = time.perf_counter()
+        try:
+            results[name] = scenario(rank, out)
+        except Exception:
+            results[name] = {"traceback": traceback.format_exc()}
+        results[name]["seconds"] = time.perf_counter() - start
+        torch.save(results, out / f"rank{rank}.pt")  # what is done survives a later hang
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def distributed_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    out = tmp_path_factory.mktemp("distributed")
+    context = mp.start_processes(
+        _worker, args=(_free_port(), out), nprocs=WORLD, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + DEADLINE_S
+    while not context.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the {WORLD} workers did not finish within {DEADLINE_S} s")
+    return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def _result(runs: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    for rank, result in enumerate(runs):
+        assert "traceback" not in result[name], f"rank {rank}, {name}:\n{result[name]['traceback']}"
+    return [result[name] for result in runs]
+
+
+# ---- the tests ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", CASES, ids=[f"{o}-{a}-beta{b}" for o, a, b in CASES])
+def test_a_sequence_split_across_two_ranks_gives_the_unsplit_loss_metrics_and_gradients(
+    distributed_runs, case
+):
+    per_rank = [r[case] for r in _result(distributed_runs[1], "split")]
+    loss, metrics, grad_logp, grad_weight = _split_loss(_split_inputs(), *case, part=None)
+    assert 0 < metrics["clip_frac_token"] < 1  # clipping is exercised
+    torch.testing.assert_close(sum(r[0] for r in per_rank), loss, rtol=1e-6, atol=1e-7)
+    for _, rank_metrics, _, _ in per_rank:
+        assert set(rank_metrics) == set(metrics)
+        for key, value in metrics.items():
+            torch.testing.assert_close(rank_metrics[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    torch.testing.assert_close(torch.cat([r[2] for r in per_rank]), grad_logp, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(sum(r[3] for r in per_rank), grad_weight, rtol=1e-5, atol=1e-7)
+
+
+# metrics of an update that do not depend on how a minibatch is cut into micro-batches
+LAYOUT_FREE = ("loss", "grad_norm", "num_sequences", "num_tokens", "ratio_token_min", "ratio_token_max")
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_two_ranks_make_the_one_process_updates(distributed_runs, tmp_path, wrapper):
+    from gspo.trainer import Trainer
+
+    ranks = _result(distributed_runs[1], f"learn_{wrapper}")
+    assert sum(r["idle"] for r in ranks) > 0  # the ranks' micro-batch counts differed: padding was used
+    single = Trainer(_learn_config(tmp_path / "single", wrapper))
+    history = _learn(single, *_fixed_batch())
+    expected = _full_parameters(single.model)
+    for r in ranks:  # both ranks hold the same (full) parameters, equal to one process's
+        assert set(r["params"]) == set(expected)
+        for key, value in expected.items():
+            torch.testing.assert_close(r["params"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+        for got, want in zip(r["history"], history, strict=True):
+            for key in LAYOUT_FREE:
+                torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def _train_lines(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("time_")} for r in read_metrics(run_dir)]
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_resume_under_distribution_reproduces_the_uninterrupted_run(distributed_runs, wrapper):
+    out, runs = distributed_runs
+    _result(runs, f"resume_{wrapper}")
+    full, resumed = out / f"full_{wrapper}", out / f"stopped_{wrapper}"
+    lines = _train_lines(full)
+    assert [r["step"] for r in lines if r["kind"] == "train"] == [1, 2, 3]  # rank 0 alone wrote them
+    assert _train_lines(resumed) == lines
+    state = load_trainer_state(latest_checkpoint(resumed))
+    assert len(state["ranks"]) == WORLD  # each rank's own RNG streams and data position
+    assert not torch.equal(state["ranks"][0]["rng"]["torch"], state["ranks"][1]["rng"]["torch"])
+    a = AutoModelForCausalLM.from_pretrained(latest_checkpoint(full) / "model").state_dict()
+    b = AutoModelForCausalLM.from_pretrained(latest_checkpoint(resumed) / "model").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resuming_on_another_number_of_processes_names_the_fix(distributed_runs):
+    from gspo.trainer import Trainer
+
+    resumed = distributed_runs[0] / "stopped_ddp"
+    with pytest.raises(ConfigError, match="written by 2 process"):
+        Trainer(load_config(resumed / "config.yaml"), resume=resumed)
+
+
+def test_a_reward_failing_on_one_rank_stops_every_rank_at_a_checkpoint(distributed_runs):
+    ranks = _result(distributed_runs[1], "reward_failure")
+    assert "flaky" in ranks[1]["error"] and "boom" in ranks[1]["error"]
+    assert "on rank 1" in ranks[0]["error"]
+    assert ranks[0]["step"] == ranks[1]["step"] == 1  # the start of the failing step 2
+
+
+def test_a_batch_that_does_not_divide_across_ranks_names_the_fix():
+    config = load_config(TINY, ["rollout.prompts_per_step=6"])
+    validate_world(config, 2)  # 6 prompts on 2 ranks: fine
+    with pytest.raises(ConfigError, match=r"rollout.prompts_per_step=6 does not divide across 4 processes.*"
+                       r"set rollout.prompts_per_step=8"):  # fmt: skip
+        validate_world(config, 4)
+    lora = dataclasses.replace(config, lora=dataclasses.replace(config.lora, rank=4))
+    lora.distributed.wrapper = "fsdp2"
+    with pytest.raises(ConfigError, match=r"distributed\.wrapper=ddp"):
+        validate_world(lora, 2)
+
+
+def test_torchrun_runs_the_cli_on_two_processes(tmp_path):
+    run = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD),
+        "-m", "gspo", "train", str(TINY), f"output_dir={run}", "train.steps=2",
+        "distributed.wrapper=fsdp2", "tensorboard=false",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = read_metrics(run)
+    assert [r["step"] for r in lines if r["kind"] == "train"] == [1, 2]  # one writer: rank 0
+    assert [r["step"] for r in lines if r["kind"] == "eval"] == [0, 2]
+    assert (run / "summary.md").is_file()
+    AutoModelForCausalLM.from_pretrained(latest_checkpoint(run) / "model")
