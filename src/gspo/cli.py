@@ -49,7 +49,7 @@ def _plot(args: argparse.Namespace) -> int:
 def _config(args: argparse.Namespace) -> int:
     from gspo.config import describe
 
-    print("\n".join(describe()))
+    print(describe())
     return 0
 
 

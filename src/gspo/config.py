@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import inspect
 import itertools
+import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
@@ -396,7 +397,9 @@ def validate(config: Config) -> None:
     if config.eval.every < 0 or config.checkpoint.every < 0:
         raise ConfigError("eval.every and checkpoint.every must be >= 0")
     if config.train.sampler_is_cap < 0:
-        raise ConfigError(f"train.sampler_is_cap must be >= 0 (0 disables), got {config.train.sampler_is_cap}")
+        raise ConfigError(
+            f"train.sampler_is_cap must be >= 0 (0 disables), got {config.train.sampler_is_cap}"
+        )
     if config.train.sampler_is_cap > 0 and config.train.old_logprobs != "recompute":
         raise ConfigError(
             "train.sampler_is_cap corrects sampler -> old policy and needs train.old_logprobs=recompute "
@@ -431,15 +434,21 @@ def save_config(config: Config, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
 
 
-def describe(cls: type = Config, prefix: str = "") -> list[str]:
-    """Lines `key: default  # doc` for every field, nested sections flattened (for `gspo config`)."""
-    lines: list[str] = []
+def describe(cls: type = Config, indent: str = "") -> str:
+    """The defaults of `cls` as YAML, each key under its docstring as a comment (`gspo config`)."""
     docs = field_docs(cls)
     default = cls()
+    lines: list[str] = []
     for f in dataclasses.fields(cls):
+        lines.extend(
+            f"{indent}# {line}"
+            for line in textwrap.wrap(docs.get(f.name, ""), 100 - len(indent), break_on_hyphens=False)
+        )
         value = getattr(default, f.name)
         if dataclasses.is_dataclass(value):
-            lines.extend(describe(type(value), f"{prefix}{f.name}."))
+            lines.append(f"{indent}{f.name}:")
+            lines.append(describe(type(value), indent + "  "))
         else:
-            lines.append(f"{prefix}{f.name} = {value!r}  # {docs.get(f.name, '')}")
-    return lines
+            dumped = yaml.safe_dump({f.name: value}, default_flow_style=True, width=1000).strip()[1:-1]
+            lines.append(f"{indent}{dumped}")
+    return "\n".join(lines)
