@@ -50,7 +50,7 @@ def launched_world_size() -> int:
 
 
 def resolve_backend(requested: str, device_type: str) -> str:
-    """ "auto": NCCL for CUDA tensors, gloo for CPU ones."""
+    """The backend to use; "auto" is NCCL for CUDA tensors, gloo for CPU ones."""
     if requested != "auto":
         return requested
     return "nccl" if device_type == "cuda" else "gloo"
