@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -37,9 +37,13 @@ from gspo.data import TASKS, Example, PromptStream, arithmetic_task, format_prom
 from gspo.logprobs import causal_lm_logprobs
 from gspo.losses import PACKED_OBJECTIVES
 from gspo.metrics import MetricsLogger, mean_metrics
+from gspo.mismatch import mismatch_metrics, sampler_log_ratios, truncated_is_weights
 from gspo.models import add_lora, is_lora, load_model
 from gspo.rewards import RewardError, RewardFunction, compute_rewards, resolve_reward
 from gspo.rollout import Rollouts, generate
+
+if TYPE_CHECKING:
+    from gspo.trajectories import TrajectoryGroup
 
 OBJECTIVE_DEFAULTS = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.27)}
 """Paper defaults (eps_low, eps_high) per objective (GSPO paper, section 5.1)."""
@@ -320,7 +324,8 @@ class Trainer:
         return [(ids, micro) for (ids, _), micro in zip(out, padded, strict=True)]
 
     def update(
-        self, ids: list[int], micro: list[MicroBatch], advantages: torch.Tensor, old: list[torch.Tensor],
+        self, ids: list[int], micro: list[MicroBatch], advantages: torch.Tensor | list[list[float]],
+        old: list[torch.Tensor],
         ref: list[torch.Tensor] | None, routes: list[moe.Routing] | None = None,
     ) -> dict[str, Any]:  # fmt: skip
         """One optimizer update on a minibatch (gradient accumulation over its micro-batches).
@@ -329,7 +334,11 @@ class Trainer:
         `train.routing_replay` and compared with the current router's own choices otherwise.
         """
         cfg = self.config.train
-        objective = PACKED_OBJECTIVES[cfg.objective]
+        # per-token advantages: GSPO as GSPO-token (GSPO's value and gradient for per-sequence ones)
+        per_token = not isinstance(advantages, torch.Tensor)
+        objective = PACKED_OBJECTIVES[
+            "gspo_token" if per_token and cfg.objective == "gspo" else cfg.objective
+        ]
         # the minibatch's normaliser: 1/B per sequence, or 1/tokens for token-mean
         if cfg.aggregation == "token-mean":
             normalizer = float(sum(int((mb.segment_ids >= 0).sum()) for mb in micro))
@@ -353,7 +362,10 @@ class Trainer:
                 with routing as natural:  # what the current routers choose themselves, replayed or not
                     logp = _score(self.scorer, mb, self.config)
                 moved = moved + moe.routing_difference(routes[j], natural, mb.logprob_mask)
-            adv = advantages[[ids[i] for i in mb.indices]]
+            if isinstance(advantages, torch.Tensor):
+                adv = advantages[[ids[i] for i in mb.indices]]
+            else:  # per completion token, laid out like logp: (R*L,)
+                adv = _place([advantages[i] for i in ids], mb)
             loss, m = objective(
                 logp, old[j], adv, mb.segment_ids, len(mb.indices), eps_low=self.eps_low, eps_high=self.eps_high,
                 aggregation=cfg.aggregation, normalizer=normalizer, ref_logp=None if ref is None else ref[j],
@@ -432,33 +444,56 @@ class Trainer:
         return {**logged, **learned, **times}
 
     def learn(
-        self, sequences: list[Sequence], advantages: torch.Tensor, sampler_logprobs: list[list[float]]
+        self,
+        sequences: list[Sequence],
+        advantages: torch.Tensor | list[list[float]],
+        sampler_logprobs: list[list[float]],
     ) -> dict[str, float]:
         """Old-policy log-probs, then `minibatches_per_rollout` updates on scored sequences.
 
         sequences: prompt + completion token ids with a per-token train mask; advantages: (n,) one per
-        sequence; sampler_logprobs: the sampler's log-prob of each completion token (used as the old policy
-        with `train.old_logprobs=sampler`, and for the sampler/trainer mismatch metric otherwise).
+        sequence, or one list per sequence with a value per completion token (trained with GSPO-token when
+        the objective is gspo); sampler_logprobs: the sampler's log-prob of each completion token, NaN where
+        unknown (the old policy with `train.old_logprobs=sampler`, recomputed where unknown; with
+        `recompute`, the sampler/trainer mismatch metrics and `train.sampler_is_cap`, see gspo.mismatch).
         """
         cfg = self.config
         batches = self.minibatches(sequences)
         t0 = time.perf_counter()
-        old, ref, mismatch = [], [], []
+        # a trained token the sampler gave no log-prob for (NaN, e.g. llama.cpp's EOS) needs the trainer's
+        unknown = sum(
+            t and not math.isfinite(lp)
+            for seq, lps in zip(sequences, sampler_logprobs, strict=True)
+            for t, lp in zip(seq.train_mask, lps, strict=True)
+        )
+        recompute = cfg.train.old_logprobs == "recompute" or distributed.all_reduce_sum(float(unknown)) > 0
+        old, ref, deltas = [], [], []
+        seq_log_ratio, seq_counted = torch.zeros(len(sequences)), torch.zeros(len(sequences))
         routes: list[list[moe.Routing] | None] = []  # MoE: the old policy's expert choices per micro-batch
         # old policy = the current weights, before any update of this step; FSDP2 gathers them once
         with torch.no_grad(), distributed.full_parameters(self.scorer):
             for ids, micro in batches:
                 sampled = [_place([sampler_logprobs[i] for i in ids], mb) for mb in micro]
-                if cfg.train.old_logprobs == "recompute":
+                if recompute:
                     with moe.record_passes(self.model, enabled=self.is_moe) as passes:  # MoE: expert choices
                         recomputed = [_score(self.scorer, mb, cfg) for mb in micro]
                     routes.append(passes or None)
                     for mb, r, s in zip(micro, recomputed, sampled, strict=True):
                         if not mb.indices:  # an idle micro-batch scores nothing
                             continue
-                        where = mb.logprob_mask.reshape(-1)
-                        mismatch.append((r[where] - s[where]).abs().mean())
-                    old.append(recomputed)
+                        delta, seq, counts = sampler_log_ratios(r, s, mb.segment_ids, len(mb.indices))
+                        deltas.append(delta)
+                        seq_log_ratio[[ids[i] for i in mb.indices]] = seq
+                        seq_counted[[ids[i] for i in mb.indices]] = counts
+                    if cfg.train.old_logprobs == "recompute":
+                        old.append(recomputed)
+                    else:  # the sampler's log-probs; the trainer's only where the sampler gave none
+                        old.append(
+                            [
+                                torch.where(torch.isnan(s), r, s)
+                                for r, s in zip(recomputed, sampled, strict=True)
+                            ]
+                        )
                 else:
                     old.append(sampled)
                     choices = [moe.expert_choices(self.model, mb) for mb in micro] if self.is_moe else None
@@ -470,9 +505,27 @@ class Trainer:
             float(sum(mb.num_tokens for _, micro in batches for mb in micro if mb.indices))
         )
         out["real_tokens"] = distributed.all_reduce_sum(float(sum(len(seq) for seq in sequences)))
-        mismatch = distributed.all_gather_list(mismatch)
-        if mismatch:
-            out["sampler_logprob_abs_diff"] = float(torch.stack(mismatch).mean())
+        if cfg.train.old_logprobs == "recompute":  # both log-probs known: how far apart (gspo.mismatch)
+            delta = distributed.all_gather_varlen(torch.cat(deltas) if deltas else torch.zeros(0))
+            out.update(mismatch_metrics(delta, distributed.all_gather_varlen(seq_log_ratio[seq_counted > 0])))
+            if cfg.train.sampler_is_cap > 0:  # truncated IS: scaling A_i by w_i scales sequence i's loss
+                weights = truncated_is_weights(seq_log_ratio, cfg.train.sampler_is_cap)  # (n,), 1 if unknown
+                if isinstance(advantages, torch.Tensor):
+                    advantages = advantages * weights
+                else:
+                    advantages = [
+                        [a * float(w) for a in adv]
+                        for adv, w in zip(advantages, weights.tolist(), strict=True)
+                    ]
+                counted = weights[seq_counted > 0]
+                if counted.numel():
+                    out["sampler_is_weight_mean"] = float(counted.mean())
+                    out["sampler_is_truncated_frac"] = float(
+                        (counted >= cfg.train.sampler_is_cap).float().mean()
+                    )
+        else:
+            trained = sum(sum(seq.train_mask) for seq in sequences)
+            out["sampler_logprob_missing_frac"] = unknown / max(trained, 1)  # recomputed by the trainer
         t0 = time.perf_counter()
         updates = [
             self.update(ids, micro, advantages, o, r, rt)
@@ -498,6 +551,12 @@ class Trainer:
                 )
             out["time_routing"] = time.perf_counter() - t0
         return {**_reduce_metrics(updates), **out}
+
+    def train_on_groups(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
+        """GSPO updates on the user's own trajectory groups, as one step (see gspo.trajectories)."""
+        from gspo.trajectories import train_on_groups
+
+        return train_on_groups(self, groups)
 
     # ---- evaluation ---------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
