@@ -1,0 +1,386 @@
+"""Rollouts from any OpenAI-compatible server (vLLM, SGLang, llama.cpp / llama-cpp-python) via /v1/completions.
+
+`OpenAIBackend.generate(prompts, group_size=G, ...)` returns the same `Rollouts` as the Hugging Face sampler
+(`gspo.rollout.generate`): token ids and the engine's log-probs of every completion token, aligned with the
+trainer's tokenizer, G samples per prompt, sample-major. Feed them to `gspo.trajectories.groups_from_rollouts`
+and `Trainer.train_on_groups`, or use them like the trainer's own rollouts.
+
+Alignment (never silently wrong; a mismatch raises `AlignmentError`):
+  * Prompt: with `send_token_ids=True` (vLLM, SGLang) the server receives the trainer's prompt ids
+    themselves. Servers that only take text (llama-cpp-python) tokenise it themselves; the backend then
+    checks that the server counted as many prompt tokens as the trainer (`usage.prompt_tokens`).
+  * Completion: each token the server reports (`logprobs.tokens`) is mapped to an id of the trainer's
+    tokenizer: "token_id:N" pieces (vLLM's `return_tokens_as_token_ids`) directly, other pieces by
+    re-tokenising them, which must give exactly one token that decodes back to the piece. A token holding
+    only part of a multi-byte character decodes to "" on servers that report text (llama-cpp-python): a
+    run of such tokens is re-tokenised together, from its text (located by `logprobs.text_offset`), and
+    accepted only with as many tokens as the server reported. Finally the ids must decode to exactly the
+    completion text the server returned. The one gap, for text-reporting servers only: a sampled split
+    of the same bytes into the same number of different tokens cannot be told from the canonical one.
+    With `misaligned="resample"`, a sample that fails these checks is drawn again instead of raising
+    (counted in `OpenAIBackend.resampled`; it biases the samples slightly against such tokens).
+  * End of sequence: servers differ on whether the end-of-sequence token is listed. When a completion
+    stopped (finish_reason "stop") and its last token is not the tokenizer's EOS, the EOS is appended with
+    an unknown log-prob (NaN): llama-cpp-python does not report it. The trainer recomputes unknown
+    log-probs (see `gspo.trainer.Trainer.learn`). A model with several end-of-generation tokens may have
+    stopped on another one, which llama-cpp-python does not say: the trainer then trains on the EOS it
+    would have needed. Stop strings are not supported (the server cuts the text inside a token):
+    completions end at EOS or `max_new_tokens`.
+  * Log-probs: servers report log-probs of the untempered distribution (log_softmax of the raw logits;
+    llama-cpp-python always, vLLM by default), while the trainer scores logits / temperature. So
+    `generate` refuses temperature != 1 unless `logprobs_tempered=True` says the server reports the
+    tempered (processed) log-probs (vLLM's `--logprobs-mode processed_logprobs`). The default request
+    switches off the truncations servers apply by default (llama.cpp: top_k=40, min_p=0.05) so the
+    samples come from the distribution the objective assumes; `top_p` is passed through and, as in the
+    trainer's own sampler, not folded into the log-probs.
+
+Transport: stdlib `urllib` in a bounded thread pool (`max_concurrency` requests in flight). A request
+that fails with a connection error, a timeout or HTTP 408/429/5xx is retried with exponential backoff
+until `max_retries` retries or `timeout` seconds (all attempts together) are spent, then `ServerError`
+names the URL, the attempts and the last error. Other HTTP errors (400: a bad request) fail at once with
+the server's message. A server that ignores `n` (llama-cpp-python returns one choice) is asked again
+until every prompt has G samples; each request gets its own seed (`seed + k`), so samples differ.
+
+Weight sync (how the server gets the trainer's new weights) is pluggable: any `WeightSync` callable
+`(model, tokenizer, step) -> None`, called by `OpenAIBackend.sync_weights` after an update. Supported:
+  * `SaveAndReload(directory, reload)`: saves a Hugging Face checkpoint (or a peft LoRA adapter) per step
+    and hands its path to `reload`, the user's way of pointing the server at it. For vLLM with runtime
+    LoRA updates (VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), `reload` can be
+    `lambda path: backend.post("/load_lora_adapter", {"lora_name": "policy", "lora_path": str(path)})`
+    and `model="policy"`; for a full model, restarting the server on the new directory works anywhere.
+Not supported: in-memory weight transfer (NCCL broadcast into vLLM workers, SGLang's
+update_weights_from_distributed), and llama.cpp servers of a GGUF file, which need a re-conversion to GGUF
+that this library does not do. Without a sync the server keeps the initial weights and the rollouts drift
+off-policy: use `train.old_logprobs=recompute` (with `train.sampler_is_cap` if wanted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import math
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from gspo.rollout import Rollouts, tokenize_prompts
+
+TRANSIENT_HTTP = {408, 429, 500, 502, 503, 504}
+DEFAULT_SAMPLING = {"top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0}
+"""Request fields that switch off llama.cpp's default truncations/penalties (vLLM accepts top_k/min_p too)."""
+
+
+class ServerError(RuntimeError):
+    """The server did not answer usefully (down, overloaded, timed out, or rejected the request)."""
+
+
+class AlignmentError(ValueError):
+    """The server's tokens or prompt do not line up with the trainer's tokenizer."""
+
+
+class WeightSync(Protocol):
+    """Makes the server sample from the trainer's current weights; called after an update."""
+
+    def __call__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, step: int) -> None: ...
+
+
+@dataclass
+class SaveAndReload:
+    """Save the policy to `directory/step-N` (HF checkpoint or LoRA adapter), then call `reload(path)`."""
+
+    directory: str | Path
+    reload: Callable[[Path], None]
+
+    def __call__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, step: int) -> None:
+        from gspo.models import save_model
+
+        path = Path(self.directory) / f"step-{step}"
+        save_model(model, tokenizer, path)
+        self.reload(path)
+
+
+@dataclass
+class OpenAIBackend:
+    """G samples per prompt from an OpenAI-compatible /v1/completions endpoint (module docstring).
+
+    base_url: the API root, e.g. "http://127.0.0.1:8000/v1"; tokenizer: the trainer's tokenizer;
+    model: the served model name (None: the server's default); max_concurrency: requests in flight;
+    timeout: seconds per request, retries included; max_retries: retries of a transient failure;
+    send_token_ids: send prompts as token ids (vLLM, SGLang) instead of text; sampling: extra request
+    fields (defaults: DEFAULT_SAMPLING); logprobs_tempered: the server's log-probs already include the
+    temperature; api_key: sent as a bearer token; weight_sync: see `sync_weights`.
+    """
+
+    base_url: str
+    tokenizer: PreTrainedTokenizerBase
+    model: str | None = None
+    max_concurrency: int = 4
+    timeout: float = 120.0
+    max_retries: int = 5
+    send_token_ids: bool = False
+    sampling: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_SAMPLING))
+    logprobs_tempered: bool = False
+    api_key: str | None = None
+    weight_sync: WeightSync | None = None
+    misaligned: Literal["raise", "resample"] = "raise"
+    resampled: int = 0
+    """Samples drawn again because they could not be aligned (with misaligned="resample")."""
+
+    # ---- transport ----------------------------------------------------------------------------------
+    def post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """POST JSON to base_url + path, retrying transient failures within `timeout` seconds."""
+        url = self.base_url.rstrip("/") + path
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        data = json.dumps(payload).encode()
+        deadline = time.monotonic() + self.timeout
+        last: str = "no attempt"
+        attempt = 0
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or attempt > self.max_retries:
+                break
+            attempt += 1
+            request = urllib.request.Request(url, data=data, headers=headers, method="POST")
+            try:
+                with urllib.request.urlopen(request, timeout=remaining) as response:
+                    return json.loads(response.read())
+            except urllib.error.HTTPError as error:
+                body = error.read().decode(errors="replace")[:500]
+                if error.code not in TRANSIENT_HTTP:
+                    raise ServerError(f"{url} rejected the request: HTTP {error.code}: {body}") from None
+                last = f"HTTP {error.code}: {body}"
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as error:
+                last = f"{type(error).__name__}: {getattr(error, 'reason', error)}"
+            # exponential backoff with jitter, never past the deadline
+            pause = min(0.25 * 2 ** (attempt - 1), 8.0) * (0.5 + random.random() / 2)
+            time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
+        raise ServerError(
+            f"{url}: no answer after {attempt} attempt(s) in {self.timeout:.0f}s (last error: {last}). "
+            "Is the server running at that address, and serving this model?"
+        )
+
+    # ---- sampling -----------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: list[str],
+        *,
+        group_size: int,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> Rollouts:
+        """`group_size` completions for each prompt (already templated text), with token log-probs."""
+        if temperature != 1.0 and not self.logprobs_tempered:
+            raise ValueError(
+                f"temperature={temperature}: OpenAI-compatible servers report log-probs of the untempered "
+                "distribution, which the trainer (scoring logits / temperature) would misread. Sample at "
+                "temperature 1.0, or pass logprobs_tempered=True if the server reports processed log-probs"
+            )
+        if self.tokenizer.eos_token_id is None:
+            raise ValueError("the tokenizer has no eos_token: completions could not be aligned")
+        prompt_ids = tokenize_prompts(self.tokenizer, prompts)
+        base_seed = seed if seed is not None else random.randrange(2**31)
+
+        def sample(j: int) -> list[tuple[list[int], list[float], bool, str]]:
+            out: list[tuple[list[int], list[float], bool, str]] = []
+            attempt = 0
+            while len(out) < group_size:
+                payload = {
+                    **self.sampling,
+                    "prompt": prompt_ids[j] if self.send_token_ids else prompts[j],
+                    "n": group_size - len(out),
+                    "max_tokens": max_new_tokens,
+                    "temperature": temperature,
+                    "top_p": top_p,
+                    "logprobs": 1,
+                    "seed": (base_seed + 1_000_003 * j + attempt) % 2**31,  # every request its own
+                    "stream": False,
+                }
+                if self.model is not None:
+                    payload["model"] = self.model
+                response = self.post("/completions", payload)
+                choices = sorted(response.get("choices") or [], key=lambda c: c.get("index", 0))
+                if not choices:
+                    raise ServerError(f"{self.base_url}: a completion response had no choices: {response}")
+                if not self.send_token_ids and len(choices) == 1:
+                    self._check_prompt(j, prompt_ids[j], response.get("usage") or {})
+                attempt += 1
+                for choice in choices[: group_size - len(out)]:
+                    try:
+                        out.append(self._align(j, choice))
+                    except AlignmentError:
+                        if self.misaligned == "raise" or self.resampled >= 10 * len(prompts) * group_size:
+                            raise
+                        self.resampled += 1
+            return out
+
+        with ThreadPoolExecutor(max_workers=max(1, self.max_concurrency)) as pool:
+            per_prompt = list(pool.map(sample, range(len(prompts))))
+        rollouts = Rollouts([], [], [], [], [])
+        for j, samples in enumerate(per_prompt):
+            for ids, logprobs, truncated, text in samples:
+                rollouts.prompt_ids.append(prompt_ids[j])
+                rollouts.completion_ids.append(ids)
+                rollouts.sampler_logprobs.append(logprobs)
+                rollouts.truncated.append(truncated)
+                rollouts.completions.append(text)
+        return rollouts
+
+    def _check_prompt(self, j: int, prompt_ids: list[int], usage: dict[str, Any]) -> None:
+        counted = usage.get("prompt_tokens")
+        if counted is not None and counted != len(prompt_ids):
+            raise AlignmentError(
+                f"prompt {j}: the server tokenised it into {counted} tokens, the trainer into {len(prompt_ids)}: "
+                "they do not share a tokenizer (or the server adds a BOS token); serve the same model, or "
+                "use a server that takes token-id prompts (send_token_ids=True)"
+            )
+
+    def _token_id(self, piece: str) -> int | None:
+        """The trainer's id of a reported token, or None when the piece is not exactly one token."""
+        if piece.startswith("token_id:"):
+            return int(piece.removeprefix("token_id:"))
+        ids = self.tokenizer.encode(piece, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 and self.tokenizer.decode(ids) == piece else None
+
+    def _token_ids(self, j: int, pieces: list[str], offsets: list[int] | None, text: str) -> list[int]:
+        ids = [self._token_id(piece) for piece in pieces]
+        k = 0
+        while k < len(ids):
+            if ids[k] is not None:
+                k += 1
+                continue
+            end = k  # a run of pieces that are not one token each: re-tokenise their text together
+            while end < len(ids) and ids[end] is None:
+                end += 1
+            if pieces[k] != "" or offsets is None or len(offsets) != len(pieces):
+                raise AlignmentError(
+                    f"prompt {j}, completion token {k}: the server's token {pieces[k]!r} is not one token of "
+                    "the trainer's tokenizer: the server does not serve the trainer's vocabulary; use the "
+                    "same model, or a server that returns token ids (vLLM: return_tokens_as_token_ids)"
+                )
+            stop = offsets[end] - offsets[0] if end < len(ids) else len(text)
+            chunk = text[offsets[k] - offsets[0] : stop]
+            guess = self.tokenizer.encode(chunk, add_special_tokens=False)
+            if len(guess) != end - k or self.tokenizer.decode(guess) != chunk:
+                raise AlignmentError(
+                    f"prompt {j}, completion tokens {k}..{end - 1}: {end - k} tokens of partial characters "
+                    f"spelling {chunk!r}, which the trainer's tokenizer splits into {len(guess)}: cannot tell "
+                    "which tokens were sampled; use a server that returns token ids"
+                )
+            ids[k:end] = guess
+            k = end
+        return ids  # type: ignore[return-value]
+
+    def _align(self, j: int, choice: dict[str, Any]) -> tuple[list[int], list[float], bool, str]:
+        """(token ids, log-probs, truncated, text) of one choice, checked against the trainer's tokenizer."""
+        logprobs = choice.get("logprobs") or {}
+        pieces, values = logprobs.get("tokens"), logprobs.get("token_logprobs")
+        if pieces is None or values is None or len(pieces) != len(values):
+            raise ServerError(
+                f"prompt {j}: the server returned no per-token logprobs (tokens/token_logprobs); it must "
+                "support `logprobs` on /v1/completions (llama-cpp-python: start it with logits_all)"
+            )
+        text = choice.get("text") or ""
+        ids = self._token_ids(j, pieces, logprobs.get("text_offset"), text)
+        lps = [math.nan if v is None else float(v) for v in values]
+        eos = self.tokenizer.eos_token_id
+        # the text excludes a final EOS however the server lists it
+        body = ids[:-1] if ids and ids[-1] == eos else ids
+        if self.tokenizer.decode(body) != text:
+            raise AlignmentError(
+                f"prompt {j}: the server's tokens decode to {self.tokenizer.decode(body)!r} with the trainer's "
+                f"tokenizer but its completion text is {text!r}: the two tokenizers differ"
+            )
+        finish = choice.get("finish_reason")
+        if finish == "stop" and (not ids or ids[-1] != eos):
+            ids, lps = [*ids, eos], [*lps, math.nan]  # the engine stopped on EOS without listing it
+        return ids, lps, finish != "stop", text
+
+    # ---- weights ------------------------------------------------------------------------------------
+    def sync_weights(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, step: int) -> None:
+        """Hand the trainer's current weights to the server (no-op without a `weight_sync`)."""
+        if self.weight_sync is not None:
+            self.weight_sync(model, tokenizer, step)
+
+
+# ---- a local llama.cpp server (tests, benchmarks) ----------------------------------------------------------
+@contextlib.contextmanager
+def llama_cpp_server(
+    model_file: str | Path,
+    *,
+    n_ctx: int = 2048,
+    threads: int = 1,
+    startup_timeout: float = 120.0,
+    nice: int = 0,
+) -> Iterator[str]:
+    """Serve a GGUF file with llama-cpp-python's OpenAI-compatible server on 127.0.0.1; yields the base URL.
+
+    Needs `pip install 'gspo[server]'` (llama-cpp-python; on CPUs where its native build crashes with
+    "Illegal instruction", build it with CMAKE_ARGS="-DGGML_NATIVE=OFF"). Raises RuntimeError with the
+    server's output when it is missing or does not come up within `startup_timeout` seconds.
+    """
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise RuntimeError(
+            "llama-cpp-python is not installed: CMAKE_ARGS=\"-DGGML_NATIVE=OFF\" pip install 'gspo[server]'"
+        )
+    with socket.socket() as probe:  # a free port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [
+        sys.executable, "-m", "llama_cpp.server", "--model", str(model_file), "--host", "127.0.0.1",
+        "--port", str(port), "--n_ctx", str(n_ctx), "--n_threads", str(threads),
+        "--n_threads_batch", str(threads), "--logits_all", "true", "--interrupt_requests", "false",
+        "--verbose", "false",
+    ]  # fmt: skip
+    if nice:
+        command = ["nice", "-n", str(nice), *command]
+    # the server's output goes to a file, not a pipe: a full pipe would block the server
+    with tempfile.TemporaryFile(mode="w+") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
+        url = f"http://127.0.0.1:{port}/v1"
+        try:
+            _wait_until_up(process, log, url, startup_timeout)
+            yield url
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _wait_until_up(process: subprocess.Popen, log: Any, url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:
+            log.seek(0)
+            output = log.read()
+            raise RuntimeError(
+                f"llama-cpp-python's server exited with {process.returncode}:\n{output[-2000:]}"
+            )
+        try:
+            with urllib.request.urlopen(f"{url}/models", timeout=5):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"llama-cpp-python's server did not answer on {url} within {timeout:.0f}s"
+                ) from None
+            time.sleep(0.5)

@@ -1,0 +1,258 @@
+"""The OpenAI-compatible rollout backend: a scripted stub server (retries, timeouts, alignment errors) and a
+real llama-cpp-python server on the SmolLM2 GGUF file (skipped, with the reason, when it cannot run)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+import torch
+
+from gspo.batching import Sequence, make_micro_batches
+from gspo.data import format_prompt
+from gspo.logprobs import causal_lm_logprobs
+from gspo.models import tiny_tokenizer
+from gspo.openai_backend import AlignmentError, OpenAIBackend, ServerError, llama_cpp_server
+from gspo.trajectories import groups_from_rollouts, tokenize_trajectory
+
+Reply = tuple[int, dict[str, Any]]
+
+
+@pytest.fixture
+def stub() -> Iterator[tuple[str, list[dict[str, Any]], list[Callable[[dict[str, Any]], Reply]]]]:
+    """A local HTTP server answering POSTs with the scripted replies, in order (the last one repeats)."""
+    requests: list[dict[str, Any]] = []
+    replies: list[Callable[[dict[str, Any]], Reply]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            requests.append(body)
+            status, payload = (replies.pop(0) if len(replies) > 1 else replies[0])(body)
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:  # quiet
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1", requests, replies
+    server.shutdown()
+    server.server_close()
+
+
+def _choice(
+    text: str, *, finish: str = "stop", pieces: list[str] | None = None, offsets: list[int] | None = None
+) -> dict[str, Any]:
+    pieces = list(text) if pieces is None else pieces  # the tiny tokenizer: one token per character
+    logprobs = {"tokens": pieces, "token_logprobs": [-0.5] * len(pieces)}
+    if offsets is not None:
+        logprobs["text_offset"] = offsets
+    return {"text": text, "index": 0, "finish_reason": finish, "logprobs": logprobs}
+
+
+def _ok(*choices: dict[str, Any], prompt_tokens: int | None = None) -> Callable[[dict[str, Any]], Reply]:
+    def reply(body: dict[str, Any]) -> Reply:
+        usage = {"prompt_tokens": prompt_tokens if prompt_tokens is not None else len(body["prompt"])}
+        return 200, {"choices": list(choices), "usage": usage}
+
+    return reply
+
+
+def _status(code: int) -> Callable[[dict[str, Any]], Reply]:
+    return lambda body: (code, {"error": f"status {code}"})
+
+
+def test_g_samples_per_prompt_from_a_server_that_ignores_n(stub) -> None:
+    url, requests, replies = stub
+    tokenizer = tiny_tokenizer()
+    replies.append(_ok(_choice("42")))  # one choice per request, like llama-cpp-python
+    backend = OpenAIBackend(url, tokenizer, max_concurrency=2, timeout=10)
+    rollouts = backend.generate(["ab", "c"], group_size=3, max_new_tokens=4, seed=7)
+    assert len(rollouts) == 6 and rollouts.prompt_ids[:3] == [[68, 69]] * 3  # sample-major
+    assert rollouts.completion_ids[0] == [*tokenizer("42", add_special_tokens=False).input_ids, 2]
+    assert rollouts.sampler_logprobs[0][:2] == [-0.5, -0.5] and math.isnan(rollouts.sampler_logprobs[0][2])
+    assert rollouts.truncated == [False] * 6 and rollouts.completions == ["42"] * 6
+    assert len({r["seed"] for r in requests}) == 6  # every request its own seed
+    assert {r["n"] for r in requests if r["prompt"] == "ab"} == {3, 2, 1}
+    assert all(r["top_k"] == 0 and r["min_p"] == 0.0 and r["logprobs"] == 1 for r in requests)
+
+
+def test_transient_errors_are_retried(stub) -> None:
+    url, requests, replies = stub
+    replies += [_status(503), _status(429), _ok(_choice("7", finish="length"))]
+    rollouts = OpenAIBackend(url, tiny_tokenizer(), timeout=20).generate(
+        ["x"], group_size=1, max_new_tokens=1
+    )
+    assert (
+        len(requests) == 3
+        and rollouts.truncated == [True]
+        and rollouts.completion_ids == [[tiny_tokenizer().convert_tokens_to_ids("7")]]
+    )
+
+
+def test_a_server_that_keeps_failing_gives_a_clear_error_after_the_timeout(stub) -> None:
+    url, _, replies = stub
+    replies.append(_status(503))
+    with pytest.raises(ServerError, match=r"no answer after \d+ attempt\(s\) in 2s \(last error: HTTP 503"):
+        OpenAIBackend(url, tiny_tokenizer(), timeout=2.0, max_retries=100).generate(
+            ["x"], group_size=1, max_new_tokens=1
+        )
+    replies[0] = _status(400)  # a bad request is not retried
+    with pytest.raises(ServerError, match="rejected the request: HTTP 400"):
+        OpenAIBackend(url, tiny_tokenizer(), timeout=20).generate(["x"], group_size=1, max_new_tokens=1)
+
+
+def test_nothing_listening_is_a_clear_error() -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    with pytest.raises(ServerError, match="Is the server running"):
+        OpenAIBackend(f"http://127.0.0.1:{port}/v1", tiny_tokenizer(), timeout=1.0).generate(
+            ["x"], group_size=1, max_new_tokens=1
+        )
+
+
+def test_misaligned_server_tokens_raise_a_clear_error(stub) -> None:
+    url, _, replies = stub
+    backend = OpenAIBackend(url, tiny_tokenizer(), timeout=10)
+    replies.append(_ok(_choice("ab", pieces=["ab"])))  # a token the trainer's vocabulary splits in two
+    with pytest.raises(
+        AlignmentError, match=r"the server's token 'ab' is not one token of the trainer's tokenizer"
+    ):
+        backend.generate(["x"], group_size=1, max_new_tokens=2)
+    replies[0] = _ok(_choice("ab", pieces=["a", "c"]))  # tokens that do not spell the text
+    with pytest.raises(AlignmentError, match=r"decode to 'ac'.*completion text is 'ab'"):
+        backend.generate(["x"], group_size=1, max_new_tokens=2)
+    replies[0] = _ok(_choice("a"), prompt_tokens=5)  # the server tokenised the prompt differently
+    with pytest.raises(AlignmentError, match="into 5 tokens, the trainer into 1"):
+        backend.generate(["x"], group_size=1, max_new_tokens=2)
+    with pytest.raises(ValueError, match="untempered"):
+        backend.generate(["x"], group_size=1, max_new_tokens=2, temperature=0.7)
+
+
+def test_tokens_of_partial_characters_are_resolved_from_their_text_or_refused(stub) -> None:
+    url, _, replies = stub
+    tokenizer = tiny_tokenizer()
+    backend = OpenAIBackend(url, tokenizer, timeout=10)
+    # like llama-cpp-python: two tokens of one multi-byte character each decode to "" at the same offset
+    replies.append(_ok(_choice("abc", pieces=["", "", "c"], offsets=[40, 40, 42])))
+    rollouts = backend.generate(["x"], group_size=1, max_new_tokens=3)
+    assert rollouts.completion_ids[0] == [*tokenizer("abc", add_special_tokens=False).input_ids, 2]
+    replies[0] = _ok(_choice("abc", pieces=["", "c"], offsets=[40, 42]))  # 1 token cannot spell "ab" here
+    with pytest.raises(AlignmentError, match=r"1 tokens of partial characters spelling 'ab'.*splits into 2"):
+        backend.generate(["x"], group_size=1, max_new_tokens=3)
+    # misaligned="resample": the bad sample is drawn again (and counted) instead of raising
+    replies[:] = [_ok(_choice("abc", pieces=["", "c"], offsets=[40, 42])), _ok(_choice("ok"))]
+    resampling = OpenAIBackend(url, tokenizer, timeout=10, misaligned="resample")
+    rollouts = resampling.generate(["x"], group_size=1, max_new_tokens=3)
+    assert rollouts.completions == ["ok"] and resampling.resampled == 1
+
+
+# ---- the real engine -------------------------------------------------------------------------------------
+def _smollm2_gguf():
+    from gspo.models import default_model_file
+
+    try:
+        return default_model_file()
+    except FileNotFoundError as error:
+        pytest.skip(f"no SmolLM2 GGUF file: {error}")
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[tuple[str, Any]]:
+    """llama-cpp-python's server on the SmolLM2 Q4_1 GGUF file, and the trainer's tokenizer of that file."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip(
+            "llama-cpp-python is not installed (CMAKE_ARGS=\"-DGGML_NATIVE=OFF\" pip install 'gspo[server]'): "
+            "the real-server tests skip"
+        )
+    path = _smollm2_gguf()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    try:
+        server = llama_cpp_server(path, n_ctx=512, threads=1)
+        url = server.__enter__()
+    except RuntimeError as error:
+        pytest.skip(f"llama-cpp-python's server could not start: {error}")
+    yield url, tokenizer
+    server.__exit__(None, None, None)
+
+
+def test_real_server_returns_g_completions_per_prompt_with_aligned_logprobs(engine) -> None:
+    url, tokenizer = engine
+    messages = [[{"role": "user", "content": "What is 2+3?"}], [{"role": "user", "content": "Say hi."}]]
+    prompts = [format_prompt(tokenizer, m[0]["content"]) for m in messages]
+    backend = OpenAIBackend(url, tokenizer, max_concurrency=2, timeout=120)
+    rollouts = backend.generate(prompts, group_size=2, max_new_tokens=8, seed=0)
+    assert len(rollouts) == 4
+    eos = tokenizer.eos_token_id
+    for i in range(4):
+        ids, logprobs = rollouts.completion_ids[i], rollouts.sampler_logprobs[i]
+        assert rollouts.prompt_ids[i] == tokenizer(prompts[i // 2], add_special_tokens=False).input_ids
+        assert 0 < len(ids) == len(logprobs) <= 9
+        assert tokenizer.decode(ids[:-1] if ids[-1] == eos else ids) == rollouts.completions[i]
+        # llama.cpp does not report the EOS it stopped on: that one log-prob is unknown, the rest are real
+        known = logprobs[:-1] if ids[-1] == eos else logprobs
+        assert all(math.isfinite(v) and v <= 0 for v in known)
+        assert rollouts.truncated[i] == (ids[-1] != eos)
+    assert (
+        rollouts.completion_ids[0] != rollouts.completion_ids[1]
+        or rollouts.completion_ids[2] != rollouts.completion_ids[3]
+    )
+    # the engine's tokens go into trajectories unchanged
+    groups = groups_from_rollouts(tokenizer, messages, rollouts, [1.0, 0.0, 0.0, 1.0])
+    for k, t in enumerate(t for g in groups for t in g.trajectories):
+        tok = tokenize_trajectory(tokenizer, t)
+        assert tok.prompt_ids == rollouts.prompt_ids[k]
+        assert [
+            x for x, turn in zip(tok.completion_ids, tok.turn, strict=True) if turn >= 0
+        ] == rollouts.completion_ids[k]
+
+
+@pytest.mark.slow
+def test_real_server_logprobs_match_the_trainers_recomputation(engine) -> None:
+    """Q4_1 kernels vs the de-quantised fp32 model: close per token, closer per sequence."""
+    url, tokenizer = engine
+    from gspo.config import ModelConfig
+    from gspo.models import load_model
+
+    model, _ = load_model(ModelConfig())
+    prompts = [format_prompt(tokenizer, "What is 4+4?")]
+    rollouts = OpenAIBackend(url, tokenizer, timeout=120).generate(
+        prompts, group_size=2, max_new_tokens=12, seed=1
+    )
+    sequences = [
+        Sequence(p, c, [True] * len(c))
+        for p, c in zip(rollouts.prompt_ids, rollouts.completion_ids, strict=True)
+    ]
+    (mb,) = make_micro_batches(sequences, packed=False, pack_length=1024, micro_batch_tokens=10_000, pad_id=0)
+    with torch.no_grad():
+        logp = causal_lm_logprobs(
+            model,
+            mb.input_ids,
+            attention_mask=mb.attention_mask,
+            position_ids=mb.position_ids,
+            logprob_mask=mb.logprob_mask,
+        )
+    for row, i in enumerate(mb.indices):
+        mine = logp[row][mb.logprob_mask[row]]
+        theirs = torch.tensor(rollouts.sampler_logprobs[i])
+        known = torch.isfinite(theirs)
+        delta = (mine[known] - theirs[known]).abs()
+        assert delta.mean() < 0.1, delta
