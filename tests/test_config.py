@@ -31,7 +31,9 @@ def test_every_field_has_a_docstring() -> None:
 
 def test_default_yaml_equals_the_dataclass_defaults() -> None:
     data = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
-    assert to_dict(load_config(ROOT / "configs" / "default.yaml")) == to_dict(Config())
+    loaded = load_config(ROOT / "configs" / "default.yaml")
+    assert to_dict(loaded) == to_dict(Config())
+    assert list(loaded.rewards) == list(Config().rewards)  # order matters: the first is the eval accuracy
     assert data, "configs/default.yaml should spell the defaults out"
 
 
@@ -48,6 +50,12 @@ def test_overrides_are_typed_and_nested(tmp_path: Path) -> None:
     assert config.rewards == {"correct_number": 2.0}
     assert config.seed == 5
     assert config.train.eps_low is None  # objective default applies later
+
+
+def test_string_fields_take_text_that_yaml_would_read_otherwise() -> None:
+    config = load_config(None, ["task.operations=-", "task.system_prompt=on"])
+    assert config.task.operations == "-"  # YAML alone reads "-" as a list
+    assert config.task.system_prompt == "on"  # and "on" as a bool
 
 
 def test_resolved_config_round_trips(tmp_path: Path) -> None:

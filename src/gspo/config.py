@@ -65,9 +65,9 @@ class TaskConfig:
     """Column holding the user prompt in `data_path`."""
     answer_fields: list[str] = field(default_factory=lambda: ["answer"])
     """Columns passed to the reward functions as keyword arguments."""
-    num_train: int = 2000
+    num_train: int = 60
     """Number of generated training problems (built-in tasks)."""
-    num_eval: int = 100
+    num_eval: int = 40
     """Held-out problems for greedy evaluation, disjoint from the training ones."""
     operand_min: int = 0
     """Smallest operand (arithmetic)."""
@@ -89,7 +89,7 @@ class RolloutConfig:
     """Prompts sampled per rollout batch."""
     group_size: int = 8
     """Completions per prompt (G); advantages are computed within each group."""
-    max_new_tokens: int = 16
+    max_new_tokens: int = 4
     """Completion length limit; a completion without EOS by then is flagged truncated."""
     temperature: float = 1.0
     """Sampling temperature; the trainer's log-probs divide the logits by the same value."""
@@ -111,7 +111,7 @@ class TrainConfig:
     """Upper clip range; None uses the objective's paper default (GSPO 4e-4, GRPO 0.27)."""
     aggregation: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum"] = "seq-mean-token-mean"
     """How per-sequence terms are averaged: the paper's 1/G per sequence, or length-weighted variants."""
-    steps: int = 30
+    steps: int = 40
     """Rollout batches to train on; each gives `minibatches_per_rollout` optimizer updates."""
     minibatches_per_rollout: int = 4
     """Optimizer updates per rollout batch (the paper uses 4); all but the first are off-policy."""
@@ -160,7 +160,7 @@ class TrainConfig:
 class EvalConfig:
     every: int = 10
     """Greedy evaluation on the held-out split every this many steps (and before and after training)."""
-    max_new_tokens: int = 16
+    max_new_tokens: int = 4
     """Completion length limit at evaluation."""
     batch_size: int = 100
     """Prompts generated at once during evaluation."""
@@ -204,7 +204,9 @@ class Config:
     """Optional LoRA adapters (peft)."""
     task: TaskConfig = field(default_factory=TaskConfig)
     """Prompts and answers."""
-    rewards: dict[str, float] = field(default_factory=lambda: {"exact_answer": 1.0})
+    rewards: dict[str, float] = field(
+        default_factory=lambda: {"exact_answer": 1.0, "correct_number": 0.5, "number_format": 0.25}
+    )
     """Reward functions and weights: built-in names or "file.py:function"; the first is the eval accuracy."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Sampling of completions."""
@@ -319,6 +321,13 @@ def _apply(target: Any, values: dict[str, Any], prefix: str) -> None:
             setattr(target, key, _coerce(value, hints[key], where))
 
 
+def _nest(key: str, value: Any) -> dict[str, Any]:
+    nested: dict[str, Any] = {}
+    for part in reversed(key.split(".")):
+        nested = {part: value if not nested else nested}
+    return nested
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Defaults, then the YAML file at `path`, then `section.key=value` overrides (values parsed as YAML)."""
     config = Config()
@@ -336,11 +345,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(
                 f"override {override!r} is not of the form section.key=value (e.g. train.lr=1e-5)"
             )
-        value = yaml.safe_load(raw) if raw else ""
-        nested: dict[str, Any] = value
-        for part in reversed(key.split(".")):
-            nested = {part: nested}
-        _apply(config, nested, "")
+        try:
+            _apply(config, _nest(key, yaml.safe_load(raw) if raw else ""), "")
+        except (ConfigError, yaml.YAMLError) as error:
+            # YAML reads some plain strings as other types ("-" is a list, "on" a bool): a string field
+            # takes the text as written
+            try:
+                _apply(config, _nest(key, raw), "")
+            except ConfigError:
+                raise error from None
     validate(config)
     return config
 
@@ -449,6 +462,8 @@ def describe(cls: type = Config, indent: str = "") -> str:
             lines.append(f"{indent}{f.name}:")
             lines.append(describe(type(value), indent + "  "))
         else:
-            dumped = yaml.safe_dump({f.name: value}, default_flow_style=True, width=1000).strip()[1:-1]
+            dumped = yaml.safe_dump(
+                {f.name: value}, default_flow_style=True, width=1000, sort_keys=False
+            ).strip()[1:-1]
             lines.append(f"{indent}{dumped}")
     return "\n".join(lines)
