@@ -322,9 +322,10 @@ def _apply(target: Any, values: dict[str, Any], prefix: str) -> None:
 
 
 def _nest(key: str, value: Any) -> dict[str, Any]:
-    nested: dict[str, Any] = {}
-    for part in reversed(key.split(".")):
-        nested = {part: value if not nested else nested}
+    *sections, leaf = key.split(".")
+    nested: dict[str, Any] = {leaf: value}
+    for part in reversed(sections):
+        nested = {part: nested}
     return nested
 
 
