@@ -72,14 +72,13 @@ def fused_prototype_step(
     grad_weight = torch.zeros_like(weight)
     logp = torch.empty(n, device=hidden.device)
     logits_buf = torch.empty(min(chunk_size, n), vocab, device=hidden.device)
-    log_pi_buf = torch.empty_like(logits_buf)
     for start in range(0, n, chunk_size):
         end = min(start + chunk_size, n)
         h_c, t_c, g_c = hidden[start:end], targets[start:end], upstream[start:end, None]
         logits = torch.mm(h_c, weight.T, out=logits_buf[: end - start])
-        log_pi = torch.log_softmax(logits, dim=-1, out=log_pi_buf[: end - start])
+        log_pi = torch.log_softmax(logits, dim=-1, out=logits)  # in place, as gspo.logprobs does
         logp[start:end] = log_pi.gather(1, t_c[:, None]).squeeze(1)
-        pi = torch.exp(log_pi, out=logits)
+        pi = log_pi.exp_()
         grad_hidden[start:end] = (weight[t_c] - pi @ weight) * g_c
         grad_weight.addmm_(pi.T, h_c * g_c, alpha=-1.0)
         grad_weight.index_add_(0, t_c, h_c * g_c)
@@ -233,7 +232,9 @@ def main() -> None:
     )
     columns = ["device", "N", "chunk", "naive peak", "chunked peak", "memory"]
     columns += ["naive time", "chunked time", "time ratio", "CPU-time ratio"]
-    fused_rows, how = [], "?"
+    if args.fused:
+        columns += ["fused-1pass / chunked", "fused-2pass / chunked"]
+    how = "?"
     print("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns), flush=True)
     for device in devices:
         args.device = device
@@ -254,7 +255,7 @@ def main() -> None:
             if device != "cpu":
                 cpu = {}
             naive_mem = memory["naive"]
-            for c in chunk_sizes:
+            for i, c in enumerate(chunk_sizes):
                 chunked_mem = memory[f"chunked:{c}"]
                 how = chunked_mem.get("how", how)
                 cells = [device, str(n), str(c)]
@@ -266,26 +267,18 @@ def main() -> None:
                 cells += [_fmt_time(wall.get(k), timing) for k in ("naive:0", f"chunked:{c}")]
                 cells.append(_fmt_ratio(wall, "naive:0", f"chunked:{c}"))
                 cells.append(_fmt_ratio(cpu, "naive:0", f"chunked:{c}"))
+                if args.fused:
+                    # wall-clock ratio of medians (CPU-time ratio), at the first chunk size only
+                    for m in ("fused-1pass", "fused-2pass"):
+                        base, other = f"chunked:{c}", f"{m}:{c}"
+                        cells.append(
+                            f"{_fmt_ratio(wall, base, other)} ({_fmt_ratio(cpu, base, other)})"
+                            if i == 0
+                            else "-"
+                        )
                 print("| " + " | ".join(cells) + " |", flush=True)
-            if args.fused:
-                c = chunk_sizes[0]
-                cells = [device, str(n), str(c)]
-                cells += [
-                    _fmt_time(wall.get(f"{m}:{c}"), timing) for m in ("chunked", "fused-1pass", "fused-2pass")
-                ]
-                for m in ("fused-1pass", "fused-2pass"):
-                    cells.append(
-                        f"{_fmt_ratio(wall, f'chunked:{c}', f'{m}:{c}')} / {_fmt_ratio(cpu, f'chunked:{c}', f'{m}:{c}')}"
-                    )
-                fused_rows.append(cells)
     print(f"memory: {how} of one step, fresh subprocess per case; time: median (min) wall-clock")
     print(f"load average at end {os.getloadavg()[0]:.1f}")
-    if fused_rows:
-        columns = ["device", "N", "chunk", "chunked time", "fused-1pass time", "fused-2pass time"]
-        columns += ["fused-1pass / chunked (wall / CPU)", "fused-2pass / chunked (wall / CPU)"]
-        print("\n| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
-        for cells in fused_rows:
-            print("| " + " | ".join(cells) + " |")
 
 
 def _fmt_time(median_min: tuple[float, float] | None, timing: dict) -> str:

@@ -108,6 +108,25 @@ def test_unused_entropy_changes_nothing():
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("chunk_size", [7, 100])  # several chunks, one chunk
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_second_backward_with_retain_graph_is_exact(chunk_size, with_entropy):
+    """The backward consumes the forward's last block in place; a second backward must recompute it."""
+    hidden, weight, bias, targets, upstream = make_head_inputs(seed=9, with_bias=True)
+    out = token_logprobs(
+        hidden, weight, targets, chunk_size=chunk_size, lm_head_bias=bias, return_entropy=with_entropy
+    )
+    loss = (out[0] * upstream + out[1]).sum() if with_entropy else (out * upstream).sum()
+    first = torch.autograd.grad(loss, (hidden, weight, bias), retain_graph=True)
+    second = torch.autograd.grad(loss, (hidden, weight, bias))
+    for a, b in zip(first, second, strict=True):
+        torch.testing.assert_close(a, b, **FP32)
+    ref_logp, ref_entropy = naive_logprobs_entropy(hidden, weight, targets, bias=bias)
+    ref_loss = (ref_logp * upstream + ref_entropy).sum() if with_entropy else (ref_logp * upstream).sum()
+    for a, b in zip(second, grads_of(ref_loss, (hidden, weight, bias)), strict=True):
+        torch.testing.assert_close(a, b, **FP32)
+
+
 def test_tied_embedding_grads_accumulate_like_naive():
     """Head weight = input embedding: grads flow through the lookup and through the head."""
     gen = torch.Generator().manual_seed(3)

@@ -6,12 +6,14 @@ are 1.6 GB of fp32 logits, and ``log_softmax`` plus its backward need three to f
 
 - forward: for each chunk of tokens, logits = h_c W^T / T (fp32), log pi(target) and optionally the
   entropy; only (N,) results are kept;
-- backward: the chunk's logits are recomputed and the gradients for hidden, weight and bias are built
-  from the softmax of the chunk, so nothing of size (N, V) is saved between forward and backward.
+- backward: each chunk's logits are recomputed (except the last chunk's, whose log-softmax the
+  forward leaves in its buffer) and the gradients for hidden, weight and bias are built from the
+  chunk's softmax, so nothing of size (N, V) is kept between forward and backward.
 
-Cost: one extra (N x H x V) matmul (four instead of three) in exchange for memory that does not grow
-with N beyond (N, H). The chunk buffers are allocated once per call and reused, which on CPU also
-avoids the page faults that fresh multi-GB buffers cost the naive path (see docs/logprobs.md).
+Cost: one extra (N x H x V) matmul (four instead of three), less one chunk's, in exchange for memory
+that does not grow with N beyond (N, H). The (chunk, V) buffer is allocated once per call, reused,
+and (log-)softmax runs in place in it, which on CPU also avoids the page faults and memory passes that
+fresh multi-GB buffers cost the naive path (see docs/logprobs.md).
 
 ``causal_lm_logprobs`` runs a transformers causal LM up to its final hidden states (not its head),
 gathers only the positions that are scored and applies ``token_logprobs`` with the model's own output
@@ -32,9 +34,10 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
-# Tuned on a 2-core AVX-512 CPU for H=576, V=49,152 (docs/logprobs.md): 512 is as fast as 1024 within
-# noise and keeps the step's peak memory >= 8x below the naive path's from N = 4096 tokens on.
+# Tuned on a 2-core AVX-512 CPU for H=576, V=49,152 (docs/logprobs.md): at N = 8192 tokens, 1024 is
+# as fast as the naive path (512: 1.08x) with a 12x lower peak (512: 17x).
 DEFAULT_CHUNK_SIZE = 1024
 
 # (Log-)softmax is computed in place, out= aliasing its input: the kernels (CPU and CUDA) read each
@@ -65,8 +68,9 @@ def token_logprobs(
         weight: (V, H) LM head (output embedding) weight; may be tied to the input embedding, the
             gradients then accumulate on the shared parameter as usual.
         targets: (N,) long token ids in [0, V).
-        chunk_size: tokens per chunk; the extra memory is one (chunk_size, V) fp32 buffer (two when
-            the entropy is returned or differentiated), plus (V, H) fp32 for the weight's gradient.
+        chunk_size: tokens per chunk; the extra memory is one (chunk_size, V) fp32 buffer, held from
+            the forward to the backward when grads are needed (two while the entropy is computed or
+            differentiated), plus (V, H) fp32 for the weight's gradient.
         temperature: sampling temperature (> 0) the rollouts were drawn with.
         lm_head_bias: optional (V,) bias of the head.
         return_entropy: also return the entropy of pi per token; it is differentiable, and costs
@@ -83,7 +87,7 @@ def token_logprobs(
         return _ChunkedTokenLogprobs.apply(
             hidden, weight, lm_head_bias, targets, chunk_size, temperature, return_entropy
         )
-    logp, entropy = _forward_chunks(
+    logp, entropy, _ = _forward_chunks(
         hidden, weight, lm_head_bias, targets, chunk_size, temperature, return_entropy
     )
     return (logp, entropy) if return_entropy else logp
@@ -143,7 +147,9 @@ def _forward_chunks(
     chunk_size: int,
     temperature: float,
     return_entropy: bool,
-) -> tuple[Tensor, Tensor | None]:
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """log-probs (N,), entropy (N,) or None, and the (chunk, V) buffer: its first rows hold log pi of
+    the last chunk."""
     n, vocab = hidden.shape[0], weight.shape[0]
     device = hidden.device
     weight32, bias32 = _fp32_head(weight, bias, temperature)
@@ -163,11 +169,15 @@ def _forward_chunks(
             # H = -sum_j pi_j log pi_j   (c,)
             pi = torch.exp(log_pi, out=pi_buf[:c])
             entropy[start:end] = _row_dot(pi, log_pi).neg_()
-    return logp, entropy
+    return logp, entropy, logits_buf
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
-    """Forward keeps only (N,) outputs; backward recomputes each chunk's logits.
+    """Forward keeps the (N,) outputs and the last chunk's log pi; backward recomputes the other chunks.
+
+    Keeping the last block (it is the forward's buffer, so no extra peak memory) saves one chunk's
+    logits matmul: the whole recompute when N <= chunk_size. The backward consumes it in place; a
+    second backward (retain_graph) recomputes every chunk.
 
     With u = h W^T + b, z = u / T, pi = softmax(z), g = dL/dlogp, e = dL/dentropy:
         dL/dz_ij = g_i [j = t_i] - pi_ij g_i - e_i pi_ij (log pi_ij + H_i)
@@ -176,19 +186,22 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk_size, temperature, return_entropy):
-        logp, entropy = _forward_chunks(
+        logp, entropy, last_log_pi = _forward_chunks(
             hidden, weight, bias, targets, chunk_size, temperature, return_entropy
         )
         ctx.save_for_backward(hidden, weight, bias, targets, entropy)
+        ctx.last_log_pi = last_log_pi
         ctx.chunk_size = chunk_size
         ctx.temperature = temperature
         ctx.set_materialize_grads(False)
         return (logp, entropy) if return_entropy else logp
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_logp, grad_entropy=None):
         hidden, weight, bias, targets, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        last_log_pi, ctx.last_log_pi = ctx.last_log_pi, None
         if grad_logp is None and grad_entropy is None:
             return None, None, None, None, None, None, None
         grads = _backward_chunks(
@@ -199,6 +212,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             entropy,
             grad_logp,
             grad_entropy,
+            last_log_pi,
             ctx.chunk_size,
             ctx.temperature,
             (need_h, need_w, need_b),
@@ -214,6 +228,7 @@ def _backward_chunks(
     entropy: Tensor | None,
     grad_logp: Tensor | None,
     grad_entropy: Tensor | None,
+    last_log_pi: Tensor | None,
     chunk_size: int,
     temperature: float,
     needs: tuple[bool, bool, bool],
@@ -239,16 +254,24 @@ def _backward_chunks(
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device) if need_w else None
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if need_b else None
 
-    logits_buf = torch.empty(min(chunk_size, n), vocab, dtype=torch.float32, device=device)
+    if last_log_pi is None:
+        logits_buf = torch.empty(min(chunk_size, n), vocab, dtype=torch.float32, device=device)
+    else:
+        logits_buf = last_log_pi
     pi_buf = None if grad_entropy is None else torch.empty_like(logits_buf)
-    for start in range(0, n, chunk_size):
+    starts = list(range(0, n, chunk_size))
+    # the last chunk first: its log pi is still in the buffer from the forward, no recompute
+    for i, start in enumerate(starts[-1:] + starts[:-1]):
         end = min(start + chunk_size, n)
         c = end - start
-        logits = _chunk_logits(hidden[start:end], weight32, bias32, temperature, logits_buf[:c])
+        log_pi = logits_buf[:c] if i == 0 and last_log_pi is not None else None
+        if log_pi is None:
+            logits = _chunk_logits(hidden[start:end], weight32, bias32, temperature, logits_buf[:c])
         if pi_buf is None:
-            block = torch.softmax(logits, dim=-1, out=logits)
+            block = torch.softmax(logits, dim=-1, out=logits) if log_pi is None else log_pi.exp_()
         else:
-            log_pi = torch.log_softmax(logits, dim=-1, out=logits)
+            if log_pi is None:
+                log_pi = torch.log_softmax(logits, dim=-1, out=logits)
             pi = torch.exp(log_pi, out=pi_buf[:c])
             block = log_pi.add_(entropy[start:end, None]).mul_(e[start:end, None])
             block.add_(g[start:end, None]).mul_(pi)
@@ -261,7 +284,7 @@ def _backward_chunks(
             grad_weight.addmm_(block.T, hidden32[start:end] * s_c, alpha=-1.0)
         if need_b:
             grad_bias.addmv_(block.T, s_c.squeeze(1), alpha=-1.0)
-    del logits_buf, pi_buf
+    del logits_buf, pi_buf, last_log_pi
     if need_w:
         grad_weight.index_add_(0, targets, hidden32 * g_over_t[:, None])
     if need_b:
