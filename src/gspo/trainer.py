@@ -36,7 +36,7 @@ from gspo.config import Config, ConfigError, load_config, save_config, validate_
 from gspo.data import TASKS, Example, PromptStream, arithmetic_task, format_prompt, load_examples, split_eval
 from gspo.logprobs import causal_lm_logprobs
 from gspo.losses import PACKED_OBJECTIVES
-from gspo.metrics import MetricsLogger, mean_metrics
+from gspo.metrics import MetricsLogger, mean_metrics, tensors_to_floats
 from gspo.mismatch import mismatch_metrics, sampler_log_ratios, truncated_is_weights
 from gspo.models import add_lora, is_lora, load_model
 from gspo.rewards import RewardError, RewardFunction, compute_rewards, resolve_reward
@@ -93,11 +93,18 @@ def _fields(examples: list[Example]) -> dict[str, list[Any]]:
     return {k: [ex.fields[k] for ex in examples] for k in keys}
 
 
+def _as_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
+    tensors = {k: v for k, v in metrics.items() if isinstance(v, torch.Tensor)}
+    values = dict(zip(tensors, tensors_to_floats(list(tensors.values())), strict=True))
+    return {k: values.get(k, v) for k, v in metrics.items()}
+
+
 def _reduce_metrics(items: list[Mapping[str, Any]]) -> dict[str, float]:
     """Mean over minibatches, except extremes (min of *_min, max of *_max) and counts (sum of num_*)."""
+    items = [_as_floats(m) for m in items]  # one sync per item, not one per key
     means = mean_metrics(items)
     for key in means:
-        values = [float(m[key]) for m in items if key in m]
+        values = [m[key] for m in items if key in m]
         if key.endswith("_min"):
             means[key] = min(values)
         elif key.endswith("_max"):
@@ -348,7 +355,7 @@ class Trainer:
         # loss, and the ranks' gradients are summed (not averaged: see distributed.wrap_model)
         normalizer = distributed.all_reduce_sum(normalizer)
         self.optimizer.zero_grad(set_to_none=True)
-        metrics, loss_total = [], 0.0
+        metrics, losses = [], []
         moved = moe.RoutingDifference()  # MoE: the current routers' own choices vs the old policy's
         for j, mb in enumerate(micro):
             distributed.set_gradient_sync(self.scorer, j == len(micro) - 1)  # DDP: sum once, at the end
@@ -372,7 +379,7 @@ class Trainer:
                 beta=cfg.beta,
             )  # fmt: skip
             loss.backward()
-            loss_total += float(loss.detach())
+            losses.append(loss.detach())  # read back once, after the loop
             if mb.indices:  # not an idle micro-batch (distributed padding)
                 metrics.append(m)
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -382,7 +389,7 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         out = _reduce_metrics(distributed.all_gather_metrics(metrics))  # all ranks' micro-batches
-        out["loss"] = distributed.all_reduce_sum(loss_total)
+        out["loss"] = distributed.all_reduce_sum(float(torch.stack(losses).sum()))
         out["grad_norm"] = float(grad_norm)
         if routes is not None:  # learn() renames them by the number of updates before this one
             out.update(moved.metrics("live_"))
