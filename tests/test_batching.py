@@ -93,3 +93,17 @@ def test_packing_probe_passes_on_a_real_tiny_llama() -> None:
     model = tiny_model("llama", vocab_size=99, seed=0)
     with torch.no_grad():
         assert packing_is_exact(lambda mb: _score(model, mb, Config()), vocab_size=99, pad_id=0)
+
+
+def test_a_micro_batch_moves_every_tensor_and_keeps_its_indices() -> None:
+    for packed in (True, False):
+        (mb,) = make_micro_batches(_sequences(), packed=packed, pack_length=64, micro_batch_tokens=1024, pad_id=0)
+        assert mb.to(torch.device("cpu")) is mb  # already there: no copy
+        moved = mb.to(torch.device("meta"))
+        assert moved.indices == mb.indices
+        for name in ("input_ids", "position_ids", "logprob_mask", "segment_ids"):
+            tensor = getattr(moved, name)
+            assert tensor.device.type == "meta"
+            assert (tensor.shape, tensor.dtype) == (getattr(mb, name).shape, getattr(mb, name).dtype)
+        assert (moved.attention_mask is None) == packed
+        assert packed or moved.attention_mask.device.type == "meta"

@@ -78,6 +78,8 @@ def test_resolved_config_round_trips(tmp_path: Path) -> None:
         ("train", "is not of the form section.key=value"),
         ("train=3", "train: expected a mapping of its fields"),
         ("task.name=file", "task.name=file needs task.data_path"),
+        ("device=gpu", 'device must be "auto", "cpu", "cuda" or "cuda:N", got \'gpu\''),
+        ("train.mixed_precision=fp8", "train.mixed_precision: 'fp8' is not one of 'auto', 'bf16', 'none'"),
     ],
 )
 def test_bad_input_names_the_field(override: str, message: str) -> None:

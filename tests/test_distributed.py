@@ -112,10 +112,10 @@ def _config(run_dir: Path, *overrides: str):
     )
 
 
-def _learn_config(run_dir: Path, wrapper: str):
+def _learn_config(run_dir: Path, wrapper: str, precision: str = "none"):
     return _config(
         run_dir, f"distributed.wrapper={wrapper}", "train.micro_batch_tokens=40", "train.pack_length=20",
-        *LEARN_OVERRIDES[wrapper],
+        f"train.mixed_precision={precision}", *LEARN_OVERRIDES[wrapper],
     )  # fmt: skip
 
 
@@ -147,10 +147,10 @@ def _full_parameters(model) -> dict[str, torch.Tensor]:
     return {k: distributed._full(v).detach().clone() for k, v in model.state_dict().items()}
 
 
-def _scenario_learn(rank: int, out: Path, wrapper: str) -> dict[str, Any]:
+def _scenario_learn(rank: int, out: Path, wrapper: str, precision: str = "none") -> dict[str, Any]:
     from gspo.trainer import Trainer
 
-    trainer = Trainer(_learn_config(out / f"learn_{wrapper}", wrapper))
+    trainer = Trainer(_learn_config(out / f"learn_{wrapper}_{precision}", wrapper, precision))
     sequences, advantages, sampler = _fixed_batch()
     start = sum(RANK_SIZES[:rank])
     mine = slice(start, start + RANK_SIZES[rank])
@@ -197,6 +197,8 @@ SCENARIOS = {
     "split": _scenario_split,
     "learn_ddp": lambda rank, out: _scenario_learn(rank, out, "ddp"),
     "learn_fsdp2": lambda rank, out: _scenario_learn(rank, out, "fsdp2"),
+    "learn_ddp_bf16": lambda rank, out: _scenario_learn(rank, out, "ddp", "bf16"),
+    "learn_fsdp2_bf16": lambda rank, out: _scenario_learn(rank, out, "fsdp2", "bf16"),
     "resume_ddp": lambda rank, out: _scenario_resume(rank, out, "ddp"),
     "resume_fsdp2": lambda rank, out: _scenario_resume(rank, out, "fsdp2"),
     "reward_failure": _scenario_reward_failure,
@@ -285,6 +287,30 @@ def test_two_ranks_make_the_one_process_updates(distributed_runs, tmp_path, wrap
                 torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_bf16_mixed_precision_under_two_ranks_matches_one_process(distributed_runs, tmp_path, wrapper):
+    """bf16 compute, fp32 master weights and reduction (DDP: autocast; FSDP2: MixedPrecisionPolicy).
+
+    The ranks and the single process round to bf16 on different micro-batch layouts, so the match is
+    to bf16 precision, not exact; the fp32 run shows the bf16 one did not silently compute in fp32."""
+    from gspo.trainer import Trainer
+
+    ranks = _result(distributed_runs[1], f"learn_{wrapper}_bf16")
+    single = Trainer(_learn_config(tmp_path / "single", wrapper, "bf16"))
+    history = _learn(single, *_fixed_batch())
+    expected = _full_parameters(single.model)
+    fp32 = _result(distributed_runs[1], f"learn_{wrapper}")[0]["params"]
+    start = {k: v for k, v in Trainer(_learn_config(tmp_path / "start", wrapper)).model.state_dict().items()}
+    moved = sum(float((expected[k] - start[k]).abs().sum()) for k in expected)
+    for r in ranks:
+        assert {v.dtype for v in r["params"].values()} == {torch.float32}
+        off = sum(float((r["params"][k] - expected[k]).abs().sum()) for k in expected)
+        assert off < 0.05 * moved, f"{off:.3g} vs an update of {moved:.3g}"
+        for got, want in zip(r["history"], history, strict=True):
+            torch.testing.assert_close(got["loss"], want["loss"], rtol=0.05, atol=1e-3)
+    assert any(not torch.equal(fp32[k], ranks[0]["params"][k]) for k in fp32)
+
+
 def _train_lines(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith("time_")} for r in read_metrics(run_dir)]
 
@@ -347,3 +373,27 @@ def test_torchrun_runs_the_cli_on_two_processes(tmp_path):
     assert [r["step"] for r in lines if r["kind"] == "eval"] == [0, 2]
     assert (run / "summary.md").is_file()
     AutoModelForCausalLM.from_pretrained(latest_checkpoint(run) / "model")
+
+
+def test_device_resolution_picks_the_rank_gpu_and_names_the_fix(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert distributed.resolve_device("auto") == torch.device("cpu")
+    assert distributed.resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ConfigError, match=r"device=cuda but torch sees no CUDA GPU.*set device=cpu"):
+        distributed.resolve_device("cuda")
+    # a machine with 2 GPUs, seen by torchrun's rank with LOCAL_RANK=1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert distributed.resolve_device("auto") == torch.device("cuda", 1)
+    assert distributed.resolve_device("cuda") == torch.device("cuda", 1)
+    assert distributed.resolve_device("cuda:0") == torch.device("cuda", 0)
+    with pytest.raises(ConfigError, match="this machine has 2 GPU"):
+        distributed.resolve_device("cuda:2")
+
+
+def test_mixed_precision_is_bf16_on_gpus_by_default_and_on_request_elsewhere():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert distributed.compute_dtype("auto", cpu) is None
+    assert distributed.compute_dtype("bf16", cpu) is torch.bfloat16
+    assert distributed.compute_dtype("none", gpu) is None

@@ -54,6 +54,26 @@ def test_one_step_changes_parameters_with_finite_metrics(tmp_path: Path, objecti
     assert metrics["sampler_logprob_abs_diff"] < 1e-3  # the sampler and the trainer agree on fp32 CPU
 
 
+def test_bf16_mixed_precision_computes_in_bf16_and_keeps_fp32_master_weights(tmp_path: Path) -> None:
+    common = ("train.steps=1", "checkpoint.every=0")
+    exact = Trainer(_config(tmp_path / "fp32", *common))
+    mixed = Trainer(_config(tmp_path / "bf16", "train.mixed_precision=bf16", *common))
+    sequences = [Sequence([5, 6, 7, 8], [9, 10, 11], [True] * 3), Sequence([12, 13], [14, 15], [True] * 2)]
+    (mb,) = make_micro_batches(sequences, packed=True, pack_length=64, micro_batch_tokens=1024, pad_id=0)
+    with torch.no_grad():  # the same initial weights, scored in fp32 and in bf16
+        gap = (_score(exact.scorer, mb, exact.config) - _score(mixed.scorer, mb, mixed.config)).abs().max()
+    assert 1e-5 < gap < 0.05, "bf16 rounding shows in the log-probs, and only rounding"
+
+    before = {k: v.clone() for k, v in mixed.model.state_dict().items()}
+    metrics = mixed.train_step()
+    assert all(torch.isfinite(torch.tensor(float(v))) for v in metrics.values()), metrics
+    assert metrics["ratio_token_min"] <= 1.0 <= metrics["ratio_token_max"]  # first minibatch on-policy
+    params = dict(mixed.model.named_parameters())
+    assert {p.dtype for p in params.values()} == {torch.float32}  # master weights
+    assert {p.grad.dtype for p in params.values() if p.grad is not None} == {torch.float32}
+    assert any(not torch.equal(before[k], p) for k, p in params.items())
+
+
 def test_two_seeded_runs_give_identical_metrics(tmp_path: Path) -> None:
     train(_config(tmp_path / "a", "train.steps=2"))
     train(_config(tmp_path / "b", "train.steps=2"))

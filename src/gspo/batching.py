@@ -9,6 +9,7 @@ cost of a row; micro-batches hold rows up to a token budget so a minibatch of an
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,6 +48,17 @@ class MicroBatch:
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel()
+
+    def to(self, device: torch.device) -> MicroBatch:
+        """The same micro-batch with its tensors on ``device`` (itself when they already are)."""
+        if self.input_ids.device == device:
+            return self
+        moved = {
+            f.name: getattr(self, f.name).to(device, non_blocking=True)
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return dataclasses.replace(self, **moved)
 
 
 def _first_fit_rows(lengths: list[int], pack_length: int) -> list[list[int]]:

@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import inspect
 import itertools
+import re
 import textwrap
 import types
 import typing
@@ -143,6 +144,11 @@ class TrainConfig:
     """Longest packed row in tokens (bounds the quadratic attention cost of a row)."""
     logprob_chunk_size: int = 1024
     """Tokens per chunk through the LM head (memory bound of the log-prob computation)."""
+    mixed_precision: Literal["auto", "bf16", "none"] = "auto"
+    """"bf16": bf16 compute (autocast; under FSDP2 its MixedPrecisionPolicy) for generation, old-policy,
+    reference and update passes, with fp32 master weights, optimizer state, gradient reduction and
+    log-softmax; "none": the model's own dtype throughout; "auto": bf16 on CUDA GPUs, none on CPUs
+    (bf16 pays on CPUs with AMX or AVX512-BF16 matmuls: measure with benchmarks/train_step.py)."""
     old_logprobs: Literal["recompute", "sampler"] = "recompute"
     """Old-policy log-probs: the trainer's own forward pass at rollout time, or the sampler's (the
     inference engine's; a token it did not report is recomputed). See gspo.mismatch."""
@@ -182,9 +188,6 @@ class DistributedConfig:
     decoder layer. Ignored in a single process. See docs/distributed.md."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend: "auto" is NCCL when training on CUDA GPUs, gloo on CPU."""
-    mixed_precision: Literal["bf16", "none"] = "bf16"
-    """On CUDA only: bf16 compute with fp32 master weights and fp32 gradient reduction (fsdp2 through its
-    MixedPrecisionPolicy, ddp through autocast). CPU training always runs in model.dtype."""
     find_unused_parameters: bool = False
     """Allow parameters that get no gradient in a backward (e.g. MoE experts no token was routed to):
     DDP's find_unused_parameters, FSDP2's zero gradients for unused parameters. Costs a little per step."""
@@ -198,6 +201,9 @@ class Config:
     """Seed for sampling, minibatch order and model initialisation (tiny models)."""
     output_dir: str | None = None
     """Run folder; None: runs/<objective>-<timestamp>."""
+    device: str = "auto"
+    """Where the model trains and generates: "auto" (a CUDA GPU when torch sees one, else the CPU), "cpu",
+    "cuda" or "cuda:N". Under torchrun each rank takes GPU LOCAL_RANK ("cuda" or "auto")."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy model."""
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -423,6 +429,8 @@ def validate(config: Config) -> None:
         raise ConfigError(
             f"distributed.timeout_minutes must be > 0, got {config.distributed.timeout_minutes}"
         )
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", config.device):
+        raise ConfigError(f'device must be "auto", "cpu", "cuda" or "cuda:N", got {config.device!r}')
 
 
 def validate_world(config: Config, num_processes: int) -> None:

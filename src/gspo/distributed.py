@@ -56,18 +56,44 @@ def resolve_backend(requested: str, device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"
 
 
-def init_from_env(config: DistributedConfig, device_type: str = "cpu") -> bool:
+def resolve_device(requested: str) -> torch.device:
+    """The device of ``Config.device``: "auto" is a CUDA GPU when torch sees one, else the CPU; "cuda"
+    (or "auto" on a GPU machine) is GPU LOCAL_RANK, so each torchrun rank on a node takes its own GPU."""
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"device={requested} but torch sees no CUDA GPU (torch {torch.__version__}, CUDA build: "
+            f"{torch.version.cuda}): set device=cpu (or auto), or install a CUDA build of torch"
+        )
+    device = torch.device(requested)
+    if device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if device.index >= torch.cuda.device_count():
+        raise ConfigError(
+            f"device={requested} resolves to {device}, but this machine has {torch.cuda.device_count()} "
+            "GPU(s): pick an index below that, or launch at most that many ranks per node"
+        )
+    return device
+
+
+def init_from_env(config: DistributedConfig, device: torch.device | None = None) -> bool:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
 
     A no-op in a single process or when a group already exists (tests, notebooks); returns whether it
-    created the group. On NCCL each rank also selects GPU LOCAL_RANK.
+    created the group. On a GPU, each rank first selects its ``device`` (NCCL needs it current).
     """
     global _created_group
+    device = device or torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if dist.is_initialized() or launched_world_size() <= 1:
         return False
-    backend = resolve_backend(config.backend, device_type)
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    backend = resolve_backend(config.backend, device.type)
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError("distributed.backend=nccl needs CUDA tensors: set device=cuda (or auto on GPUs)")
     dist.init_process_group(backend, timeout=timedelta(minutes=config.timeout_minutes))
     _created_group = True
     return True
@@ -213,7 +239,8 @@ class LogprobScorer(nn.Module):
     """``forward(input_ids, **kw) = causal_lm_logprobs(model, input_ids, **kw)``: the module that DDP or
     FSDP2 wraps, so that the whole log-prob computation (decoder and LM head) runs inside its hooks.
 
-    ``autocast_dtype``: bf16 compute for DDP on GPU (FSDP2 casts parameters through its own policy).
+    ``autocast_dtype``: mixed precision for DDP or one process (FSDP2 casts parameters through its own
+    policy instead).
     """
 
     def __init__(self, model: nn.Module, autocast_dtype: torch.dtype | None = None) -> None:
@@ -253,20 +280,34 @@ def _fsdp_modules(module: nn.Module) -> list[nn.Module]:
     return [m for m in module.modules() if isinstance(m, fsdp)]
 
 
-def wrap_model(model: nn.Module, config: DistributedConfig, device: torch.device) -> nn.Module:
-    """The policy wrapped for data parallelism (``config.wrapper``), or the model itself in one process.
+def compute_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of ``train.mixed_precision`` on ``device``; None: no mixed precision."""
+    if mixed_precision == "none" or (mixed_precision == "auto" and device.type != "cuda"):
+        return None
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError(
+            f"train.mixed_precision={mixed_precision} needs bf16, which {torch.cuda.get_device_name(device)} "
+            "lacks: set train.mixed_precision=none"
+        )
+    return torch.bfloat16
+
+
+def wrap_model(
+    model: nn.Module, config: DistributedConfig, device: torch.device, dtype: torch.dtype | None = None
+) -> nn.Module:
+    """The policy wrapped for data parallelism (``config.wrapper``); in one process the model itself
+    (or, with mixed precision, a LogprobScorer that autocasts it).
 
     ddp: DDP(LogprobScorer(model)) with summed gradients; rank 0's weights are broadcast.
     fsdp2: fully_shard on each decoder layer (the model's ``_no_split_modules`` classes) and on the scorer
     (embeddings, final norm, LM head), summed gradients; every rank must hold the same initial weights
-    (they do: same seed or the same checkpoint). Mixed precision (bf16 compute, fp32 master weights and
-    gradient reduction) only on CUDA and with ``config.mixed_precision == "bf16"``.
+    (they do: same seed or the same checkpoint). ``dtype`` (see :func:`compute_dtype`): mixed precision,
+    computing in that dtype with fp32 master weights and fp32 gradient reduction.
     """
     if world_size() == 1:
-        return model
-    bf16 = device.type == "cuda" and config.mixed_precision == "bf16"
+        return LogprobScorer(model, dtype) if dtype is not None else model
     if config.wrapper == "ddp":
-        scorer = LogprobScorer(model, torch.bfloat16 if bf16 else None)
+        scorer = LogprobScorer(model, dtype)
         ddp = nn.parallel.DistributedDataParallel(
             scorer,
             device_ids=[device.index] if device.type == "cuda" else None,
@@ -277,7 +318,7 @@ def wrap_model(model: nn.Module, config: DistributedConfig, device: torch.device
         return ddp
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
+    policy = MixedPrecisionPolicy(dtype, torch.float32) if dtype is not None else MixedPrecisionPolicy()
     layer_types = set(getattr(model, "_no_split_modules", None) or ())
     for module in list(model.modules()):
         if type(module).__name__ in layer_types:

@@ -64,9 +64,13 @@ def sampler_log_ratios(
     valid = (segment_ids >= 0) & torch.isfinite(sampler_logp)  # (N,)
     delta = (old_logp.float() - sampler_logp.float())[valid]  # (M,)
     owner = segment_ids[valid]  # (M,)
-    counts = torch.zeros(num_segments).index_add(0, owner, torch.ones_like(delta))  # (S,)
+    counts = torch.zeros(num_segments, device=delta.device).index_add(
+        0, owner, torch.ones_like(delta)
+    )  # (S,)
     # log rho_i = (1/|y_i|) sum_t delta_t   (S,)
-    seq_log_ratio = torch.zeros(num_segments).index_add(0, owner, delta) / counts.clamp_min(1)
+    seq_log_ratio = torch.zeros(num_segments, device=delta.device).index_add(
+        0, owner, delta
+    ) / counts.clamp_min(1)
     return delta, seq_log_ratio, counts
 
 

@@ -78,12 +78,13 @@ def generate(
     model.eval()
     for start in range(0, len(prompt_ids), batch_size):
         rows = prompt_ids[start : start + batch_size]
-        ids, mask = _left_pad(rows, pad_id)
+        ids, mask = (t.to(model.device) for t in _left_pad(rows, pad_id))
         result = model.generate(input_ids=ids, attention_mask=mask, generation_config=generation)
         new = result.sequences[:, ids.shape[1] :]  # (b, n)
         logits = torch.stack(result.logits, dim=1).float()  # (b, n, V)
         logprobs = torch.log_softmax(logits / (1.0 if greedy else temperature), dim=-1)
-        token_logprobs = logprobs.gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (b, n)
+        token_logprobs = logprobs.gather(-1, new.unsqueeze(-1)).squeeze(-1).cpu()  # (b, n)
+        new = new.cpu()  # read back once per batch, not per row
         is_eos = new == eos_id
         has_eos = is_eos.any(dim=1)
         # length up to and including the first EOS; the whole row when there is none

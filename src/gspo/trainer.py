@@ -143,10 +143,11 @@ def _score(model: torch.nn.Module, mb: MicroBatch, config: Config) -> torch.Tens
 
 
 def _place(values: list[list[float]], mb: MicroBatch) -> torch.Tensor:
-    """Scatter per-sequence completion-token values into a micro-batch's flattened layout."""
-    flat = torch.zeros(mb.logprob_mask.numel())
+    """Scatter per-sequence completion-token values into a micro-batch's flattened layout (its device)."""
+    device = mb.logprob_mask.device
+    flat = torch.zeros(mb.logprob_mask.numel(), device=device)
     flat[mb.logprob_mask.reshape(-1)] = torch.tensor(
-        [v for i in mb.indices for v in values[i]], dtype=torch.float32
+        [v for i in mb.indices for v in values[i]], dtype=torch.float32, device=device
     )
     return flat
 
@@ -162,7 +163,8 @@ class Trainer:
         resume: str | Path | None = None,
     ) -> None:
         self.config = config
-        distributed.init_from_env(config.distributed)  # under torchrun: join the process group
+        self.device = distributed.resolve_device(config.device)
+        distributed.init_from_env(config.distributed, self.device)  # under torchrun: join the process group
         validate_world(config, distributed.world_size())
         self.rewards = resolve_rewards(config, reward_functions)
         self.train_examples, self.eval_examples = build_examples(config)
@@ -198,8 +200,12 @@ class Trainer:
         self.reference = (
             self._load_reference(resumed=checkpoint is not None) if config.train.beta > 0 else None
         )
-        # under torchrun: the model wrapped by DDP or FSDP2 for log-probs with grad (self.model otherwise)
-        self.scorer = distributed.wrap_model(self.model, config.distributed, torch.device("cpu"))
+        self.pad_id = self.tokenizer.pad_token_id
+        self.packed = self._choose_packing()  # before wrapping: the probe runs the plain fp32 model
+        # under torchrun: the model wrapped by DDP or FSDP2 for log-probs with grad; in one process the
+        # model itself, or its autocast scorer with train.mixed_precision
+        self.compute_dtype = distributed.compute_dtype(config.train.mixed_precision, self.device)
+        self.scorer = distributed.wrap_model(self.model, config.distributed, self.device, self.compute_dtype)
         if distributed.world_size() > 1:
             distributed.seed_rank(config.seed)  # each rank samples its own completions
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -232,8 +238,6 @@ class Trainer:
         eps = OBJECTIVE_DEFAULTS[config.train.objective]
         self.eps_low = config.train.eps_low if config.train.eps_low is not None else eps[0]
         self.eps_high = config.train.eps_high if config.train.eps_high is not None else eps[1]
-        self.packed = self._choose_packing()
-        self.pad_id = self.tokenizer.pad_token_id
         self.is_moe = moe.is_moe(self.model)  # MoE: routing volatility is logged, Routing Replay possible
         if config.train.routing_replay and not self.is_moe:
             raise ConfigError(
@@ -243,6 +247,10 @@ class Trainer:
 
     # ---- models -------------------------------------------------------------------------------------
     def _load_policy(self, checkpoint: Path | None) -> tuple[Any, Any]:
+        model, tokenizer = self._load_policy_on_cpu(checkpoint)
+        return model.to(self.device), tokenizer
+
+    def _load_policy_on_cpu(self, checkpoint: Path | None) -> tuple[Any, Any]:
         config = self.config
         if checkpoint is not None and config.lora.rank == 0:
             saved = dataclasses.replace(config.model, path=str(checkpoint / "model"), tiny=None)
@@ -267,12 +275,19 @@ class Trainer:
         else:
             reference = copy.deepcopy(self.model)
         reference.requires_grad_(False)
-        return reference
+        return reference.to(self.device)
+
+    def autocast(self) -> torch.autocast:
+        """train.mixed_precision for passes that do not go through the scorer (generation, reference,
+        MoE expert choices), so every pass computes like the policy's log-probs."""
+        dtype = self.compute_dtype
+        return torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
 
     def _reference_score(self, mb: MicroBatch) -> torch.Tensor:
         if self.reference is not None:
-            return _score(self.reference, mb, self.config)
-        with self.model.disable_adapter():
+            with self.autocast():
+                return _score(self.reference, mb, self.config)
+        with self.model.disable_adapter(), self.autocast():
             return _score(self.model, mb, self.config)
 
     def _choose_packing(self) -> bool:
@@ -282,7 +297,7 @@ class Trainer:
         vocab = self.model.get_input_embeddings().num_embeddings
         with torch.no_grad():
             exact = packing_is_exact(
-                lambda mb: _score(self.scorer, mb, self.config), vocab, self.tokenizer.pad_token_id
+                lambda mb: _score(self.model, mb.to(self.device), self.config).cpu(), vocab, self.pad_id
             )
         if not exact:
             warnings.warn(
@@ -301,7 +316,7 @@ class Trainer:
 
     def rollout(self, examples: list[Example]) -> tuple[Rollouts, list[Example]]:
         cfg = self.config.rollout
-        with distributed.full_parameters(self.scorer):
+        with distributed.full_parameters(self.scorer), self.autocast():
             rollouts = generate(
                 self.model, self.tokenizer, self.prompts(examples), group_size=cfg.group_size,
                 max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
@@ -328,7 +343,9 @@ class Trainer:
             out.append((ids, micro))
         # every rank runs as many micro-batches per minibatch (under FSDP2 each pass is a collective)
         padded = distributed.pad_micro_batches([micro for _, micro in out], self.pad_id)
-        return [(ids, micro) for (ids, _), micro in zip(out, padded, strict=True)]
+        return [
+            (ids, [mb.to(self.device) for mb in micro]) for (ids, _), micro in zip(out, padded, strict=True)
+        ]
 
     def update(
         self, ids: list[int], micro: list[MicroBatch], advantages: torch.Tensor | list[list[float]],
@@ -370,7 +387,7 @@ class Trainer:
                     logp = _score(self.scorer, mb, self.config)
                 moved = moved + moe.routing_difference(routes[j], natural, mb.logprob_mask)
             if isinstance(advantages, torch.Tensor):
-                adv = advantages[[ids[i] for i in mb.indices]]
+                adv = advantages[[ids[i] for i in mb.indices]].to(self.device)
             else:  # per completion token, laid out like logp: (R*L,)
                 adv = _place([advantages[i] for i in ids], mb)
             loss, m = objective(
@@ -490,8 +507,8 @@ class Trainer:
                             continue
                         delta, seq, counts = sampler_log_ratios(r, s, mb.segment_ids, len(mb.indices))
                         deltas.append(delta)
-                        seq_log_ratio[[ids[i] for i in mb.indices]] = seq
-                        seq_counted[[ids[i] for i in mb.indices]] = counts
+                        seq_log_ratio[[ids[i] for i in mb.indices]] = seq.cpu()
+                        seq_counted[[ids[i] for i in mb.indices]] = counts.cpu()
                     if cfg.train.old_logprobs == "recompute":
                         old.append(recomputed)
                     else:  # the sampler's log-probs; the trainer's only where the sampler gave none
@@ -503,7 +520,10 @@ class Trainer:
                         )
                 else:
                     old.append(sampled)
-                    choices = [moe.expert_choices(self.model, mb) for mb in micro] if self.is_moe else None
+                    with self.autocast():
+                        choices = (
+                            [moe.expert_choices(self.model, mb) for mb in micro] if self.is_moe else None
+                        )
                     routes.append(choices)
                 ref.append([self._reference_score(mb) for mb in micro] if cfg.train.beta > 0 else None)
         out: dict[str, float] = {"time_old_logprobs": time.perf_counter() - t0}
@@ -548,7 +568,8 @@ class Trainer:
                     if j:
                         out[f"{key.removeprefix('live_')}_after_{j}_updates"] = live
             # the whole rollout batch, routed again by the policy after all this step's updates
-            with distributed.full_parameters(self.scorer):  # this rank's batch; FSDP2: gathered once
+            # this rank's batch; FSDP2: gathered once
+            with distributed.full_parameters(self.scorer), self.autocast():
                 out.update(
                     moe.routing_volatility(
                         self.model,
@@ -570,7 +591,7 @@ class Trainer:
         """Greedy completions on the held-out split; accuracy = mean of the first reward function."""
         examples = self.eval_examples[distributed.rank() :: distributed.world_size()]  # this rank's share
         prompts = self.prompts(examples)
-        with distributed.full_parameters(self.scorer):
+        with distributed.full_parameters(self.scorer), self.autocast():
             rollouts = generate(
                 self.model, self.tokenizer, prompts, group_size=1, max_new_tokens=self.config.eval.max_new_tokens,
                 greedy=True, batch_size=self.config.eval.batch_size,
