@@ -97,7 +97,9 @@ def test_packing_probe_passes_on_a_real_tiny_llama() -> None:
 
 def test_a_micro_batch_moves_every_tensor_and_keeps_its_indices() -> None:
     for packed in (True, False):
-        (mb,) = make_micro_batches(_sequences(), packed=packed, pack_length=64, micro_batch_tokens=1024, pad_id=0)
+        (mb,) = make_micro_batches(
+            _sequences(), packed=packed, pack_length=64, micro_batch_tokens=1024, pad_id=0
+        )
         assert mb.to(torch.device("cpu")) is mb  # already there: no copy
         moved = mb.to(torch.device("meta"))
         assert moved.indices == mb.indices

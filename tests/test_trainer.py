@@ -86,7 +86,8 @@ def test_packed_and_padded_minibatches_give_the_same_gradients(tmp_path: Path) -
     trainer = Trainer(_config(tmp_path))
     rollouts, _ = trainer.rollout(trainer.stream.next_batch())
     sequences = [
-        Sequence(p, c, [True] * len(c)) for p, c in zip(rollouts.prompt_ids, rollouts.completion_ids, strict=False)
+        Sequence(p, c, [True] * len(c))
+        for p, c in zip(rollouts.prompt_ids, rollouts.completion_ids, strict=False)
     ]
     advantages = torch.linspace(-1, 1, len(sequences))
     grads = {}
