@@ -39,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from gspo.batching import MicroBatch
+from gspo.logprobs import decoder_hidden_states
 
 ROUTER_SUFFIX = "TopKRouter"
 
@@ -258,13 +259,8 @@ def routing_difference(
 def expert_choices(model: nn.Module, mb: MicroBatch) -> Routing:
     """The experts ``model`` chooses for every token of a micro-batch (a decoder pass, no LM head)."""
     decoder = _base(model).get_decoder()
-    with record_routing(model) as routing:
-        decoder(
-            input_ids=mb.input_ids,
-            attention_mask=mb.attention_mask,
-            position_ids=mb.position_ids,
-            use_cache=False,
-        )
+    with record_routing(model) as routing:  # the attention of the log-prob passes, for the same routing
+        decoder_hidden_states(decoder, mb.input_ids, mb.attention_mask, mb.position_ids)
     return routing
 
 

@@ -1,0 +1,163 @@
+"""Attention for packed rows, one sequence at a time: no FLOPs on the masked-out blocks.
+
+transformers turns restarting ``position_ids`` into a block-diagonal causal mask and runs attention over
+the whole row: a row of 16 sequences of 35 tokens computes 560 x 560 scores per head, of which 1/16 are
+kept. On the default run that masked work was ~17% of an update's time (a profile of one SmolLM2
+forward+backward). Inside :func:`segment_attention`, the model's attention instead gathers each
+sequence's queries, keys and values into a batch of segments, right-padded to a common length within a
+bucket of similar lengths, runs causal ``scaled_dot_product_attention`` on it, and scatters the outputs
+back. With right padding and a causal mask, no real token ever attends to a padded slot, so the result
+is the block-diagonal attention, exactly (tests/test_attention.py compares values and gradients).
+
+It applies to models whose attention dispatches through transformers' ``AttentionInterface`` with the
+"sdpa" or "eager" implementation and no sliding window or logit soft-capping (Llama, Qwen2/3, Qwen3-MoE,
+Mistral without a window, ...); other models keep the block-diagonal mask. Gradient (activation)
+checkpointing also keeps the mask: its recomputation would run outside the block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import AttentionInterface
+
+NAME = "gspo_segments"
+"""The attention implementation registered with transformers, active only inside segment_attention."""
+BUCKET_RATIO = 1.25
+"""Segments share a padded batch when their lengths are within this factor of its longest one."""
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    gather: Tensor  # (S * L,) flat token index b * T + t of each slot (a padded slot repeats a real one)
+    valid: Tensor  # (S * L,) bool, the slots holding the segment's own tokens
+    segments: int
+    length: int
+
+
+@dataclass(frozen=True)
+class SegmentLayout:
+    """Where each packed segment's tokens are, grouped into buckets of similar lengths."""
+
+    buckets: list[_Bucket]
+    inverse: Tensor  # (B * T,) position of token b * T + t among the buckets' valid slots, in order
+
+
+_LAYOUT: contextvars.ContextVar[SegmentLayout | None] = contextvars.ContextVar("gspo_segments", default=None)
+
+
+def segment_layout(position_ids: Tensor, bucket_ratio: float = BUCKET_RATIO) -> SegmentLayout:
+    """The segments of packed rows: a segment starts at each row start and wherever the position does
+    not continue the previous one (a packed row's position_ids restart at 0 for each sequence)."""
+    rows, width = position_ids.shape
+    pos = position_ids.detach().cpu()
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    first = starts.reshape(-1).nonzero().squeeze(1)  # (S,) flat index of each segment's first token
+    ends = torch.cat([first[1:], torch.tensor([rows * width])])
+    # a segment never crosses a row: each row's first token starts one
+    lengths = (ends - first).tolist()
+    order = sorted(range(len(lengths)), key=lambda s: -lengths[s])
+    buckets, chosen = [], []
+    i = 0
+    while i < len(order):
+        longest = lengths[order[i]]
+        j = i
+        while j < len(order) and lengths[order[j]] * bucket_ratio >= longest:
+            j += 1
+        members = torch.tensor(order[i:j])
+        seg_start, seg_len = first[members, None], torch.tensor([lengths[s] for s in order[i:j]])[:, None]
+        slot = torch.arange(longest)[None, :]  # (1, L)
+        valid = (slot < seg_len).reshape(-1)
+        gather = (seg_start + torch.minimum(slot, seg_len - 1)).reshape(-1)
+        buckets.append(_Bucket(gather, valid, j - i, longest))
+        chosen.append(gather[valid])
+        i = j
+    inverse = torch.argsort(torch.cat(chosen))
+    device = position_ids.device
+    return SegmentLayout(
+        [_Bucket(b.gather.to(device), b.valid.to(device), b.segments, b.length) for b in buckets],
+        inverse.to(device),
+    )
+
+
+def _segment_attention_forward(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers attention function: (B, H, T, D) queries, (B, Hkv, T, D) keys/values -> (B, T, H, D)."""
+    layout = _LAYOUT.get()
+    if layout is None:
+        raise RuntimeError(f"the {NAME!r} attention runs only inside gspo.attention.segment_attention")
+    if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
+        raise NotImplementedError(f"{NAME!r}: sliding windows and soft-capping are not supported")
+    batch, heads, width, dim = query.shape
+    kv_heads = key.shape[1]
+    q = query.transpose(1, 2).reshape(batch * width, heads, dim)
+    k = key.transpose(1, 2).reshape(batch * width, kv_heads, dim)
+    v = value.transpose(1, 2).reshape(batch * width, kv_heads, dim)
+    outputs = []
+    for bucket in layout.buckets:
+        shape = (bucket.segments, bucket.length)
+
+        def take(x: Tensor, bucket: _Bucket = bucket, shape: tuple[int, int] = shape) -> Tensor:
+            # (S, L, h, D) -> (S, h, L, D); grouped-query heads repeated like transformers' repeat_kv
+            x = x.index_select(0, bucket.gather).view(*shape, x.shape[1], dim).transpose(1, 2)
+            if x.shape[1] != heads:
+                x = x.repeat_interleave(heads // x.shape[1], dim=1)
+            return x
+
+        out = torch.nn.functional.scaled_dot_product_attention(
+            take(q), take(k), take(v), dropout_p=dropout, is_causal=True, scale=scaling
+        )  # (S, H, L, D)
+        outputs.append(out.transpose(1, 2).reshape(-1, heads, dim)[bucket.valid])
+    merged = torch.cat(outputs).index_select(0, layout.inverse)  # (B*T, H, D) in token order
+    return merged.view(batch, width, heads, dim), None
+
+
+AttentionInterface.register(NAME, _segment_attention_forward)
+
+
+def supports_segments(model: torch.nn.Module) -> bool:
+    """Whether :func:`segment_attention` can take over this model's attention (see the module docstring)."""
+    config = model.config
+    implementation = getattr(config, "_attn_implementation", None)
+    checkpointing = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    return (
+        implementation in ("sdpa", "eager")
+        and not getattr(config, "sub_configs", None)
+        and getattr(config, "sliding_window", None) is None
+        and getattr(config, "attn_logit_softcapping", None) is None
+        and not checkpointing
+    )
+
+
+@contextlib.contextmanager
+def segment_attention(model: torch.nn.Module, position_ids: Tensor) -> Iterator[bool]:
+    """Within the block, ``model``'s attention runs one packed segment at a time (yields True), or,
+    for a model it does not support, is left as it is (yields False). ``model``: a transformers
+    PreTrainedModel (the decoder or the causal LM) whose config the block switches and restores."""
+    if not supports_segments(model):
+        yield False
+        return
+    config = model.config
+    token = _LAYOUT.set(segment_layout(position_ids))
+    previous = config._attn_implementation
+    config._attn_implementation = NAME  # also skips transformers' mask: it builds none for unknown names
+    try:
+        yield True
+    finally:
+        config._attn_implementation = previous
+        _LAYOUT.reset(token)

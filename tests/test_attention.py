@@ -1,0 +1,103 @@
+"""Segment attention for packed rows: the layout by hand, and values and gradients equal to the mask paths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AttentionInterface
+
+from gspo import attention
+from gspo.batching import Sequence, make_micro_batches
+from gspo.config import ModelConfig
+from gspo.logprobs import causal_lm_logprobs
+from gspo.models import load_model
+
+
+def test_layout_of_packed_rows_by_hand() -> None:
+    # row 0: segments of 3, 2, 1 tokens; row 1: 4, 2 (a row start always starts a segment)
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 1]])
+    layout = attention.segment_layout(position_ids, bucket_ratio=1.5)
+    # lengths 4, 3 | 2, 2 | 1: buckets hold lengths within 1.5x of their longest
+    assert [(b.segments, b.length) for b in layout.buckets] == [(2, 4), (2, 2), (1, 1)]
+    assert layout.buckets[0].gather.tolist() == [6, 7, 8, 9, 0, 1, 2, 2]  # padded slot repeats a token
+    assert layout.buckets[0].valid.tolist() == [True] * 4 + [True] * 3 + [False]
+    assert layout.buckets[1].gather.tolist() == [3, 4, 10, 11]
+    assert layout.buckets[2].gather.tolist() == [5]
+    order = torch.cat([b.gather[b.valid] for b in layout.buckets])
+    assert sorted(order.tolist()) == list(range(12))  # every token exactly once
+    assert torch.equal(order[layout.inverse], torch.arange(12))
+
+
+def _sequences(seed: int) -> list[Sequence]:
+    """Mixed lengths (3..60 tokens): several buckets, and rows holding several sequences."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n_prompt in (2, 40, 5, 17, 3, 50, 9, 1):
+        prompt = torch.randint(3, 90, (n_prompt,), generator=g).tolist()
+        completion = torch.randint(3, 90, (int(torch.randint(1, 10, (), generator=g)),), generator=g).tolist()
+        out.append(Sequence(prompt, completion, [True] * len(completion)))
+    return out
+
+
+def _logprobs_and_grads(model, mb, weights):
+    model.zero_grad(set_to_none=True)
+    logp = causal_lm_logprobs(
+        model, mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+        logprob_mask=mb.logprob_mask,
+    )  # fmt: skip
+    (logp * weights).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    # completion-token log-probs in sequence order, whatever the layout
+    per_sequence = {i: logp.reshape(-1)[mb.segment_ids == k] for k, i in enumerate(mb.indices)}
+    return torch.cat([per_sequence[i] for i in sorted(per_sequence)]).detach(), grads
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_segment_attention_equals_the_block_diagonal_mask_and_the_padded_layout(family, monkeypatch):
+    model, _ = load_model(ModelConfig(tiny=family), seed=0)
+    sequences = _sequences(1)
+    packed, padded = (
+        make_micro_batches(sequences, packed=p, pack_length=80, micro_batch_tokens=4096, pad_id=0)[0]
+        for p in (True, False)
+    )
+    assert packed.input_ids.shape[0] > 1 and len(packed.indices) > packed.input_ids.shape[0]
+    weights = torch.randn(packed.input_ids.shape, generator=torch.Generator().manual_seed(5))
+    calls = []
+    forward = AttentionInterface._global_mapping[attention.NAME]
+    monkeypatch.setitem(
+        AttentionInterface._global_mapping,
+        attention.NAME,
+        lambda *a, **k: calls.append(1) or forward(*a, **k),
+    )
+    segments = _logprobs_and_grads(model, packed, weights)
+    assert len(calls) == model.config.num_hidden_layers  # the segment path ran, once per layer
+    assert model.config._attn_implementation == "sdpa"  # restored after the pass
+
+    monkeypatch.setattr(attention, "supports_segments", lambda model: False)
+    mask = _logprobs_and_grads(model, packed, weights)  # transformers' block-diagonal mask
+    assert len(calls) == model.config.num_hidden_layers
+    torch.testing.assert_close(segments[0], mask[0], rtol=1e-5, atol=2e-6)
+    assert segments[1].keys() == mask[1].keys()
+    for name, grad in mask[1].items():
+        torch.testing.assert_close(segments[1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+    # the padded layout (one sequence per row) scores the same tokens
+    padded_logp, _ = _logprobs_and_grads(model, padded, torch.zeros(padded.input_ids.shape))
+    torch.testing.assert_close(segments[0], padded_logp, rtol=1e-5, atol=2e-6)
+
+
+def test_unsupported_models_keep_their_attention() -> None:
+    model, _ = load_model(ModelConfig(tiny="llama"), seed=0)
+    position_ids = torch.tensor([[0, 1, 0, 1]])
+    model.config.sliding_window = 2
+    with attention.segment_attention(model, position_ids) as used:
+        assert not used and model.config._attn_implementation == "sdpa"
+    model.config.sliding_window = None
+    model.activation_checkpointing_enable()
+    with attention.segment_attention(model, position_ids) as used:
+        assert not used
+    model.activation_checkpointing_disable()
+    with pytest.raises(ValueError, match="boom"), attention.segment_attention(model, position_ids) as used:
+        assert used and model.config._attn_implementation == attention.NAME
+        raise ValueError("boom")
+    assert model.config._attn_implementation == "sdpa"  # restored on the way out of an error
