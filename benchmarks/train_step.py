@@ -3,7 +3,8 @@
 For the default model and batch shape (or any config + overrides) it prints, per measured step:
 generation, old-policy log-probs and update times; tokens/s; and the layout's padding overhead
 (tokens computed / real tokens in the updates). It also prints the peak RSS, and the update phase's
-achieved FLOP/s against a torch fp32 matmul peak measured in the same process. The update phase's FLOPs
+achieved FLOP/s against a torch matmul peak measured in the same process, in the dtype the updates compute
+in (fp32, or bf16 with train.mixed_precision=bf16). The update phase's FLOPs
 are counted by torch's FlopCounterMode on one extra step: matmuls and attention, forward and backward. Its
 FLOPs per computed token are applied to the timed steps. The counted step itself is not timed, since the
 counter slows dispatch.
@@ -28,9 +29,9 @@ from gspo.config import load_config
 from gspo.trainer import Trainer
 
 
-def matmul_peak(size: int = 2048, repeats: int = 5) -> float:
-    """fp32 GFLOP/s of a square matmul with this process's threads (best of `repeats`)."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+def matmul_peak(dtype: torch.dtype = torch.float32, size: int = 2048, repeats: int = 10) -> float:
+    """GFLOP/s of a square matmul in `dtype` with this process's threads (best of `repeats`)."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     a @ b  # warm-up
     best = float("inf")
     for _ in range(repeats):
@@ -55,8 +56,9 @@ def main() -> None:
             config_path, [*overrides, f"output_dir={run_dir}", "tensorboard=false", "progress=false"]
         )
         trainer = Trainer(config)
-        peak = matmul_peak()
-        print(f"threads {torch.get_num_threads()}, fp32 matmul peak {peak:.1f} GFLOP/s")
+        # the peak of the dtype the matmuls run in: bf16 with train.mixed_precision=bf16
+        dtype = trainer.compute_dtype or next(trainer.model.parameters()).dtype
+        peaks = [matmul_peak(dtype)]
         print(
             f"batch: {config.rollout.prompts_per_step} prompts x G={config.rollout.group_size}, "
             f"{config.train.minibatches_per_rollout} minibatches, packing={config.train.packing} "
@@ -77,6 +79,12 @@ def main() -> None:
         trainer.update = counting_update  # type: ignore[method-assign]
         probe = trainer.train_step()
         flops_per_token = sum(counted) / probe["update_tokens"]
+        peaks.append(matmul_peak(dtype))  # the higher of before and after: the stricter reference
+    peak = max(peaks)
+    print(
+        f"threads {torch.get_num_threads()}, {dtype} matmul peak {peak:.1f} GFLOP/s "
+        f"(best of 10 2048^3 matmuls, before and after the steps: {peaks[0]:.1f}, {peaks[1]:.1f})"
+    )
 
     header = f"{'step':>4} {'generate s':>10} {'old logp s':>10} {'update s':>9} {'tokens/s':>9} {'computed/real':>13} {'update GFLOP/s':>14} {'% of peak':>9}"
     print(header)

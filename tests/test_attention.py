@@ -20,10 +20,10 @@ def test_layout_of_packed_rows_by_hand() -> None:
     # lengths 4, 3 | 2, 2 | 1: buckets hold lengths within 1.5x of their longest
     assert [(b.segments, b.length) for b in layout.buckets] == [(2, 4), (2, 2), (1, 1)]
     assert layout.buckets[0].gather.tolist() == [6, 7, 8, 9, 0, 1, 2, 2]  # padded slot repeats a token
-    assert layout.buckets[0].valid.tolist() == [True] * 4 + [True] * 3 + [False]
+    assert layout.buckets[0].keep.tolist() == [0, 1, 2, 3, 4, 5, 6]  # slot 7 is padding
     assert layout.buckets[1].gather.tolist() == [3, 4, 10, 11]
     assert layout.buckets[2].gather.tolist() == [5]
-    order = torch.cat([b.gather[b.valid] for b in layout.buckets])
+    order = torch.cat([b.gather[b.keep] for b in layout.buckets])
     assert sorted(order.tolist()) == list(range(12))  # every token exactly once
     assert torch.equal(order[layout.inverse], torch.arange(12))
 

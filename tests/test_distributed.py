@@ -397,3 +397,24 @@ def test_mixed_precision_is_bf16_on_gpus_by_default_and_on_request_elsewhere():
     assert distributed.compute_dtype("auto", cpu) is None
     assert distributed.compute_dtype("bf16", cpu) is torch.bfloat16
     assert distributed.compute_dtype("none", gpu) is None
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e3, float("inf")])
+def test_clipping_folded_into_the_fused_step_equals_clip_then_step(max_norm):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(40, 30)) for _ in range(3)]
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    reference = torch.optim.AdamW(params, lr=1e-2, fused=True)
+    folded = torch.optim.AdamW(copies, lr=1e-2, fused=True)
+    for _ in range(3):
+        grads = [10 * torch.randn(40, 30) for _ in params]
+        for p, q, g in zip(params, copies, grads, strict=True):
+            p.grad, q.grad = g.clone(), g.clone()
+        expected_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        reference.step()
+        norm = distributed.clip_grad_norm(copies, max_norm, folded)
+        assert all(torch.equal(q.grad, g) for q, g in zip(copies, grads, strict=True))  # not rescaled here
+        folded.step()
+        torch.testing.assert_close(norm, expected_norm)
+        for p, q in zip(params, copies, strict=True):
+            torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)

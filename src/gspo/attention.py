@@ -36,7 +36,7 @@ BUCKET_RATIO = 1.25
 @dataclass(frozen=True)
 class _Bucket:
     gather: Tensor  # (S * L,) flat token index b * T + t of each slot (a padded slot repeats a real one)
-    valid: Tensor  # (S * L,) bool, the slots holding the segment's own tokens
+    keep: Tensor  # (n,) the slots holding the segments' own tokens (index_select: a cheap backward)
     segments: int
     length: int
 
@@ -76,13 +76,13 @@ def segment_layout(position_ids: Tensor, bucket_ratio: float = BUCKET_RATIO) -> 
         slot = torch.arange(longest)[None, :]  # (1, L)
         valid = (slot < seg_len).reshape(-1)
         gather = (seg_start + torch.minimum(slot, seg_len - 1)).reshape(-1)
-        buckets.append(_Bucket(gather, valid, j - i, longest))
+        buckets.append(_Bucket(gather, valid.nonzero().squeeze(1), j - i, longest))
         chosen.append(gather[valid])
         i = j
     inverse = torch.argsort(torch.cat(chosen))
     device = position_ids.device
     return SegmentLayout(
-        [_Bucket(b.gather.to(device), b.valid.to(device), b.segments, b.length) for b in buckets],
+        [_Bucket(b.gather.to(device), b.keep.to(device), b.segments, b.length) for b in buckets],
         inverse.to(device),
     )
 
@@ -122,7 +122,7 @@ def _segment_attention_forward(
         out = torch.nn.functional.scaled_dot_product_attention(
             take(q), take(k), take(v), dropout_p=dropout, is_causal=True, scale=scaling
         )  # (S, H, L, D)
-        outputs.append(out.transpose(1, 2).reshape(-1, heads, dim)[bucket.valid])
+        outputs.append(out.transpose(1, 2).reshape(-1, heads, dim).index_select(0, bucket.keep))
     merged = torch.cat(outputs).index_select(0, layout.inverse)  # (B*T, H, D) in token order
     return merged.view(batch, width, heads, dim), None
 

@@ -399,10 +399,24 @@ def pad_micro_batches(minibatches: list[list[MicroBatch]], pad_id: int) -> list[
     ]
 
 
-def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> Tensor:
-    """Clip to a total gradient norm, the norm taken over all ranks' shards (DTensor) when sharded."""
-    if not parameters or not hasattr(parameters[0], "device_mesh"):  # plain tensors: torch's own
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+def clip_grad_norm(
+    parameters: list[nn.Parameter], max_norm: float, optimizer: torch.optim.Optimizer | None = None
+) -> Tensor:
+    """Clip to a total gradient norm, the norm taken over all ranks' shards (DTensor) when sharded.
+
+    With a fused ``optimizer`` (torch's fused AdamW) and plain tensors, the gradients are not rescaled
+    here: the factor goes to the optimizer's next step as its ``grad_scale`` (the attribute GradScaler
+    sets), which the fused kernel divides each gradient by as it reads it. The update is
+    ``clip_grad_norm_``'s, without its read-and-write pass over every gradient.
+    """
+    if not parameters or not hasattr(parameters[0], "device_mesh"):  # plain tensors
+        if optimizer is None or not optimizer.defaults.get("fused"):
+            return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        grads = [p.grad for p in parameters if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        # clip_grad_norm_ multiplies by min(1, max_norm / (total + 1e-6)): divide by its inverse
+        optimizer.grad_scale = ((total + 1e-6) / max_norm).clamp(min=1.0)
+        return total
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())

@@ -255,7 +255,10 @@ def _backward_chunks(
 
     # the [j = t] terms, once for all tokens (few large ops instead of many small ones per chunk)
     grad_hidden = weight32[targets].mul_(g_over_t[:, None]) if need_h else None  # (N, H)
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device) if need_w else None
+    # the first chunk writes grad_weight (no zero fill of a (V, H) block), the others accumulate
+    grad_weight = torch.empty(weight.shape, dtype=torch.float32, device=device) if need_w else None
+    if need_w and n == 0:
+        grad_weight.zero_()
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if need_b else None
 
     if last_log_pi is None:
@@ -285,7 +288,10 @@ def _backward_chunks(
             grad_hidden[start:end].addcmul_(torch.mm(block, weight32), s_c, value=-1.0)
         if need_w:
             # dL/dW -= M^T (s h)   (V, H)
-            grad_weight.addmm_(block.T, hidden32[start:end] * s_c, alpha=-1.0)
+            if i == 0:
+                torch.mm(block.T, hidden32[start:end] * -s_c, out=grad_weight)
+            else:
+                grad_weight.addmm_(block.T, hidden32[start:end] * s_c, alpha=-1.0)
         if need_b:
             grad_bias.addmv_(block.T, s_c.squeeze(1), alpha=-1.0)
     del logits_buf, pi_buf, last_log_pi

@@ -400,8 +400,8 @@ class Trainer:
             if mb.indices:  # not an idle micro-batch (distributed padding)
                 metrics.append(m)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = distributed.clip_grad_norm(
-            params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+        grad_norm = distributed.clip_grad_norm(  # fused AdamW: applied inside its step
+            params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"), self.optimizer
         )
         self.optimizer.step()
         self.scheduler.step()
