@@ -18,7 +18,8 @@ from gspo.config import load_config
 from gspo.losses import PACKED_OBJECTIVES
 from gspo.metrics import read_metrics
 from gspo.rewards import RewardError
-from gspo.trainer import Trainer, _score, train
+from gspo.trainer import Trainer, train
+from gspo.updates import score
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -61,7 +62,7 @@ def test_bf16_mixed_precision_computes_in_bf16_and_keeps_fp32_master_weights(tmp
     sequences = [Sequence([5, 6, 7, 8], [9, 10, 11], [True] * 3), Sequence([12, 13], [14, 15], [True] * 2)]
     (mb,) = make_micro_batches(sequences, packed=True, pack_length=64, micro_batch_tokens=1024, pad_id=0)
     with torch.no_grad():  # the same initial weights, scored in fp32 and in bf16
-        gap = (_score(exact.scorer, mb, exact.config) - _score(mixed.scorer, mb, mixed.config)).abs().max()
+        gap = (score(exact.scorer, mb, exact.config) - score(mixed.scorer, mb, mixed.config)).abs().max()
     assert 1e-5 < gap < 0.05, "bf16 rounding shows in the log-probs, and only rounding"
 
     before = {k: v.clone() for k, v in mixed.model.state_dict().items()}
@@ -96,7 +97,7 @@ def test_packed_and_padded_minibatches_give_the_same_gradients(tmp_path: Path) -
         micro = make_micro_batches(sequences, packed=packed, pack_length=64, micro_batch_tokens=128, pad_id=0)
         assert len(micro) > 1  # several micro-batches: accumulation is exercised too
         for mb in micro:
-            logp = _score(trainer.model, mb, trainer.config)
+            logp = score(trainer.model, mb, trainer.config)
             old = logp.detach() - 0.01  # off-policy, so clipping and ratios matter
             loss, _ = PACKED_OBJECTIVES["gspo"](
                 logp, old, advantages[mb.indices], mb.segment_ids, len(mb.indices), eps_low=0.2, eps_high=0.2,

@@ -11,7 +11,7 @@ import torch
 from gspo.config import ConfigError, load_config
 from gspo.mismatch import mismatch_metrics, sampler_log_ratios, truncated_is_weights
 from gspo.models import tiny_tokenizer
-from gspo.trainer import Trainer, _score
+from gspo.trainer import Trainer
 from gspo.trajectories import (
     Trajectory,
     TrajectoryError,
@@ -20,6 +20,7 @@ from gspo.trajectories import (
     groups_from_rollouts,
     tokenize_trajectory,
 )
+from gspo.updates import score
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -163,7 +164,7 @@ def _with_logprobs(trainer: Trainer, groups: list[TrajectoryGroup]) -> list[Traj
     with torch.no_grad():
         for ids, micro in trainer.minibatches(sequences):  # the layout learn() scores in
             for mb in micro:
-                flat = _score(trainer.scorer, mb, trainer.config)[mb.logprob_mask.reshape(-1)].tolist()
+                flat = score(trainer.scorer, mb, trainer.config)[mb.logprob_mask.reshape(-1)].tolist()
                 for i in mb.indices:
                     n = len(sequences[ids[i]].completion_ids)
                     values[ids[i]], flat = flat[:n], flat[n:]

@@ -1,19 +1,16 @@
 """The training loop, read top to bottom: rollout -> reward -> advantages -> K minibatch updates -> log/checkpoint.
 
-One rollout batch ("step") samples G completions for each of P prompts, scores them, and computes
-group-relative advantages. Old-policy log-probs are computed once, without grad, on exactly the
-micro-batch layout the updates will use (so the first minibatch's ratios are exactly 1). The batch is
-then split into `minibatches_per_rollout` minibatches, one optimizer update each: only the first is
-on-policy, which is where GSPO and GRPO differ. Within a minibatch, micro-batches accumulate gradients
-with the minibatch's normaliser passed to the loss, so accumulation reproduces the full-minibatch
-gradient exactly.
+One rollout batch ("step") samples G completions for each of P prompts, scores them with the reward
+functions, and computes group-relative advantages. `gspo.updates.learn` then computes the old-policy
+log-probs once and makes `minibatches_per_rollout` optimizer updates; only the first is on-policy, which
+is where GSPO and GRPO differ. The Trainer holds what lives across steps (model, optimizer, data stream,
+logger) and also evaluates, checkpoints and resumes.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import math
 import random
 import time
@@ -28,19 +25,17 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
-from gspo import distributed, moe
+from gspo import distributed, moe, updates
 from gspo.advantages import group_advantages
-from gspo.batching import MicroBatch, Sequence, make_micro_batches, packing_is_exact
+from gspo.batching import MicroBatch, Sequence, packing_is_exact
 from gspo.checkpoint import latest_checkpoint, load_trainer_state, rng_state, save_checkpoint, set_rng_state
 from gspo.config import Config, ConfigError, load_config, save_config, validate_world
 from gspo.data import TASKS, Example, PromptStream, arithmetic_task, format_prompt, load_examples, split_eval
-from gspo.logprobs import causal_lm_logprobs
-from gspo.losses import PACKED_OBJECTIVES
-from gspo.metrics import MetricsLogger, mean_metrics, tensors_to_floats
-from gspo.mismatch import mismatch_metrics, sampler_log_ratios, truncated_is_weights
+from gspo.metrics import MetricsLogger
 from gspo.models import add_lora, is_lora, load_model
 from gspo.rewards import RewardError, RewardFunction, compute_rewards, resolve_reward
 from gspo.rollout import Rollouts, generate
+from gspo.updates import score
 
 if TYPE_CHECKING:
     from gspo.trajectories import TrajectoryGroup
@@ -93,27 +88,6 @@ def _fields(examples: list[Example]) -> dict[str, list[Any]]:
     return {k: [ex.fields[k] for ex in examples] for k in keys}
 
 
-def _as_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
-    tensors = {k: v for k, v in metrics.items() if isinstance(v, torch.Tensor)}
-    values = dict(zip(tensors, tensors_to_floats(list(tensors.values())), strict=True))
-    return {k: values.get(k, v) for k, v in metrics.items()}
-
-
-def _reduce_metrics(items: list[Mapping[str, Any]]) -> dict[str, float]:
-    """Mean over minibatches, except extremes (min of *_min, max of *_max) and counts (sum of num_*)."""
-    items = [_as_floats(m) for m in items]  # one sync per item, not one per key
-    means = mean_metrics(items)
-    for key in means:
-        values = [m[key] for m in items if key in m]
-        if key.endswith("_min"):
-            means[key] = min(values)
-        elif key.endswith("_max"):
-            means[key] = max(values)
-        elif key.startswith("num_"):
-            means[key] = sum(values)
-    return means
-
-
 def _schedule(config: Config, total_updates: int) -> Callable[[int], float]:
     warmup, cosine = config.train.warmup_updates, config.train.schedule == "cosine"
 
@@ -126,30 +100,6 @@ def _schedule(config: Config, total_updates: int) -> Callable[[int], float]:
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
     return factor
-
-
-def _score(model: torch.nn.Module, mb: MicroBatch, config: Config) -> torch.Tensor:
-    """log pi(token) of every completion token of a micro-batch, flattened to (R*L,); 0 elsewhere.
-
-    `model`: a causal LM, or the data-parallel scorer wrapping it (gspo.distributed.wrap_model).
-    """
-    score = model if distributed.is_scorer(model) else functools.partial(causal_lm_logprobs, model)
-    logp = score(
-        mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-        logprob_mask=mb.logprob_mask, temperature=config.rollout.temperature,
-        chunk_size=config.train.logprob_chunk_size,
-    )  # fmt: skip
-    return logp.reshape(-1)
-
-
-def _place(values: list[list[float]], mb: MicroBatch) -> torch.Tensor:
-    """Scatter per-sequence completion-token values into a micro-batch's flattened layout (its device)."""
-    device = mb.logprob_mask.device
-    flat = torch.zeros(mb.logprob_mask.numel(), device=device)
-    flat[mb.logprob_mask.reshape(-1)] = torch.tensor(
-        [v for i in mb.indices for v in values[i]], dtype=torch.float32, device=device
-    )
-    return flat
 
 
 class Trainer:
@@ -283,12 +233,13 @@ class Trainer:
         dtype = self.compute_dtype
         return torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
 
-    def _reference_score(self, mb: MicroBatch) -> torch.Tensor:
+    def reference_score(self, mb: MicroBatch) -> torch.Tensor:
+        """log pi_ref of a micro-batch's tokens (the KL anchor), computed like the policy's."""
         if self.reference is not None:
             with self.autocast():
-                return _score(self.reference, mb, self.config)
+                return score(self.reference, mb, self.config)
         with self.model.disable_adapter(), self.autocast():
-            return _score(self.model, mb, self.config)
+            return score(self.model, mb, self.config)
 
     def _choose_packing(self) -> bool:
         mode = self.config.train.packing
@@ -297,7 +248,7 @@ class Trainer:
         vocab = self.model.get_input_embeddings().num_embeddings
         with torch.no_grad():
             exact = packing_is_exact(
-                lambda mb: _score(self.model, mb.to(self.device), self.config).cpu(), vocab, self.pad_id
+                lambda mb: score(self.model, mb.to(self.device), self.config).cpu(), vocab, self.pad_id
             )
         if not exact:
             warnings.warn(
@@ -326,91 +277,11 @@ class Trainer:
 
     def minibatches(self, sequences: list[Sequence]) -> list[tuple[list[int], list[MicroBatch]]]:
         """Shuffle (seeded by step) and split into minibatches, each laid out in micro-batches."""
-        generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.step)
-        # one permutation of the whole batch (every rank's sequences, in rank order): minibatch k holds
-        # the same sequences however many ranks share the batch, each rank its own of them
-        counts = distributed.all_gather_objects(len(sequences))
-        offset = sum(counts[: distributed.rank()])
-        order = torch.randperm(sum(counts), generator=generator).tolist()
-        k = self.config.train.minibatches_per_rollout
-        out = []
-        for chunk in np.array_split(np.array(order), k):
-            ids = [g - offset for g in chunk.tolist() if offset <= g < offset + len(sequences)]
-            micro = make_micro_batches(
-                [sequences[i] for i in ids], packed=self.packed, pack_length=self.config.train.pack_length,
-                micro_batch_tokens=self.config.train.micro_batch_tokens, pad_id=self.pad_id,
-            )  # fmt: skip
-            out.append((ids, micro))
-        # every rank runs as many micro-batches per minibatch (under FSDP2 each pass is a collective)
-        padded = distributed.pad_micro_batches([micro for _, micro in out], self.pad_id)
-        return [
-            (ids, [mb.to(self.device) for mb in micro]) for (ids, _), micro in zip(out, padded, strict=True)
-        ]
+        return updates.minibatches(self, sequences)
 
-    def update(
-        self, ids: list[int], micro: list[MicroBatch], advantages: torch.Tensor | list[list[float]],
-        old: list[torch.Tensor],
-        ref: list[torch.Tensor] | None, routes: list[moe.Routing] | None = None,
-    ) -> dict[str, Any]:  # fmt: skip
-        """One optimizer update on a minibatch (gradient accumulation over its micro-batches).
-
-        routes (MoE models): the old policy's expert choices per micro-batch, replayed with
-        `train.routing_replay` and compared with the current router's own choices otherwise.
-        """
-        cfg = self.config.train
-        # per-token advantages: GSPO as GSPO-token (GSPO's value and gradient for per-sequence ones)
-        per_token = not isinstance(advantages, torch.Tensor)
-        objective = PACKED_OBJECTIVES[
-            "gspo_token" if per_token and cfg.objective == "gspo" else cfg.objective
-        ]
-        # the minibatch's normaliser: 1/B per sequence, or 1/tokens for token-mean
-        if cfg.aggregation == "token-mean":
-            normalizer = float(sum(int((mb.segment_ids >= 0).sum()) for mb in micro))
-        else:
-            normalizer = float(len(ids))
-        # the whole minibatch's count, over all ranks: each rank's loss is its share of the one-process
-        # loss, and the ranks' gradients are summed (not averaged: see distributed.wrap_model)
-        normalizer = distributed.all_reduce_sum(normalizer)
-        self.optimizer.zero_grad(set_to_none=True)
-        metrics, losses = [], []
-        moved = moe.RoutingDifference()  # MoE: the current routers' own choices vs the old policy's
-        for j, mb in enumerate(micro):
-            distributed.set_gradient_sync(self.scorer, j == len(micro) - 1)  # DDP: sum once, at the end
-            if routes is None:
-                logp = _score(self.scorer, mb, self.config)
-            else:
-                if cfg.routing_replay:
-                    routing = moe.routing_replay(self.model, routes[j])
-                else:
-                    routing = moe.record_routing(self.model)
-                with routing as natural:  # what the current routers choose themselves, replayed or not
-                    logp = _score(self.scorer, mb, self.config)
-                moved = moved + moe.routing_difference(routes[j], natural, mb.logprob_mask)
-            if isinstance(advantages, torch.Tensor):
-                adv = advantages[[ids[i] for i in mb.indices]].to(self.device)
-            else:  # per completion token, laid out like logp: (R*L,)
-                adv = _place([advantages[i] for i in ids], mb)
-            loss, m = objective(
-                logp, old[j], adv, mb.segment_ids, len(mb.indices), eps_low=self.eps_low, eps_high=self.eps_high,
-                aggregation=cfg.aggregation, normalizer=normalizer, ref_logp=None if ref is None else ref[j],
-                beta=cfg.beta,
-            )  # fmt: skip
-            loss.backward()
-            losses.append(loss.detach())  # read back once, after the loop
-            if mb.indices:  # not an idle micro-batch (distributed padding)
-                metrics.append(m)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = distributed.clip_grad_norm(  # fused AdamW: applied inside its step
-            params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"), self.optimizer
-        )
-        self.optimizer.step()
-        self.scheduler.step()
-        out = _reduce_metrics(distributed.all_gather_metrics(metrics))  # all ranks' micro-batches
-        out["loss"] = distributed.all_reduce_sum(float(torch.stack(losses).sum()))
-        out["grad_norm"] = float(grad_norm)
-        if routes is not None:  # learn() renames them by the number of updates before this one
-            out.update(moved.metrics("live_"))
-        return out
+    def update(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """One optimizer update on a minibatch (gspo.updates.update)."""
+        return updates.update(self, *args, **kwargs)
 
     def train_step(self) -> dict[str, float]:
         cfg = self.config
@@ -473,112 +344,8 @@ class Trainer:
         advantages: torch.Tensor | list[list[float]],
         sampler_logprobs: list[list[float]],
     ) -> dict[str, float]:
-        """Old-policy log-probs, then `minibatches_per_rollout` updates on scored sequences.
-
-        sequences: prompt + completion token ids with a per-token train mask; advantages: (n,) one per
-        sequence, or one list per sequence with a value per completion token (trained with GSPO-token when
-        the objective is gspo); sampler_logprobs: the sampler's log-prob of each completion token, NaN where
-        unknown (the old policy with `train.old_logprobs=sampler`, recomputed where unknown; with
-        `recompute`, the sampler/trainer mismatch metrics and `train.sampler_is_cap`, see gspo.mismatch).
-        """
-        cfg = self.config
-        batches = self.minibatches(sequences)
-        t0 = time.perf_counter()
-        # a trained token the sampler gave no log-prob for (NaN, e.g. llama.cpp's EOS) needs the trainer's
-        unknown = sum(
-            t and not math.isfinite(lp)
-            for seq, lps in zip(sequences, sampler_logprobs, strict=True)
-            for t, lp in zip(seq.train_mask, lps, strict=True)
-        )
-        recompute = cfg.train.old_logprobs == "recompute" or distributed.all_reduce_sum(float(unknown)) > 0
-        old, ref, deltas = [], [], []
-        seq_log_ratio, seq_counted = torch.zeros(len(sequences)), torch.zeros(len(sequences))
-        routes: list[list[moe.Routing] | None] = []  # MoE: the old policy's expert choices per micro-batch
-        # old policy = the current weights, before any update of this step; FSDP2 gathers them once
-        with torch.no_grad(), distributed.full_parameters(self.scorer):
-            for ids, micro in batches:
-                sampled = [_place([sampler_logprobs[i] for i in ids], mb) for mb in micro]
-                if recompute:
-                    with moe.record_passes(self.model, enabled=self.is_moe) as passes:  # MoE: expert choices
-                        recomputed = [_score(self.scorer, mb, cfg) for mb in micro]
-                    routes.append(passes or None)
-                    for mb, r, s in zip(micro, recomputed, sampled, strict=True):
-                        if not mb.indices:  # an idle micro-batch scores nothing
-                            continue
-                        delta, seq, counts = sampler_log_ratios(r, s, mb.segment_ids, len(mb.indices))
-                        deltas.append(delta)
-                        seq_log_ratio[[ids[i] for i in mb.indices]] = seq.cpu()
-                        seq_counted[[ids[i] for i in mb.indices]] = counts.cpu()
-                    if cfg.train.old_logprobs == "recompute":
-                        old.append(recomputed)
-                    else:  # the sampler's log-probs; the trainer's only where the sampler gave none
-                        old.append(
-                            [
-                                torch.where(torch.isnan(s), r, s)
-                                for r, s in zip(recomputed, sampled, strict=True)
-                            ]
-                        )
-                else:
-                    old.append(sampled)
-                    with self.autocast():
-                        choices = (
-                            [moe.expert_choices(self.model, mb) for mb in micro] if self.is_moe else None
-                        )
-                    routes.append(choices)
-                ref.append([self._reference_score(mb) for mb in micro] if cfg.train.beta > 0 else None)
-        out: dict[str, float] = {"time_old_logprobs": time.perf_counter() - t0}
-        # what the updates compute vs what is real: padding overhead of the layout
-        out["update_tokens"] = distributed.all_reduce_sum(
-            float(sum(mb.num_tokens for _, micro in batches for mb in micro if mb.indices))
-        )
-        out["real_tokens"] = distributed.all_reduce_sum(float(sum(len(seq) for seq in sequences)))
-        if cfg.train.old_logprobs == "recompute":  # both log-probs known: how far apart (gspo.mismatch)
-            delta = distributed.all_gather_varlen(torch.cat(deltas) if deltas else torch.zeros(0))
-            out.update(mismatch_metrics(delta, distributed.all_gather_varlen(seq_log_ratio[seq_counted > 0])))
-            if cfg.train.sampler_is_cap > 0:  # truncated IS: scaling A_i by w_i scales sequence i's loss
-                weights = truncated_is_weights(seq_log_ratio, cfg.train.sampler_is_cap)  # (n,), 1 if unknown
-                if isinstance(advantages, torch.Tensor):
-                    advantages = advantages * weights
-                else:
-                    advantages = [
-                        [a * float(w) for a in adv]
-                        for adv, w in zip(advantages, weights.tolist(), strict=True)
-                    ]
-                counted = weights[seq_counted > 0]
-                if counted.numel():
-                    out["sampler_is_weight_mean"] = float(counted.mean())
-                    out["sampler_is_truncated_frac"] = float(
-                        (counted >= cfg.train.sampler_is_cap).float().mean()
-                    )
-        else:
-            trained = sum(sum(seq.train_mask) for seq in sequences)
-            out["sampler_logprob_missing_frac"] = unknown / max(trained, 1)  # recomputed by the trainer
-        t0 = time.perf_counter()
-        updates = [
-            self.update(ids, micro, advantages, o, r, rt)
-            for (ids, micro), o, r, rt in zip(batches, old, ref, routes, strict=True)
-        ]
-        out["time_update"] = time.perf_counter() - t0
-        if self.is_moe:
-            t0 = time.perf_counter()
-            # minibatch j was scored after j updates of this step (j = 0: no change, not logged)
-            for j, update in enumerate(updates):
-                for key in [k for k in update if k.startswith("live_")]:
-                    live = update.pop(key)
-                    if j:
-                        out[f"{key.removeprefix('live_')}_after_{j}_updates"] = live
-            # the whole rollout batch, routed again by the policy after all this step's updates
-            # this rank's batch; FSDP2: gathered once
-            with distributed.full_parameters(self.scorer), self.autocast():
-                out.update(
-                    moe.routing_volatility(
-                        self.model,
-                        [mb for _, micro in batches for mb in micro],
-                        [r for rs in routes for r in rs],
-                    )
-                )
-            out["time_routing"] = time.perf_counter() - t0
-        return {**_reduce_metrics(updates), **out}
+        """Old-policy log-probs, then `minibatches_per_rollout` updates on scored sequences (gspo.updates)."""
+        return updates.learn(self, sequences, advantages, sampler_logprobs)
 
     def train_on_groups(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
         """GSPO updates on the user's own trajectory groups, as one step (see gspo.trajectories)."""
