@@ -101,3 +101,36 @@ def test_unsupported_models_keep_their_attention() -> None:
         assert used and model.config._attn_implementation == attention.NAME
         raise ValueError("boom")
     assert model.config._attn_implementation == "sdpa"  # restored on the way out of an error
+
+
+def test_attention_function_equals_causal_attention_per_segment_with_gqa_and_another_value_size() -> None:
+    """Called directly: 4 query heads over 2 key/value heads, head size 8 for q/k and 5 for v."""
+    g = torch.Generator().manual_seed(0)
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 0, 1, 2], [0, 1, 2, 0, 1, 2, 3, 4, 5, 6]])
+    query = torch.randn(2, 4, 10, 8, generator=g)
+    key = torch.randn(2, 2, 10, 8, generator=g)
+    value = torch.randn(2, 2, 10, 5, generator=g)
+    token = attention._LAYOUT.set(attention.segment_layout(position_ids))
+    try:
+        out, _ = attention._segment_attention_forward(torch.nn.Module(), query, key, value, None, scaling=0.3)
+    finally:
+        attention._LAYOUT.reset(token)
+    assert out.shape == (2, 10, 4, 5)
+    for row, bounds in ((0, [(0, 5), (5, 7), (7, 10)]), (1, [(0, 3), (3, 10)])):
+        for start, end in bounds:
+            q = query[row, :, start:end]
+            k = key[row, :, start:end].repeat_interleave(2, dim=0)  # query head h reads kv head h // 2
+            v = value[row, :, start:end].repeat_interleave(2, dim=0)
+            scores = (q @ k.transpose(-1, -2)) * 0.3
+            scores = scores.masked_fill(torch.ones(end - start, end - start).triu(1).bool(), float("-inf"))
+            expected = (scores.softmax(-1) @ v).transpose(0, 1)  # (L, H, Dv)
+            torch.testing.assert_close(out[row, start:end], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_models_with_attention_code_of_their_own_keep_their_mask() -> None:
+    class OwnAttention(torch.nn.Module):  # no _supports_attention_backend: it would ignore the interface
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = load_model(ModelConfig(tiny="llama"), seed=0)[0].config
+
+    assert not attention.supports_segments(OwnAttention())

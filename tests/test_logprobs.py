@@ -444,3 +444,14 @@ def test_peft_lora_model():
     want = torch.autograd.grad((naive * scored).sum(), lora_params)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+
+
+def test_autocast_stops_at_the_head():
+    """Under bf16 autocast (train.mixed_precision) the head's log-probs and entropy stay exact fp32."""
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(20, 16, generator=g), torch.randn(50, 16, generator=g)
+    targets = torch.randint(0, 50, (20,), generator=g)
+    exact = token_logprobs(hidden, weight, targets, chunk_size=8, return_entropy=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = token_logprobs(hidden, weight, targets, chunk_size=8, return_entropy=True)
+    assert torch.equal(exact[0], mixed[0]) and torch.equal(exact[1], mixed[1])

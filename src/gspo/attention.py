@@ -9,8 +9,8 @@ bucket of similar lengths, runs causal ``scaled_dot_product_attention`` on it, a
 back. With right padding and a causal mask, no real token ever attends to a padded slot, so the result
 is the block-diagonal attention, exactly (tests/test_attention.py compares values and gradients).
 
-It applies to models whose attention dispatches through transformers' ``AttentionInterface`` with the
-"sdpa" or "eager" implementation and no sliding window or logit soft-capping (Llama, Qwen2/3, Qwen3-MoE,
+It applies to models whose attention dispatches through transformers' ``AttentionInterface`` (their
+class declares ``_supports_attention_backend``) with the "sdpa" or "eager" implementation and no sliding window or logit soft-capping (Llama, Qwen2/3, Qwen3-MoE,
 Mistral without a window, ...); other models keep the block-diagonal mask. Gradient (activation)
 checkpointing also keeps the mask: its recomputation would run outside the block.
 """
@@ -97,34 +97,35 @@ def _segment_attention_forward(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
-    """transformers attention function: (B, H, T, D) queries, (B, Hkv, T, D) keys/values -> (B, T, H, D)."""
+    """transformers attention function: (B, H, T, D) queries and keys, (B, Hkv, T, Dv) values (Hkv
+    dividing H, Dv possibly not D, as in DeepSeek-V3) -> (B, T, H, Dv)."""
     layout = _LAYOUT.get()
     if layout is None:
         raise RuntimeError(f"the {NAME!r} attention runs only inside gspo.attention.segment_attention")
     if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
         raise NotImplementedError(f"{NAME!r}: sliding windows and soft-capping are not supported")
-    batch, heads, width, dim = query.shape
-    kv_heads = key.shape[1]
-    q = query.transpose(1, 2).reshape(batch * width, heads, dim)
-    k = key.transpose(1, 2).reshape(batch * width, kv_heads, dim)
-    v = value.transpose(1, 2).reshape(batch * width, kv_heads, dim)
+    batch, heads, width, _ = query.shape
+    value_dim = value.shape[-1]
+    q = query.transpose(1, 2).reshape(batch * width, heads, -1)
+    k = key.transpose(1, 2).reshape(batch * width, key.shape[1], -1)
+    v = value.transpose(1, 2).reshape(batch * width, value.shape[1], value_dim)
     outputs = []
     for bucket in layout.buckets:
         shape = (bucket.segments, bucket.length)
 
         def take(x: Tensor, bucket: _Bucket = bucket, shape: tuple[int, int] = shape) -> Tensor:
             # (S, L, h, D) -> (S, h, L, D); grouped-query heads repeated like transformers' repeat_kv
-            x = x.index_select(0, bucket.gather).view(*shape, x.shape[1], dim).transpose(1, 2)
+            x = x.index_select(0, bucket.gather).view(*shape, *x.shape[1:]).transpose(1, 2)
             if x.shape[1] != heads:
                 x = x.repeat_interleave(heads // x.shape[1], dim=1)
             return x
 
         out = torch.nn.functional.scaled_dot_product_attention(
             take(q), take(k), take(v), dropout_p=dropout, is_causal=True, scale=scaling
-        )  # (S, H, L, D)
-        outputs.append(out.transpose(1, 2).reshape(-1, heads, dim).index_select(0, bucket.keep))
-    merged = torch.cat(outputs).index_select(0, layout.inverse)  # (B*T, H, D) in token order
-    return merged.view(batch, width, heads, dim), None
+        )  # (S, H, L, Dv)
+        outputs.append(out.transpose(1, 2).reshape(-1, heads, value_dim).index_select(0, bucket.keep))
+    merged = torch.cat(outputs).index_select(0, layout.inverse)  # (B*T, H, Dv) in token order
+    return merged.view(batch, width, heads, value_dim), None
 
 
 AttentionInterface.register(NAME, _segment_attention_forward)
@@ -136,7 +137,10 @@ def supports_segments(model: torch.nn.Module) -> bool:
     implementation = getattr(config, "_attn_implementation", None)
     checkpointing = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
     return (
-        implementation in ("sdpa", "eager")
+        # the model's attention layers dispatch through AttentionInterface (models with attention code
+        # of their own, e.g. GPT-J or Falcon, would silently lose their mask under an unknown name)
+        getattr(type(model), "_supports_attention_backend", False)
+        and implementation in ("sdpa", "eager")
         and not getattr(config, "sub_configs", None)
         and getattr(config, "sliding_window", None) is None
         and getattr(config, "attn_logit_softcapping", None) is None

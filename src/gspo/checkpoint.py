@@ -21,10 +21,11 @@ from gspo.models import save_model
 
 
 def rng_state() -> dict[str, Any]:
-    """Every RNG a run draws from: torch (CPU, and each CUDA GPU once CUDA is in use), Python, numpy."""
+    """Every RNG a run draws from: torch (CPU, and this process's current GPU once CUDA is in use; each
+    torchrun rank saves its own), Python, numpy."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -33,7 +34,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])  # the current GPU: the trainer selects it first
 
 
 def _atomic_write(path: Path, text: str) -> None:

@@ -71,6 +71,11 @@ def resolve_device(requested: str) -> torch.device:
     device = torch.device(requested)
     if device.index is None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    elif launched_world_size() > 1:
+        raise ConfigError(
+            f"device={requested} puts every torchrun rank on the same GPU: set device=cuda (or auto), "
+            "which gives each rank GPU LOCAL_RANK"
+        )
     if device.index >= torch.cuda.device_count():
         raise ConfigError(
             f"device={requested} resolves to {device}, but this machine has {torch.cuda.device_count()} "
@@ -415,7 +420,9 @@ def clip_grad_norm(
         grads = [p.grad for p in parameters if p.grad is not None]
         total = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
         # clip_grad_norm_ multiplies by min(1, max_norm / (total + 1e-6)): divide by its inverse
-        optimizer.grad_scale = ((total + 1e-6) / max_norm).clamp(min=1.0)
+        # (float32 whatever the gradients' dtype: the fused kernel reads it as such); the caller
+        # removes it after the step (``release_grad_scale``), as GradScaler does
+        optimizer.grad_scale = ((total.float() + 1e-6) / max_norm).clamp(min=1.0)
         return total
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
@@ -425,6 +432,12 @@ def clip_grad_norm(
         total = total.full_tensor()
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
     return total
+
+
+def release_grad_scale(optimizer: torch.optim.Optimizer) -> None:
+    """Forget a clipping factor :func:`clip_grad_norm` handed to ``optimizer`` once its step used it."""
+    if hasattr(optimizer, "grad_scale"):
+        del optimizer.grad_scale
 
 
 # ---- checkpoints ------------------------------------------------------------------------------------

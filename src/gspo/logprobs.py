@@ -153,7 +153,20 @@ def _forward_chunks(
     return_entropy: bool,
 ) -> tuple[Tensor, Tensor | None, Tensor]:
     """log-probs (N,), entropy (N,) or None, and the (chunk, V) buffer: its first rows hold log pi of
-    the last chunk."""
+    the last chunk. fp32 throughout, also under autocast (mixed precision stops at the head)."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        return _forward_chunks_fp32(hidden, weight, bias, targets, chunk_size, temperature, return_entropy)
+
+
+def _forward_chunks_fp32(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    chunk_size: int,
+    temperature: float,
+    return_entropy: bool,
+) -> tuple[Tensor, Tensor | None, Tensor]:
     n, vocab = hidden.shape[0], weight.shape[0]
     device = hidden.device
     weight32, bias32 = _fp32_head(weight, bias, temperature)

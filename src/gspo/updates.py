@@ -157,6 +157,7 @@ def update(
         params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"), trainer.optimizer
     )
     trainer.optimizer.step()
+    distributed.release_grad_scale(trainer.optimizer)
     trainer.scheduler.step()
     out = _reduce_metrics(distributed.all_gather_metrics(metrics))  # all ranks' micro-batches
     out["loss"] = distributed.all_reduce_sum(float(torch.stack(losses).sum()))
