@@ -114,15 +114,15 @@ def _segment_attention_forward(
         shape = (bucket.segments, bucket.length)
 
         def take(x: Tensor, bucket: _Bucket = bucket, shape: tuple[int, int] = shape) -> Tensor:
-            # (S, L, h, D) -> (S, h, L, D); grouped-query heads repeated like transformers' repeat_kv
-            x = x.index_select(0, bucket.gather).view(*shape, *x.shape[1:]).transpose(1, 2)
-            if x.shape[1] != heads:
-                x = x.repeat_interleave(heads // x.shape[1], dim=1)
-            return x
+            # (S, L, h, D) -> (S, h, L, D)
+            return x.index_select(0, bucket.gather).view(*shape, *x.shape[1:]).transpose(1, 2)
 
+        # grouped-query attention: query head h reads key/value head h // (H / Hkv), as transformers'
+        # repeat_kv, without the copy (enable_gqa)
         out = torch.nn.functional.scaled_dot_product_attention(
-            take(q), take(k), take(v), dropout_p=dropout, is_causal=True, scale=scaling
-        )  # (S, H, L, Dv)
+            take(q), take(k), take(v), dropout_p=dropout, is_causal=True, scale=scaling,
+            enable_gqa=k.shape[1] != heads,
+        )  # (S, H, L, Dv)  # fmt: skip
         outputs.append(out.transpose(1, 2).reshape(-1, heads, value_dim).index_select(0, bucket.keep))
     merged = torch.cat(outputs).index_select(0, layout.inverse)  # (B*T, H, Dv) in token order
     return merged.view(batch, width, heads, value_dim), None
