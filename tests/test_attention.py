@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, LlamaConfig
 
 from gspo import attention
 from gspo.batching import Sequence, make_micro_batches
@@ -131,6 +131,7 @@ def test_models_with_attention_code_of_their_own_keep_their_mask() -> None:
     class OwnAttention(torch.nn.Module):  # no _supports_attention_backend: it would ignore the interface
         def __init__(self) -> None:
             super().__init__()
-            self.config = load_model(ModelConfig(tiny="llama"), seed=0)[0].config
+            # sdpa, no window: only the missing AttentionInterface dispatch disqualifies it
+            self.config = LlamaConfig(attn_implementation="sdpa")
 
     assert not attention.supports_segments(OwnAttention())

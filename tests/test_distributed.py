@@ -300,7 +300,7 @@ def test_bf16_mixed_precision_under_two_ranks_matches_one_process(distributed_ru
     history = _learn(single, *_fixed_batch())
     expected = _full_parameters(single.model)
     fp32 = _result(distributed_runs[1], f"learn_{wrapper}")[0]["params"]
-    start = {k: v for k, v in Trainer(_learn_config(tmp_path / "start", wrapper)).model.state_dict().items()}
+    start = Trainer(_learn_config(tmp_path / "start", wrapper)).model.state_dict()
     moved = sum(float((expected[k] - start[k]).abs().sum()) for k in expected)
     for r in ranks:
         assert {v.dtype for v in r["params"].values()} == {torch.float32}

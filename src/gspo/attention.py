@@ -64,6 +64,7 @@ def segment_layout(position_ids: Tensor, bucket_ratio: float = BUCKET_RATIO) -> 
     # a segment never crosses a row: each row's first token starts one
     lengths = (ends - first).tolist()
     order = sorted(range(len(lengths)), key=lambda s: -lengths[s])
+    device = position_ids.device
     buckets, chosen = [], []
     i = 0
     while i < len(order):
@@ -76,15 +77,10 @@ def segment_layout(position_ids: Tensor, bucket_ratio: float = BUCKET_RATIO) -> 
         slot = torch.arange(longest)[None, :]  # (1, L)
         valid = (slot < seg_len).reshape(-1)
         gather = (seg_start + torch.minimum(slot, seg_len - 1)).reshape(-1)
-        buckets.append(_Bucket(gather, valid.nonzero().squeeze(1), j - i, longest))
+        buckets.append(_Bucket(gather.to(device), valid.nonzero().squeeze(1).to(device), j - i, longest))
         chosen.append(gather[valid])
         i = j
-    inverse = torch.argsort(torch.cat(chosen))
-    device = position_ids.device
-    return SegmentLayout(
-        [_Bucket(b.gather.to(device), b.keep.to(device), b.segments, b.length) for b in buckets],
-        inverse.to(device),
-    )
+    return SegmentLayout(buckets, torch.argsort(torch.cat(chosen)).to(device))
 
 
 def _segment_attention_forward(

@@ -87,13 +87,15 @@ def token_logprobs(
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, lm_head_bias)
     )
-    if needs_grad:
-        return _ChunkedTokenLogprobs.apply(
+    # fp32 throughout, also under autocast: mixed precision stops at the head
+    with torch.autocast(hidden.device.type, enabled=False):
+        if needs_grad:
+            return _ChunkedTokenLogprobs.apply(
+                hidden, weight, lm_head_bias, targets, chunk_size, temperature, return_entropy
+            )
+        logp, entropy, _ = _forward_chunks(
             hidden, weight, lm_head_bias, targets, chunk_size, temperature, return_entropy
         )
-    logp, entropy, _ = _forward_chunks(
-        hidden, weight, lm_head_bias, targets, chunk_size, temperature, return_entropy
-    )
     return (logp, entropy) if return_entropy else logp
 
 
@@ -153,20 +155,7 @@ def _forward_chunks(
     return_entropy: bool,
 ) -> tuple[Tensor, Tensor | None, Tensor]:
     """log-probs (N,), entropy (N,) or None, and the (chunk, V) buffer: its first rows hold log pi of
-    the last chunk. fp32 throughout, also under autocast (mixed precision stops at the head)."""
-    with torch.autocast(hidden.device.type, enabled=False):
-        return _forward_chunks_fp32(hidden, weight, bias, targets, chunk_size, temperature, return_entropy)
-
-
-def _forward_chunks_fp32(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    targets: Tensor,
-    chunk_size: int,
-    temperature: float,
-    return_entropy: bool,
-) -> tuple[Tensor, Tensor | None, Tensor]:
+    the last chunk."""
     n, vocab = hidden.shape[0], weight.shape[0]
     device = hidden.device
     weight32, bias32 = _fp32_head(weight, bias, temperature)

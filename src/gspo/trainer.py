@@ -146,7 +146,8 @@ class Trainer:
         torch.manual_seed(config.seed)
         random.seed(config.seed)
         np.random.seed(config.seed)
-        self.model, self.tokenizer = self._load_policy(checkpoint)
+        model, self.tokenizer = self._load_policy(checkpoint)
+        self.model = model.to(self.device)
         self.reference = (
             self._load_reference(resumed=checkpoint is not None) if config.train.beta > 0 else None
         )
@@ -197,10 +198,7 @@ class Trainer:
 
     # ---- models -------------------------------------------------------------------------------------
     def _load_policy(self, checkpoint: Path | None) -> tuple[Any, Any]:
-        model, tokenizer = self._load_policy_on_cpu(checkpoint)
-        return model.to(self.device), tokenizer
-
-    def _load_policy_on_cpu(self, checkpoint: Path | None) -> tuple[Any, Any]:
+        """The policy (loaded on the CPU) and its tokenizer; the caller moves it to the device."""
         config = self.config
         if checkpoint is not None and config.lora.rank == 0:
             saved = dataclasses.replace(config.model, path=str(checkpoint / "model"), tiny=None)
