@@ -1,11 +1,11 @@
-"""Peak memory and wall time of log-probs through the LM head: naive vs chunked (gspo.logprobs).
+"""Peak memory and wall time of log-probs through the LM head: naive vs chunked (gspo.core.logprobs).
 
 One step = forward + backward of sum_i g_i * log pi(t_i) with a fixed random upstream gradient g, for
 hidden (N, H) and head weight (V, H), both requiring grad, fp32 (SmolLM2 shapes by default: H=576,
 V=49,152):
 
     naive:   log_softmax(h @ W.T, -1).gather(1, t)     holds (N, V) logits and their gradient
-    chunked: gspo.logprobs.token_logprobs(h, W, t)     holds (chunk, V) blocks; backward recomputes them
+    chunked: gspo.core.logprobs.token_logprobs(h, W, t)     holds (chunk, V) blocks; backward recomputes them
 
 With --fused, two prototypes of a fused head+loss path (not in the library; see docs/logprobs.md) are
 timed as well, both given the per-token upstream gradient g inside the chunk loop:
@@ -44,7 +44,7 @@ import time
 
 import torch
 
-from gspo.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs
+from gspo.core.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs
 
 # (N, V) fp32 buffers the naive step holds at its peak (log_softmax output, the scattered gradient of
 # gather, the gradient of log_softmax): used to skip naive runs that would not fit in memory.
@@ -76,7 +76,7 @@ def fused_prototype_step(
         end = min(start + chunk_size, n)
         h_c, t_c, g_c = hidden[start:end], targets[start:end], upstream[start:end, None]
         logits = torch.mm(h_c, weight.T, out=logits_buf[: end - start])
-        log_pi = torch.log_softmax(logits, dim=-1, out=logits)  # in place, as gspo.logprobs does
+        log_pi = torch.log_softmax(logits, dim=-1, out=logits)  # in place, as gspo.core.logprobs does
         logp[start:end] = log_pi.gather(1, t_c[:, None]).squeeze(1)
         pi = log_pi.exp_()
         grad_hidden[start:end] = (weight[t_c] - pi @ weight) * g_c

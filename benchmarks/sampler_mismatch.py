@@ -28,13 +28,13 @@ import time
 import torch
 from transformers import AutoTokenizer
 
-from gspo.batching import Sequence, make_micro_batches
 from gspo.config import ModelConfig
-from gspo.data import arithmetic_task, format_prompt
-from gspo.logprobs import causal_lm_logprobs
-from gspo.mismatch import SEQUENCE_CLIP, TOKEN_CLIP
+from gspo.core.layout import Sequence, make_micro_batches
+from gspo.core.logprobs import causal_lm_logprobs
+from gspo.core.mismatch import SEQUENCE_CLIP, TOKEN_CLIP
 from gspo.models import default_model_file, load_model
-from gspo.openai_backend import OpenAIBackend, llama_cpp_server
+from gspo.rollout.data import arithmetic_task, format_prompt
+from gspo.rollout.openai import OpenAIBackend, llama_cpp_server
 
 
 def describe(log_ratio: torch.Tensor) -> dict[str, float]:

@@ -26,7 +26,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from gspo.config import load_config
-from gspo.trainer import Trainer
+from gspo.learning.batch import make_batch
+from gspo.learning.learner import learn
+from gspo.training.trainer import Trainer
 
 
 def matmul_peak(dtype: torch.dtype = torch.float32, size: int = 2048, repeats: int = 10) -> float:
@@ -57,7 +59,7 @@ def main() -> None:
         )
         trainer = Trainer(config)
         # the peak of the dtype the matmuls run in: bf16 with train.mixed_precision=bf16
-        dtype = trainer.compute_dtype or next(trainer.model.parameters()).dtype
+        dtype = trainer.policy.compute_dtype or next(trainer.policy.model.parameters()).dtype
         peaks = [matmul_peak(dtype)]
         print(
             f"batch: {config.rollout.prompts_per_step} prompts x G={config.rollout.group_size}, "
@@ -67,18 +69,17 @@ def main() -> None:
         trainer.train_step()  # warm-up: allocator, first-call overheads
         rows = [trainer.train_step() for _ in range(args.steps)]
 
-        counted: list[float] = []
-        update = trainer.update
+        # one more step's updates, each inside a FLOP counter (learn's around_update hook)
+        counters: list[FlopCounterMode] = []
 
-        def counting_update(*a, **k):
-            with FlopCounterMode(display=False) as counter:
-                result = update(*a, **k)
-            counted.append(counter.get_total_flops())
-            return result
+        def count() -> FlopCounterMode:
+            counters.append(FlopCounterMode(display=False))
+            return counters[-1]
 
-        trainer.update = counting_update  # type: ignore[method-assign]
-        probe = trainer.train_step()
-        flops_per_token = sum(counted) / probe["update_tokens"]
+        samples, _ = trainer.sample()
+        batch, _ = make_batch(samples)
+        probe = learn(trainer.policy, trainer.spec, batch, seed=trainer.step_seed(), around_update=count)
+        flops_per_token = sum(c.get_total_flops() for c in counters) / probe["update_tokens"]
         peaks.append(matmul_peak(dtype))  # the higher of before and after: the stricter reference
     peak = max(peaks)
     print(

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from gspo.advantages import group_advantages
-from gspo.losses import OBJECTIVES
+from gspo.core.advantages import group_advantages
+from gspo.core.objectives import OBJECTIVES, policy_loss
 
 
 def toy_batch(seed: int = 0, group_size: int = 4, num_groups: int = 2, max_len: int = 24):
@@ -43,11 +43,11 @@ def main() -> None:
     print(header)
     print("-" * (len(header) + 40))
     for setting in ("on-policy", "off-policy"):
-        for name, objective in OBJECTIVES.items():
+        for name in OBJECTIVES:
             logp = logp0.clone().requires_grad_()
             # on-policy the behaviour policy is the current one: the ratio is 1, its gradient is not
             old_logp = logp.detach() if setting == "on-policy" else drifted_old
-            loss, metrics = objective(logp, old_logp, advantages, mask)
+            loss, metrics = policy_loss(name, logp, old_logp, advantages, mask)
             loss.backward()
             norms = logp.grad.norm(dim=1)
             print(

@@ -46,21 +46,22 @@ from typing import Any
 
 import torch
 
-from gspo.checkpoint import latest_checkpoint, load_trainer_state
 from gspo.config import Config, load_config
-from gspo.data import Example, format_prompt
-from gspo.metrics import read_metrics
 from gspo.models import save_model, tiny_tokenizer
-from gspo.rewards import exact_answer
-from gspo.rollout import generate, tokenize_prompts
-from gspo.trainer import Trainer, build_examples
+from gspo.rollout.data import Example, format_prompt
+from gspo.rollout.rewards import exact_answer
+from gspo.rollout.samplers import generate, tokenize_prompts
+from gspo.training.checkpoint import latest_checkpoint, load_trainer_state
+from gspo.training.metrics import read_metrics
+from gspo.training.setup import build_examples
+from gspo.training.trainer import Trainer
 
 METHODS = {
     "grpo": {"train.objective": "grpo"},
     "grpo_replay": {"train.objective": "grpo", "train.routing_replay": True},
     "gspo": {"train.objective": "gspo"},
 }
-"""Config overrides per method; each uses its paper clip range (trainer.OBJECTIVE_DEFAULTS)."""
+"""Config overrides per method; each uses its paper clip range (gspo.core.objectives.PAPER_CLIP)."""
 LABELS = {"grpo": "GRPO", "grpo_replay": "GRPO + Routing Replay", "gspo": "GSPO"}
 COLORS = {"grpo": "tab:red", "grpo_replay": "tab:orange", "gspo": "tab:blue"}
 
@@ -581,7 +582,7 @@ def write_report(
         "the same seeds, prompt order and rollout budget for every method.",
         "- Methods: GRPO, clip (0.2, 0.27); GRPO + Routing Replay: the update forward passes reuse the experts "
         "the old policy chose for each token, with gates recomputed by the current router over those experts "
-        "(`gspo.moe`); GSPO, clip (3e-4, 4e-4), without replay.",
+        "(`gspo.models.moe`); GSPO, clip (3e-4, 4e-4), without replay.",
         "- Routing volatility, on the completion tokens of each rollout batch, over all MoE layers: the old "
         "policy's top-2 expert set against the one chosen after 1 update (the second minibatch, scored after "
         "one update) and after the step's 4 updates (an extra pass over the whole batch). 'Experts changed' "

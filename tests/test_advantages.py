@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gspo.advantages import group_advantages
+from gspo.core.advantages import group_advantages
 
 # group 0: [1, 2, 3, 4] (mean 2.5, population std sqrt(1.25)); group 1: constant; group 2: [1, 0, 1, 0]
 REWARDS = torch.tensor([1.0, 2.0, 3.0, 4.0, 7.0, 7.0, 7.0, 7.0, 1.0, 0.0, 1.0, 0.0])
@@ -106,5 +106,50 @@ def test_group_size_below_one(group_size):
 def test_unknown_scale_and_bad_shape():
     with pytest.raises(ValueError, match="unknown scale 'std'"):
         group_advantages(torch.zeros(4), 2, scale="std")
-    with pytest.raises(ValueError, match=r"rewards must be 1-D \(B,\), got shape \(2, 2\)"):
-        group_advantages(torch.zeros(2, 2), 2)
+    with pytest.raises(ValueError, match=r"rewards must be \(B,\) or \(B, K\), got shape \(2, 2, 1\)"):
+        group_advantages(torch.zeros(2, 2, 1), 2)
+    with pytest.raises(ValueError, match=r"groups must be \(4,\) group ids"):
+        group_advantages(torch.zeros(4), torch.zeros(3, dtype=torch.long))
+
+
+def test_group_ids_of_any_sizes_equal_each_group_on_its_own():
+    rewards = torch.tensor([1.0, 0.0, 3.0, 2.0, 2.0, 5.0])
+    groups = torch.tensor([0, 1, 0, 1, 1, 2])  # sizes 2, 3, 1, interleaved
+    advantages, zero_std = group_advantages(rewards, groups)
+    # group 0: {1, 3}, mean 2, population std 1; group 1: {0, 2, 2}, mean 4/3, std sqrt(8/9); group 2 alone
+    s1 = math.sqrt(8 / 9)
+    expected = [
+        -1 / (1 + 1e-6),
+        (0 - 4 / 3) / (s1 + 1e-6),
+        1 / (1 + 1e-6),
+        (2 / 3) / (s1 + 1e-6),
+        (2 / 3) / (s1 + 1e-6),
+        0.0,
+    ]
+    torch.testing.assert_close(advantages, torch.tensor(expected))
+    assert zero_std.tolist() == [False, False, True]
+    # the same as group_size with the groups laid out adjacently
+    adjacent, _ = group_advantages(torch.tensor([1.0, 3.0, 0.0, 2.0, 2.0, 2.0, 1.0, 0.0]), 2)
+    by_ids, _ = group_advantages(torch.tensor([1.0, 3.0, 0.0, 2.0, 2.0, 2.0, 1.0, 0.0]), torch.arange(8) // 2)
+    assert torch.equal(adjacent, by_ids)
+
+
+def test_per_turn_returns_use_the_mean_total_as_baseline_and_all_returns_for_the_std():
+    nan = float("nan")
+    # two samples of one group; returns-to-go per turn, column 0 the total; sample 1 has one turn
+    returns = torch.tensor([[3.0, 1.0], [1.0, nan]])
+    advantages, zero_std = group_advantages(returns, 2)
+    baseline = (3.0 + 1.0) / 2
+    values = torch.tensor([3.0, 1.0, 1.0])
+    std = float(((values - values.mean()) ** 2).mean().sqrt())  # population std of every return: sqrt(8/9)
+    assert abs(std - math.sqrt(8 / 9)) < 1e-6
+    expected = torch.tensor(
+        [[(3 - baseline) / (std + 1e-6), (1 - baseline) / (std + 1e-6)], [(1 - baseline) / (std + 1e-6), nan]]
+    )
+    torch.testing.assert_close(advantages, expected, equal_nan=True)
+    assert zero_std.tolist() == [False]
+    # a group whose every return is equal has no signal: exactly zero
+    flat, zero = group_advantages(torch.tensor([[2.0, 2.0], [2.0, nan]]), 2)
+    assert flat[0].tolist() == [0.0, 0.0] and zero.tolist() == [True]
+    with pytest.raises(ValueError, match="reward at sample index 1"):
+        group_advantages(torch.tensor([[1.0, 0.0], [nan, 1.0]]), 2)

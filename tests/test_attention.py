@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers import AttentionInterface, LlamaConfig
 
-from gspo import attention
-from gspo.batching import Sequence, make_micro_batches
 from gspo.config import ModelConfig
-from gspo.logprobs import causal_lm_logprobs
+from gspo.core import attention
+from gspo.core.layout import Sequence, make_micro_batches
+from gspo.core.logprobs import causal_lm_logprobs
 from gspo.models import load_model
 
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from gspo.data import (
+from gspo.rollout.data import (
     TASKS,
     Example,
     PromptStream,

@@ -1,4 +1,4 @@
-"""gspo.logprobs against the naive full-logits computation: values and gradients, then transformers models."""
+"""gspo.core.logprobs against the naive full-logits computation: values and gradients, then transformers models."""
 
 from __future__ import annotations
 
@@ -11,19 +11,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gspo.logprobs import causal_lm_logprobs, token_logprobs
+from gspo.core.logprobs import causal_lm_logprobs, token_logprobs
 
 N, H, V = 48, 24, 300
 FP32 = {"atol": 2e-5, "rtol": 1e-4}
 
 
-def naive_logprobs_entropy(hidden, weight, targets, temperature=1.0, bias=None):
-    """log pi(target) and entropy from the full (N, V) logits."""
+def naive_logprobs(hidden, weight, targets, temperature=1.0, bias=None):
+    """log pi(target) from the full (N, V) logits."""
     logits = hidden @ weight.T
     if bias is not None:
         logits = logits + bias
     log_pi = torch.log_softmax(logits / temperature, dim=-1)
-    return log_pi.gather(1, targets[:, None]).squeeze(1), -(log_pi.exp() * log_pi).sum(-1)
+    return log_pi.gather(1, targets[:, None]).squeeze(1)
 
 
 def make_head_inputs(seed=0, n=N, with_bias=False, dtype=torch.float32):
@@ -48,7 +48,7 @@ def test_token_logprobs_values_and_grads_equal_naive(chunk_size, temperature, wi
     logp = token_logprobs(
         hidden, weight, targets, chunk_size=chunk_size, temperature=temperature, lm_head_bias=bias
     )
-    ref, _ = naive_logprobs_entropy(hidden, weight, targets, temperature, bias)
+    ref = naive_logprobs(hidden, weight, targets, temperature, bias)
     assert logp.dtype == torch.float32 and logp.shape == (N,)
     torch.testing.assert_close(logp, ref, **FP32)
     inputs = (hidden, weight, bias)
@@ -58,71 +58,17 @@ def test_token_logprobs_values_and_grads_equal_naive(chunk_size, temperature, wi
         torch.testing.assert_close(got, want, **FP32)
 
 
-@pytest.mark.parametrize("chunk_size", [16, 7])
-@pytest.mark.parametrize("temperature", [1.0, 1.3])
-def test_entropy_values_and_grads_equal_naive(chunk_size, temperature):
-    hidden, weight, bias, targets, upstream = make_head_inputs(seed=1, with_bias=True)
-    upstream_entropy = torch.randn(N, generator=torch.Generator().manual_seed(5))
-    logp, entropy = token_logprobs(
-        hidden,
-        weight,
-        targets,
-        chunk_size=chunk_size,
-        temperature=temperature,
-        lm_head_bias=bias,
-        return_entropy=True,
-    )
-    ref_logp, ref_entropy = naive_logprobs_entropy(hidden, weight, targets, temperature, bias)
-    torch.testing.assert_close(logp, ref_logp, **FP32)
-    torch.testing.assert_close(entropy, ref_entropy, **FP32)
-    inputs = (hidden, weight, bias)
-    # both outputs in the loss
-    got = grads_of((logp * upstream + entropy * upstream_entropy).sum(), inputs)
-    want = grads_of((ref_logp * upstream + ref_entropy * upstream_entropy).sum(), inputs)
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, **FP32)
-    # entropy alone in the loss (the log-prob output gets no gradient)
-    _, entropy = token_logprobs(
-        hidden,
-        weight,
-        targets,
-        chunk_size=chunk_size,
-        temperature=temperature,
-        lm_head_bias=bias,
-        return_entropy=True,
-    )
-    _, ref_entropy = naive_logprobs_entropy(hidden, weight, targets, temperature, bias)
-    got = grads_of((entropy * upstream_entropy).sum(), inputs)
-    want = grads_of((ref_entropy * upstream_entropy).sum(), inputs)
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, **FP32)
-
-
-def test_unused_entropy_changes_nothing():
-    hidden, weight, _, targets, upstream = make_head_inputs(seed=2)
-    logp, _ = token_logprobs(hidden, weight, targets, chunk_size=5, return_entropy=True)
-    got = grads_of((logp * upstream).sum(), (hidden, weight))
-    logp_only = token_logprobs(hidden, weight, targets, chunk_size=5)
-    want = grads_of((logp_only * upstream).sum(), (hidden, weight))
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=0, atol=0)
-
-
 @pytest.mark.parametrize("chunk_size", [7, 100])  # several chunks, one chunk
-@pytest.mark.parametrize("with_entropy", [False, True])
-def test_second_backward_with_retain_graph_is_exact(chunk_size, with_entropy):
+def test_second_backward_with_retain_graph_is_exact(chunk_size):
     """The backward consumes the forward's last block in place; a second backward must recompute it."""
     hidden, weight, bias, targets, upstream = make_head_inputs(seed=9, with_bias=True)
-    out = token_logprobs(
-        hidden, weight, targets, chunk_size=chunk_size, lm_head_bias=bias, return_entropy=with_entropy
-    )
-    loss = (out[0] * upstream + out[1]).sum() if with_entropy else (out * upstream).sum()
+    out = token_logprobs(hidden, weight, targets, chunk_size=chunk_size, lm_head_bias=bias)
+    loss = (out * upstream).sum()
     first = torch.autograd.grad(loss, (hidden, weight, bias), retain_graph=True)
     second = torch.autograd.grad(loss, (hidden, weight, bias))
     for a, b in zip(first, second, strict=True):
         torch.testing.assert_close(a, b, **FP32)
-    ref_logp, ref_entropy = naive_logprobs_entropy(hidden, weight, targets, bias=bias)
-    ref_loss = (ref_logp * upstream + ref_entropy).sum() if with_entropy else (ref_logp * upstream).sum()
+    ref_loss = (naive_logprobs(hidden, weight, targets, bias=bias) * upstream).sum()
     for a, b in zip(second, grads_of(ref_loss, (hidden, weight, bias)), strict=True):
         torch.testing.assert_close(a, b, **FP32)
 
@@ -140,22 +86,19 @@ def test_tied_embedding_grads_accumulate_like_naive():
         return (logprob_fn(hidden, embedding, ids[1:]) * upstream).sum()
 
     (got,) = torch.autograd.grad(loss(lambda h, w, t: token_logprobs(h, w, t, chunk_size=10)), [embedding])
-    (want,) = torch.autograd.grad(loss(lambda h, w, t: naive_logprobs_entropy(h, w, t)[0]), [embedding])
+    (want,) = torch.autograd.grad(loss(lambda h, w, t: naive_logprobs(h, w, t)), [embedding])
     torch.testing.assert_close(got, want, **FP32)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_inputs_computed_in_fp32(dtype):
     hidden, weight, bias, targets, upstream = make_head_inputs(seed=4, with_bias=True, dtype=dtype)
-    logp, entropy = token_logprobs(
-        hidden, weight, targets, chunk_size=7, temperature=0.9, lm_head_bias=bias, return_entropy=True
-    )
-    assert logp.dtype == entropy.dtype == torch.float32
+    logp = token_logprobs(hidden, weight, targets, chunk_size=7, temperature=0.9, lm_head_bias=bias)
+    assert logp.dtype == torch.float32
     # naive in fp32 on the upcast (bf16-valued) inputs: fp32 accumulation gives fp32-level agreement
     up = [t.detach().float().requires_grad_() for t in (hidden, weight, bias)]
-    ref_logp, ref_entropy = naive_logprobs_entropy(up[0], up[1], targets, 0.9, up[2])
+    ref_logp = naive_logprobs(up[0], up[1], targets, 0.9, up[2])
     torch.testing.assert_close(logp, ref_logp, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(entropy, ref_entropy, atol=1e-4, rtol=1e-4)
     got = grads_of((logp * upstream).sum(), (hidden, weight, bias))
     want = grads_of((ref_logp * upstream).sum(), up)
     for g, w in zip(got, want, strict=True):
@@ -167,20 +110,16 @@ def test_low_precision_inputs_computed_in_fp32(dtype):
 def test_no_grad_path_builds_no_graph_and_matches():
     hidden, weight, bias, targets, _ = make_head_inputs(seed=6, with_bias=True)
     with torch.no_grad():
-        logp, entropy = token_logprobs(
-            hidden, weight, targets, chunk_size=9, lm_head_bias=bias, return_entropy=True
-        )
-    assert not logp.requires_grad and not entropy.requires_grad
-    ref_logp, ref_entropy = naive_logprobs_entropy(hidden, weight, targets, bias=bias)
-    torch.testing.assert_close(logp, ref_logp, **FP32)
-    torch.testing.assert_close(entropy, ref_entropy, **FP32)
+        logp = token_logprobs(hidden, weight, targets, chunk_size=9, lm_head_bias=bias)
+    assert not logp.requires_grad
+    torch.testing.assert_close(logp, naive_logprobs(hidden, weight, targets, bias=bias), **FP32)
 
 
 def test_extreme_logits_stay_finite():
     hidden, weight, _, targets, upstream = make_head_inputs(seed=7)
     hidden = (hidden.detach() * 300).requires_grad_()
     logp = token_logprobs(hidden, weight, targets, chunk_size=8)
-    ref, _ = naive_logprobs_entropy(hidden.double(), weight.double(), targets)
+    ref = naive_logprobs(hidden.double(), weight.double(), targets)
     torch.testing.assert_close(logp.double(), ref, atol=1e-2, rtol=1e-4)
     (grad,) = torch.autograd.grad((logp * upstream).sum(), [hidden])
     assert torch.isfinite(grad).all()
@@ -218,7 +157,7 @@ def test_token_logprobs_property(n, vocab, chunk_size, temperature, seed):
     weight = torch.randn(vocab, 8, generator=gen, requires_grad=True)
     targets = torch.randint(0, vocab, (n,), generator=gen)
     logp = token_logprobs(hidden, weight, targets, chunk_size=chunk_size, temperature=temperature)
-    ref, _ = naive_logprobs_entropy(hidden, weight, targets, temperature)
+    ref = naive_logprobs(hidden, weight, targets, temperature)
     torch.testing.assert_close(logp, ref, **FP32)
     for g, w in zip(
         grads_of(logp.sum(), (hidden, weight)), grads_of(ref.sum(), (hidden, weight)), strict=True
@@ -322,7 +261,7 @@ def test_llama_padded_and_packed_equal_logits_path(attn_implementation):
         starts = torch.tensor([0, *torch.tensor(list(map(len, SEQUENCES))).cumsum(0)[:-1].tolist()])
         assert (logp[0, starts] == 0).all()
 
-        # two packed rows, the second with tail padding whose positions restart (as gspo.batching does)
+        # two packed rows, the second with tail padding whose positions restart (as gspo.core.layout does)
         first, second = SEQUENCES[0] + SEQUENCES[1], SEQUENCES[2] + [PAD] * 5
         ids = torch.tensor([first, second])
         position_ids = torch.tensor(
@@ -369,23 +308,20 @@ def test_packed_gradients_equal_padded():
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
 
 
-def test_logprob_mask_and_entropy():
+def test_logprob_mask_scores_only_the_positions_asked_for():
     model = tiny_llama()
     ids, mask = padded_batch(left=False)
     completion = torch.zeros_like(mask, dtype=torch.bool)
     completion[:, 2:] = True  # e.g. the first two tokens are the prompt
     with torch.no_grad():
-        logp, entropy = causal_lm_logprobs(
-            model, ids, attention_mask=mask, logprob_mask=completion, return_entropy=True
-        )
+        logp = causal_lm_logprobs(model, ids, attention_mask=mask, logprob_mask=completion)
         full_logp = causal_lm_logprobs(model, ids, attention_mask=mask)
         logits = model(ids, attention_mask=mask).logits
     scored = completion & mask.bool()
-    assert (logp[~scored] == 0).all() and (entropy[~scored] == 0).all()
+    assert (logp[~scored] == 0).all()
     torch.testing.assert_close(logp[scored], full_logp[scored], rtol=0, atol=0)
-    log_pi = torch.log_softmax(logits[:, :-1], -1)
-    ref_entropy = -(log_pi.exp() * log_pi).sum(-1)
-    torch.testing.assert_close(entropy[:, 1:][scored[:, 1:]], ref_entropy[scored[:, 1:]], **FP32)
+    log_pi = torch.log_softmax(logits[:, :-1], -1).gather(2, ids[:, 1:, None]).squeeze(2)
+    torch.testing.assert_close(logp[:, 1:][scored[:, 1:]], log_pi[scored[:, 1:]], **FP32)
 
 
 def test_rejects_what_it_cannot_compute_exactly():
@@ -447,11 +383,11 @@ def test_peft_lora_model():
 
 
 def test_autocast_stops_at_the_head():
-    """Under bf16 autocast (train.mixed_precision) the head's log-probs and entropy stay exact fp32."""
+    """Under bf16 autocast (train.mixed_precision) the head's log-probs stay exact fp32."""
     g = torch.Generator().manual_seed(0)
     hidden, weight = torch.randn(20, 16, generator=g), torch.randn(50, 16, generator=g)
     targets = torch.randint(0, 50, (20,), generator=g)
-    exact = token_logprobs(hidden, weight, targets, chunk_size=8, return_entropy=True)
+    exact = token_logprobs(hidden, weight, targets, chunk_size=8)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        mixed = token_logprobs(hidden, weight, targets, chunk_size=8, return_entropy=True)
-    assert torch.equal(exact[0], mixed[0]) and torch.equal(exact[1], mixed[1])
+        mixed = token_logprobs(hidden, weight, targets, chunk_size=8)
+    assert torch.equal(exact, mixed)

@@ -1,18 +1,17 @@
-"""Metrics logging (JSONL, TensorBoard), plots and summary of gspo.metrics / gspo.plots."""
+"""Metrics logging (JSONL, TensorBoard), plots and summary of gspo.training.metrics / gspo.training.plots."""
 
 from __future__ import annotations
 
 import json
-import math
 import sys
 import warnings
 
 import pytest
 import torch
 
-import gspo.metrics as metrics_module
-from gspo.metrics import MetricsLogger, mean_metrics, read_metrics
-from gspo.plots import plot_run, write_summary
+import gspo.training.metrics as metrics_module
+from gspo.training.metrics import MetricsLogger, read_metrics
+from gspo.training.plots import plot_run, write_summary
 
 
 def _lines(run_dir) -> list[str]:
@@ -105,32 +104,6 @@ def test_corrupt_middle_line_raises(tmp_path):
     )
     with pytest.raises(ValueError, match=r"metrics.jsonl:2"):
         read_metrics(tmp_path)
-
-
-def test_mean_metrics_averages_each_key_over_the_items_that_have_it():
-    items = [
-        {"loss": torch.tensor(1.0), "clip_frac_seq": 0.5, "kl": torch.tensor(0.25, dtype=torch.float64)},
-        {"loss": torch.tensor(2.0), "clip_frac_seq": torch.tensor(0.0)},
-        {"loss": 6.0},
-    ]
-    assert mean_metrics(items) == {"loss": 3.0, "clip_frac_seq": 0.25, "kl": 0.25}
-    assert mean_metrics([]) == {}
-    assert math.isnan(mean_metrics([{"x": torch.tensor(float("nan"))}, {"x": 1.0}])["x"])
-
-
-def test_mean_metrics_reads_tensors_back_with_one_sync(monkeypatch):
-    calls = []
-    real_tolist = torch.Tensor.tolist
-
-    def counting_tolist(self):
-        calls.append(self.shape)
-        return real_tolist(self)
-
-    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
-    monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail(".item() called"))
-    items = [{f"k{i}": torch.tensor(float(i + j)) for i in range(5)} for j in range(4)]
-    assert mean_metrics(items) == {f"k{i}": i + 1.5 for i in range(5)}
-    assert calls == [torch.Size([20])]
 
 
 def test_tensorboard_events_hold_the_logged_scalars(tmp_path):

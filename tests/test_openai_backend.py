@@ -9,17 +9,18 @@ import math
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from gspo.batching import Sequence, make_micro_batches
-from gspo.data import format_prompt
-from gspo.logprobs import causal_lm_logprobs
+from gspo.core.layout import Sequence, make_micro_batches
+from gspo.core.logprobs import causal_lm_logprobs
 from gspo.models import tiny_tokenizer
-from gspo.openai_backend import AlignmentError, OpenAIBackend, ServerError, llama_cpp_server
-from gspo.trajectories import groups_from_rollouts, tokenize_trajectory
+from gspo.rollout.data import format_prompt
+from gspo.rollout.openai import AlignmentError, OpenAIBackend, ServerError, llama_cpp_server
+from gspo.rollout.trajectories import groups_from_rollouts, tokenize_trajectory
 
 Reply = tuple[int, dict[str, Any]]
 
@@ -256,3 +257,33 @@ def test_real_server_logprobs_match_the_trainers_recomputation(engine) -> None:
         known = torch.isfinite(theirs)
         delta = (mine[known] - theirs[known]).abs()
         assert delta.mean() < 0.1, delta
+
+
+@pytest.mark.slow
+def test_gspo_train_samples_from_the_real_server(engine, tmp_path) -> None:
+    """rollout.engine=openai: the tiny config's run, on the embedded model the server also serves."""
+    url, _ = engine
+    from gspo.config import load_config
+    from gspo.training.metrics import read_metrics
+    from gspo.training.trainer import Trainer
+
+    root = Path(__file__).resolve().parents[1]
+    config = load_config(
+        root / "configs" / "tiny.yaml",
+        [
+            "model.tiny=null", "rollout.engine=openai", f"rollout.server.url={url}", f"output_dir={tmp_path / 'run'}",
+            "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=4", "train.steps=1",
+            "task.num_eval=2", "eval.every=0", "checkpoint.every=0", "tensorboard=false", "train.lr=1e-4",
+        ],
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match="does not update"):
+        trainer = Trainer(config)
+    before = [p.detach().clone() for p in trainer.policy.model.parameters()]
+    metrics = trainer.train_step()
+    assert trainer.spec.old_logprobs == "recompute"  # the server's weights are not the trainer's
+    # the engine's Q4_1 log-probs against the trainer's fp32 recomputation: close, not equal
+    assert 0 < metrics["sampler_logprob_abs_diff"] < 0.2
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.policy.model.parameters(), strict=True))
+    trainer.logger.log(trainer.step, metrics)
+    trainer.logger.close()
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if r["kind"] == "train"] == [1]

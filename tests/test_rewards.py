@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-import gspo.rewards as rewards_module
-from gspo.rewards import (
+import gspo.rollout.rewards as rewards_module
+from gspo.rollout.rewards import (
     BUILTIN_REWARDS,
     RewardError,
     compute_rewards,
@@ -180,7 +180,7 @@ def test_compute_rewards_argument_checks():
 
 def test_resolve_builtin_and_module():
     assert resolve_reward("exact_answer") is exact_answer
-    assert resolve_reward("gspo.rewards:correct_number") is correct_number
+    assert resolve_reward("gspo.rollout.rewards:correct_number") is correct_number
 
 
 def test_resolve_file(tmp_path):

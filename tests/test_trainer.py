@@ -12,14 +12,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from gspo.batching import Sequence, make_micro_batches
-from gspo.checkpoint import latest_checkpoint, load_trainer_state
 from gspo.config import load_config
-from gspo.losses import PACKED_OBJECTIVES
-from gspo.metrics import read_metrics
-from gspo.rewards import RewardError
-from gspo.trainer import Trainer, train
-from gspo.updates import score
+from gspo.core.layout import Sequence, make_micro_batches
+from gspo.core.objectives import policy_loss
+from gspo.learning.policy import score
+from gspo.rollout.rewards import RewardError
+from gspo.training.checkpoint import latest_checkpoint, load_trainer_state
+from gspo.training.metrics import read_metrics
+from gspo.training.trainer import Trainer, train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -43,9 +43,9 @@ def _final_params(run_dir: Path) -> dict[str, torch.Tensor]:
 def test_one_step_changes_parameters_with_finite_metrics(tmp_path: Path, objective: str) -> None:
     config = _config(tmp_path, f"train.objective={objective}", "train.steps=1", "checkpoint.every=0")
     trainer = Trainer(config)
-    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    before = {k: v.clone() for k, v in trainer.policy.model.state_dict().items()}
     metrics = trainer.train_step()
-    after = trainer.model.state_dict()
+    after = trainer.policy.model.state_dict()
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert changed, "no parameter moved after one rollout batch of updates"
     assert all(torch.isfinite(torch.tensor(float(v))) for v in metrics.values()), metrics
@@ -62,14 +62,18 @@ def test_bf16_mixed_precision_computes_in_bf16_and_keeps_fp32_master_weights(tmp
     sequences = [Sequence([5, 6, 7, 8], [9, 10, 11], [True] * 3), Sequence([12, 13], [14, 15], [True] * 2)]
     (mb,) = make_micro_batches(sequences, packed=True, pack_length=64, micro_batch_tokens=1024, pad_id=0)
     with torch.no_grad():  # the same initial weights, scored in fp32 and in bf16
-        gap = (score(exact.scorer, mb, exact.config) - score(mixed.scorer, mb, mixed.config)).abs().max()
+        gap = (
+            (score(exact.policy.scorer, mb, exact.spec) - score(mixed.policy.scorer, mb, mixed.spec))
+            .abs()
+            .max()
+        )
     assert 1e-5 < gap < 0.05, "bf16 rounding shows in the log-probs, and only rounding"
 
-    before = {k: v.clone() for k, v in mixed.model.state_dict().items()}
+    before = {k: v.clone() for k, v in mixed.policy.model.state_dict().items()}
     metrics = mixed.train_step()
     assert all(torch.isfinite(torch.tensor(float(v))) for v in metrics.values()), metrics
     assert metrics["ratio_token_min"] <= 1.0 <= metrics["ratio_token_max"]  # first minibatch on-policy
-    params = dict(mixed.model.named_parameters())
+    params = dict(mixed.policy.model.named_parameters())
     assert {p.dtype for p in params.values()} == {torch.float32}  # master weights
     assert {p.grad.dtype for p in params.values() if p.grad is not None} == {torch.float32}
     assert any(not torch.equal(before[k], p) for k, p in params.items())
@@ -85,7 +89,10 @@ def test_two_seeded_runs_give_identical_metrics(tmp_path: Path) -> None:
 
 def test_packed_and_padded_minibatches_give_the_same_gradients(tmp_path: Path) -> None:
     trainer = Trainer(_config(tmp_path))
-    rollouts, _ = trainer.rollout(trainer.stream.next_batch())
+    group_size = trainer.config.rollout.group_size
+    rollouts = trainer.sampler.generate(
+        trainer.prompts(trainer.stream.next_batch()), group_size=group_size, max_new_tokens=6
+    )
     sequences = [
         Sequence(p, c, [True] * len(c))
         for p, c in zip(rollouts.prompt_ids, rollouts.completion_ids, strict=False)
@@ -93,18 +100,25 @@ def test_packed_and_padded_minibatches_give_the_same_gradients(tmp_path: Path) -
     advantages = torch.linspace(-1, 1, len(sequences))
     grads = {}
     for packed in (True, False):
-        trainer.model.zero_grad()
+        trainer.policy.model.zero_grad()
         micro = make_micro_batches(sequences, packed=packed, pack_length=64, micro_batch_tokens=128, pad_id=0)
         assert len(micro) > 1  # several micro-batches: accumulation is exercised too
         for mb in micro:
-            logp = score(trainer.model, mb, trainer.config)
+            logp = score(trainer.policy.model, mb, trainer.spec)
             old = logp.detach() - 0.01  # off-policy, so clipping and ratios matter
-            loss, _ = PACKED_OBJECTIVES["gspo"](
-                logp, old, advantages[mb.indices], mb.segment_ids, len(mb.indices), eps_low=0.2, eps_high=0.2,
+            loss, _ = policy_loss(
+                "gspo",
+                logp,
+                old,
+                advantages[mb.indices],
+                segment_ids=mb.segment_ids,
+                num_segments=len(mb.indices),
+                eps_low=0.2,
+                eps_high=0.2,
                 normalizer=len(sequences),
-            )  # fmt: skip
+            )
             loss.backward()
-        grads[packed] = torch.cat([p.grad.reshape(-1) for p in trainer.model.parameters()])
+        grads[packed] = torch.cat([p.grad.reshape(-1) for p in trainer.policy.model.parameters()])
     assert grads[True].abs().sum() > 0
     torch.testing.assert_close(grads[True], grads[False], rtol=1e-4, atol=1e-6)
 
@@ -159,7 +173,7 @@ def test_cli_reports_config_errors_clearly(tmp_path: Path) -> None:
 KILLER = """
 import os, signal
 from pathlib import Path
-from gspo.rewards import correct_number
+from gspo.rollout.rewards import correct_number
 
 def reward(prompts, completions, **fields):
     counter = Path(os.environ["KILL_COUNTER"])

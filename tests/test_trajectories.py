@@ -9,18 +9,21 @@ import pytest
 import torch
 
 from gspo.config import ConfigError, load_config
-from gspo.mismatch import mismatch_metrics, sampler_log_ratios, truncated_is_weights
+from gspo.core.layout import Sequence
+from gspo.core.mismatch import mismatch_metrics, sampler_log_ratios, truncated_is_weights
+from gspo.learning.batch import Batch, make_batch
+from gspo.learning.learner import learn, minibatches
+from gspo.learning.policy import score
 from gspo.models import tiny_tokenizer
-from gspo.trainer import Trainer
-from gspo.trajectories import (
+from gspo.rollout.trajectories import (
     Trajectory,
     TrajectoryError,
     TrajectoryGroup,
-    group_token_advantages,
     groups_from_rollouts,
     tokenize_trajectory,
+    trajectory_samples,
 )
-from gspo.updates import score
+from gspo.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -94,7 +97,8 @@ def test_per_turn_rewards_map_to_the_tokens_of_their_turn() -> None:
     b = Trajectory(short, reward=0.0, turn_rewards=[-1.0])
     groups = [TrajectoryGroup([a, b])]
     tokenized = [[tokenize_trajectory(tokenizer, t) for t in groups[0].trajectories]]
-    advantages, zero_std = group_token_advantages(groups, tokenized, "group")
+    batch, metrics = make_batch(trajectory_samples(tokenizer, groups))
+    advantages = batch.advantages
     # returns to go: a: [1.75, 1.25, 1.25], b: [-1.0]; baseline = mean total = 0.375
     returns = [1.75, 1.25, 1.25, -1.0]
     std = float(torch.tensor(returns, dtype=torch.float64).std(unbiased=False)) + 1e-6
@@ -104,7 +108,7 @@ def test_per_turn_rewards_map_to_the_tokens_of_their_turn() -> None:
         assert values == pytest.approx([expected_a[k]] * len(values)) and values
     assert all(v == 0.0 for v, t in zip(advantages[0], tokenized[0][0].turn, strict=True) if t < 0)
     assert advantages[1] == [pytest.approx((-1.0 - 0.375) / std)] * 2  # "a" and its end-of-turn token
-    assert not zero_std.any()
+    assert metrics["zero_std_groups"] == 0.0
 
 
 def test_single_rewards_give_the_group_advantages_of_gspo_train() -> None:
@@ -114,13 +118,12 @@ def test_single_rewards_give_the_group_advantages_of_gspo_train() -> None:
         TrajectoryGroup([Trajectory(convo, r) for r in (1.0, 0.0, 0.0, 1.0)]),
         TrajectoryGroup([Trajectory(convo, 2.0)] * 2),
     ]
-    tokenized = [[tokenize_trajectory(tokenizer, t) for t in g.trajectories] for g in groups]
-    advantages, zero_std = group_token_advantages(groups, tokenized, "group")
-    from gspo.advantages import group_advantages
+    batch, metrics = make_batch(trajectory_samples(tokenizer, groups))
+    from gspo.core.advantages import group_advantages
 
     expected, _ = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 4)
-    torch.testing.assert_close(advantages[:4], expected)
-    assert advantages[4:].tolist() == [0.0, 0.0] and zero_std.tolist() == [False, True]
+    torch.testing.assert_close(batch.advantages[:4], expected)
+    assert batch.advantages[4:].tolist() == [0.0, 0.0] and metrics["zero_std_groups"] == 1.0
 
 
 def test_mismatch_metrics_and_truncated_is_weights_by_hand() -> None:
@@ -156,15 +159,20 @@ def _groups(tokenizer) -> list[TrajectoryGroup]:
     ]
 
 
+def _sequence(tokens) -> Sequence:
+    return Sequence(tokens.prompt_ids, tokens.completion_ids, [t >= 0 for t in tokens.turn])
+
+
 def _with_logprobs(trainer: Trainer, groups: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
     """The groups with sampler log-probs equal, bit for bit, to what `learn` recomputes this step."""
     tokenized = [tokenize_trajectory(trainer.tokenizer, t) for g in groups for t in g.trajectories]
-    sequences = [t.sequence() for t in tokenized]
+    sequences = [_sequence(t) for t in tokenized]
     values = [[math.nan] * len(s.completion_ids) for s in sequences]
+    layout = minibatches(trainer.spec, sequences, seed=trainer.step_seed(), device=trainer.device)
     with torch.no_grad():
-        for ids, micro in trainer.minibatches(sequences):  # the layout learn() scores in
+        for ids, micro in layout:  # the layout learn() scores in
             for mb in micro:
-                flat = score(trainer.scorer, mb, trainer.config)[mb.logprob_mask.reshape(-1)].tolist()
+                flat = score(trainer.policy.scorer, mb, trainer.spec)[mb.logprob_mask.reshape(-1)].tolist()
                 for i in mb.indices:
                     n = len(sequences[ids[i]].completion_ids)
                     values[ids[i]], flat = flat[:n], flat[n:]
@@ -188,7 +196,7 @@ def test_sampler_and_recompute_give_identical_updates_when_the_logprobs_are_iden
         trainer = _trainer(tmp_path / source, f"train.old_logprobs={source}")
         groups = _with_logprobs(trainer, _groups(trainer.tokenizer))
         metrics[source] = trainer.train_on_groups(groups)
-        params[source] = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()])
+        params[source] = torch.cat([p.detach().reshape(-1) for p in trainer.policy.model.parameters()])
     assert metrics["recompute"]["sampler_logprob_abs_diff"] == 0.0  # the premise: identical log-probs
     assert metrics["recompute"]["sampler_seq_outside_clip_frac"] == 0.0
     assert metrics["sampler"]["sampler_logprob_missing_frac"] == 0.0
@@ -199,16 +207,16 @@ def test_sampler_and_recompute_give_identical_updates_when_the_logprobs_are_iden
 
 def test_train_on_groups_with_turn_rewards_updates_and_logs(tmp_path: Path) -> None:
     trainer = _trainer(tmp_path)
-    before = torch.cat([p.detach().reshape(-1).clone() for p in trainer.model.parameters()])
+    before = torch.cat([p.detach().reshape(-1).clone() for p in trainer.policy.model.parameters()])
     groups = _groups(trainer.tokenizer)
     for g in groups:
         for t in g.trajectories:
             t.turn_rewards = [0.5 if t.reward else -0.5, 0.0]
     metrics = trainer.train_on_groups(groups)
-    after = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()])
+    after = torch.cat([p.detach().reshape(-1) for p in trainer.policy.model.parameters()])
     assert not torch.equal(before, after)
     assert all(math.isfinite(float(v)) for v in metrics.values()), metrics
-    assert trainer.step == 1 and metrics["num_trajectories"] == 4.0
+    assert trainer.step == 1 and metrics["num_trained"] == 4.0
     assert (trainer.run_dir / "metrics.jsonl").read_text().count("\n") == 1
 
 
@@ -221,17 +229,16 @@ def test_constant_per_token_advantages_train_like_per_sequence_ones(tmp_path: Pa
             for g in _groups(trainer.tokenizer)
             for t in g.trajectories
         ]
-        sequences = [t.sequence() for t in tokenized]
+        sequences = [_sequence(t) for t in tokenized]
         advantages = torch.tensor([1.0, -1.0, -0.5, 0.5])
         adv = (
             [[float(a)] * len(s.completion_ids) for a, s in zip(advantages, sequences, strict=True)]
             if per_token
             else advantages
         )
-        trainer.learn(
-            sequences, adv, [t.sampler_logprobs for t in tokenized]
-        )  # gspo -> gspo_token when per token
-        params[per_token] = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()])
+        batch = Batch(sequences, adv, [t.sampler_logprobs for t in tokenized], [0, 0, 1, 1])
+        learn(trainer.policy, trainer.spec, batch, seed=0)  # gspo -> gspo_token when per token
+        params[per_token] = torch.cat([p.detach().reshape(-1) for p in trainer.policy.model.parameters()])
     torch.testing.assert_close(params[True], params[False], rtol=0, atol=1e-7)
 
 
@@ -299,7 +306,7 @@ def test_a_template_that_is_not_prefix_stable_is_refused() -> None:
 def test_groups_from_the_trainers_own_rollouts_keep_their_tokens(tmp_path: Path) -> None:
     trainer = _trainer(tmp_path)
     examples = trainer.stream.next_batch()
-    rollouts, _ = trainer.rollout(examples)
+    rollouts = trainer.sampler.generate(trainer.prompts(examples), group_size=4, max_new_tokens=6)
     messages = [[{"role": "user", "content": ex.prompt}] for ex in examples]
     groups = groups_from_rollouts(
         trainer.tokenizer, messages, rollouts, [float(i % 2) for i in range(len(rollouts))]

@@ -1,23 +1,32 @@
-"""gspo: Group Sequence Policy Optimization for language models.
+"""gspo: Group Sequence Policy Optimization (GSPO, GSPO-token, GRPO) for language models.
 
-The core is a set of pure tensor functions (``gspo.losses``, ``gspo.advantages``, ``gspo.logprobs``);
-the trainer (``gspo.trainer``) composes them in a flat loop. ``train`` is imported lazily so that the
-objectives can be used with torch alone.
+Layers, each importing only the ones below it (checked by import-linter): ``gspo.training`` (the loop,
+checkpoints, metrics) > ``gspo.rollout`` (samplers, data, rewards, trajectories) > ``gspo.learning`` (the
+learner) > ``gspo.parallel`` | ``gspo.models`` > ``gspo.core`` (the math) > ``gspo.config``. The names below
+are imported lazily, so ``gspo.core`` works with torch alone.
 """
 
+import importlib
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["Config", "load_config", "train"]
+
+_EXPORTS = {
+    "Config": "gspo.config",
+    "load_config": "gspo.config",
+    "train": "gspo.training.trainer",
+    "Trainer": "gspo.training.trainer",
+    "policy_loss": "gspo.core.objectives",
+    "group_advantages": "gspo.core.advantages",
+    "token_logprobs": "gspo.core.logprobs",
+    "causal_lm_logprobs": "gspo.core.logprobs",
+    "Trajectory": "gspo.rollout.trajectories",
+    "TrajectoryGroup": "gspo.rollout.trajectories",
+}
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
-    if name == "train":
-        from gspo.trainer import train
-
-        return train
-    if name in ("Config", "load_config"):
-        from gspo import config
-
-        return getattr(config, name)
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'gspo' has no attribute {name!r}")

@@ -10,8 +10,8 @@ from gspo.config import ConfigError
 
 
 def _train(args: argparse.Namespace) -> int:
-    from gspo.rewards import RewardError
-    from gspo.trainer import train
+    from gspo.rollout.rewards import RewardError
+    from gspo.training.trainer import train
 
     # `gspo train key=value` without a config file: the first argument is an override, not a path
     config = args.config
@@ -38,7 +38,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from gspo.plots import plot_run, write_summary
+    from gspo.training.plots import plot_run, write_summary
 
     for path in plot_run(args.run_dir):
         print(path)

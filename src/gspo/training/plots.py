@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gspo.metrics import read_metrics
+from gspo.training.metrics import read_metrics
 
 PLOTS_DIR = "plots"
 SUMMARY_FILE = "summary.md"

@@ -1,18 +1,9 @@
 """Attention for packed rows, one sequence at a time: no FLOPs on the masked-out blocks.
 
-transformers turns restarting ``position_ids`` into a block-diagonal causal mask and runs attention over
-the whole row: a row of 16 sequences of 35 tokens computes 560 x 560 scores per head, of which 1/16 are
-kept. On the default run that masked work was ~17% of an update's time (a profile of one SmolLM2
-forward+backward). Inside :func:`segment_attention`, the model's attention instead gathers each
-sequence's queries, keys and values into a batch of segments, right-padded to a common length within a
-bucket of similar lengths, runs causal ``scaled_dot_product_attention`` on it, and scatters the outputs
-back. With right padding and a causal mask, no real token ever attends to a padded slot, so the result
-is the block-diagonal attention, exactly (tests/test_attention.py compares values and gradients).
-
-It applies to models whose attention dispatches through transformers' ``AttentionInterface`` (their
-class declares ``_supports_attention_backend``) with the "sdpa" or "eager" implementation and no sliding window or logit soft-capping (Llama, Qwen2/3, Qwen3-MoE,
-Mistral without a window, ...); other models keep the block-diagonal mask. Gradient (activation)
-checkpointing also keeps the mask: its recomputation would run outside the block.
+Inside :func:`segment_attention`, a supported model's attention gathers each packed sequence's queries,
+keys and values into a batch of segments (buckets of similar lengths, right-padded), runs causal sdpa on
+it and scatters the outputs back: exactly the block-diagonal attention, without computing the blocks it
+masks out. docs/logprobs.md says which models are supported and what it saves.
 """
 
 from __future__ import annotations
@@ -97,7 +88,7 @@ def _segment_attention_forward(
     dividing H, Dv possibly not D, as in DeepSeek-V3) -> (B, T, H, Dv)."""
     layout = _LAYOUT.get()
     if layout is None:
-        raise RuntimeError(f"the {NAME!r} attention runs only inside gspo.attention.segment_attention")
+        raise RuntimeError(f"the {NAME!r} attention runs only inside gspo.core.attention.segment_attention")
     if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
         raise NotImplementedError(f"{NAME!r}: sliding windows and soft-capping are not supported")
     batch, heads, width, _ = query.shape

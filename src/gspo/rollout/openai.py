@@ -1,57 +1,9 @@
-"""Rollouts from any OpenAI-compatible server (vLLM, SGLang, llama.cpp / llama-cpp-python) via /v1/completions.
+"""Rollouts from any OpenAI-compatible server (vLLM, SGLang, llama.cpp) via /v1/completions.
 
-`OpenAIBackend.generate(prompts, group_size=G, ...)` returns the same `Rollouts` as the Hugging Face sampler
-(`gspo.rollout.generate`): token ids and the engine's log-probs of every completion token, aligned with the
-trainer's tokenizer, G samples per prompt, sample-major. Feed them to `gspo.trajectories.groups_from_rollouts`
-and `Trainer.train_on_groups`, or use them like the trainer's own rollouts.
-
-Alignment (never silently wrong; a mismatch raises `AlignmentError`):
-  * Prompt: with `send_token_ids=True` (vLLM, SGLang) the server receives the trainer's prompt ids
-    themselves. Servers that only take text (llama-cpp-python) tokenise it themselves; the backend then
-    checks that the server counted as many prompt tokens as the trainer (`usage.prompt_tokens`).
-  * Completion: each token the server reports (`logprobs.tokens`) is mapped to an id of the trainer's
-    tokenizer: "token_id:N" pieces (vLLM's `return_tokens_as_token_ids`) directly, other pieces by
-    re-tokenising them, which must give exactly one token that decodes back to the piece. A token holding
-    only part of a multi-byte character decodes to "" on servers that report text (llama-cpp-python): a
-    run of such tokens is re-tokenised together, from its text (located by `logprobs.text_offset`), and
-    accepted only with as many tokens as the server reported. Finally the ids must decode to exactly the
-    completion text the server returned. The one gap, for text-reporting servers only: a sampled split
-    of the same bytes into the same number of different tokens cannot be told from the canonical one.
-    With `misaligned="resample"`, a sample that fails these checks is drawn again instead of raising
-    (counted in `OpenAIBackend.resampled`; it biases the samples slightly against such tokens).
-  * End of sequence: servers differ on whether the end-of-sequence token is listed. When a completion
-    stopped (finish_reason "stop") and its last token is not the tokenizer's EOS, the EOS is appended with
-    an unknown log-prob (NaN): llama-cpp-python does not report it. The trainer recomputes unknown
-    log-probs (see `gspo.trainer.Trainer.learn`). A model with several end-of-generation tokens may have
-    stopped on another one, which llama-cpp-python does not say: the trainer then trains on the EOS it
-    would have needed. Stop strings are not supported (the server cuts the text inside a token):
-    completions end at EOS or `max_new_tokens`.
-  * Log-probs: servers report log-probs of the untempered distribution (log_softmax of the raw logits;
-    llama-cpp-python always, vLLM by default), while the trainer scores logits / temperature. So
-    `generate` refuses temperature != 1 unless `logprobs_tempered=True` says the server reports the
-    tempered (processed) log-probs (vLLM's `--logprobs-mode processed_logprobs`). The default request
-    switches off the truncations servers apply by default (llama.cpp: top_k=40, min_p=0.05) so the
-    samples come from the distribution the objective assumes; `top_p` is passed through and, as in the
-    trainer's own sampler, not folded into the log-probs.
-
-Transport: stdlib `urllib` in a bounded thread pool (`max_concurrency` requests in flight). A request
-that fails with a connection error, a timeout or HTTP 408/429/5xx is retried with exponential backoff
-until `max_retries` retries or `timeout` seconds (all attempts together) are spent, then `ServerError`
-names the URL, the attempts and the last error. Other HTTP errors (400: a bad request) fail at once with
-the server's message. A server that ignores `n` (llama-cpp-python returns one choice) is asked again
-until every prompt has G samples; each request gets its own seed (`seed + k`), so samples differ.
-
-Weight sync (how the server gets the trainer's new weights) is pluggable: any `WeightSync` callable
-`(model, tokenizer, step) -> None`, called by `OpenAIBackend.sync_weights` after an update. Supported:
-  * `SaveAndReload(directory, reload)`: saves a Hugging Face checkpoint (or a peft LoRA adapter) per step
-    and hands its path to `reload`, the user's way of pointing the server at it. For vLLM with runtime
-    LoRA updates (VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), `reload` can be
-    `lambda path: backend.post("/load_lora_adapter", {"lora_name": "policy", "lora_path": str(path)})`
-    and `model="policy"`; for a full model, restarting the server on the new directory works anywhere.
-Not supported: in-memory weight transfer (NCCL broadcast into vLLM workers, SGLang's
-update_weights_from_distributed), and llama.cpp servers of a GGUF file, which need a re-conversion to GGUF
-that this library does not do. Without a sync the server keeps the initial weights and the rollouts drift
-off-policy: use `train.old_logprobs=recompute` (with `train.sampler_is_cap` if wanted).
+`OpenAIBackend` is a `Sampler`: G samples per prompt with the engine's per-token log-probs, its tokens
+mapped to the trainer's tokenizer and checked (an `AlignmentError` rather than a silent misalignment), in a
+bounded thread pool with retries and a deadline, and weight sync as a pluggable callable.
+docs/rollout_servers.md describes the alignment rules, the transport and weight sync.
 """
 
 from __future__ import annotations
@@ -76,7 +28,7 @@ from typing import Any, Literal, Protocol
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from gspo.rollout import Rollouts, tokenize_prompts
+from gspo.rollout.samplers import Rollouts, tokenize_prompts
 
 TRANSIENT_HTTP = {408, 429, 500, 502, 503, 504}
 DEFAULT_SAMPLING = {"top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0}
@@ -138,6 +90,8 @@ class OpenAIBackend:
     misaligned: Literal["raise", "resample"] = "raise"
     resampled: int = 0
     """Samples drawn again because they could not be aligned (with misaligned="resample")."""
+    current: bool = False
+    """An external engine: its log-probs are not the trainer's own (other kernels, dtype, quantisation)."""
 
     # ---- transport ----------------------------------------------------------------------------------
     def post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:

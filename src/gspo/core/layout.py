@@ -1,10 +1,8 @@
-"""Turning sequences into model inputs: packed rows (no padding inside a row) or one padded row each.
+"""Sequences laid out as model inputs: packed rows (no padding inside a row) or one padded row each.
 
-A packed row concatenates several prompt+completion sequences; `position_ids` restart at 0 for each, and
-transformers builds a block-diagonal causal mask from them when no attention_mask is given, so tokens only
-see their own sequence. The row's tail padding forms one more "sequence" of its own that nothing attends
-to. Rows are at most `pack_length` tokens (first-fit decreasing), which bounds the quadratic attention
-cost of a row; micro-batches hold rows up to a token budget so a minibatch of any size fits in memory.
+A packed row concatenates several prompt+completion sequences, its ``position_ids`` restarting at 0 for
+each, so attention keeps them apart; rows are at most ``pack_length`` tokens (first-fit decreasing) and
+micro-batches hold rows up to a token budget, so a minibatch of any size fits in memory.
 """
 
 from __future__ import annotations

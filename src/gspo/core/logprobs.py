@@ -1,33 +1,10 @@
 """Per-token log-probabilities through the LM head, chunked over tokens, with exact gradients.
 
-In RL fine-tuning the (tokens x vocab) logits dominate memory: 8,192 tokens of SmolLM2 (vocab 49,152)
-are 1.6 GB of fp32 logits, and ``log_softmax`` plus its backward need three to four such buffers.
-``token_logprobs`` never holds more than a (chunk_size, V) block of logits:
-
-- forward: for each chunk of tokens, logits = h_c W^T / T (fp32), log pi(target) and optionally the
-  entropy; only (N,) results are kept;
-- backward: each chunk's logits are recomputed (except the last chunk's, whose log-softmax the
-  forward leaves in its buffer) and the gradients for hidden, weight and bias are built from the
-  chunk's softmax, so nothing of size (N, V) is kept between forward and backward.
-
-Cost: one extra (N x H x V) matmul (four instead of three), less one chunk's, in exchange for memory
-that does not grow with N beyond (N, H). The (chunk, V) buffer is allocated once per call, reused,
-and (log-)softmax runs in place in it, which on CPU also avoids the page faults and memory passes that
-fresh multi-GB buffers cost the naive path (see docs/logprobs.md).
-
-``causal_lm_logprobs`` runs a transformers causal LM up to its final hidden states (not its head),
-gathers only the positions that are scored and applies ``token_logprobs`` with the model's own output
-embedding. It is what the trainer uses for the current policy (with grad) and for the old/reference
-policy (under ``torch.no_grad()``, where no autograd Function is built at all).
-
-Deliberate choices:
-- Logits are divided by the sampling temperature before the softmax; entropy is that of the
-  tempered distribution.
-- bf16/fp16 inputs are computed in fp32: the head weight is upcast once per call (a transient
-  (V, H) fp32 copy), logits, softmax and gradient accumulation are fp32; gradients are returned in the
-  inputs' dtypes.
-- A position with no real predecessor in its own sequence (t = 0, the first token after left padding,
-  the first token of a packed segment) is never scored: its log-prob is exactly 0.
+``token_logprobs`` never holds more than a (chunk_size, V) block of logits: the forward keeps only the
+(N,) log-probs (and the last chunk's block), the backward recomputes each chunk's softmax. Logits are
+divided by the sampling temperature; bf16/fp16 inputs are computed in fp32. ``causal_lm_logprobs`` runs a
+transformers causal LM to its final hidden states and scores only the positions asked for. Design and
+benchmark: docs/logprobs.md.
 """
 
 from __future__ import annotations
@@ -38,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from gspo.attention import segment_attention
+from gspo.core.attention import segment_attention
 
 # Tuned on a 2-core AVX-512 CPU for H=576, V=49,152 (docs/logprobs.md): at N = 8192 tokens, 1024 is
 # as fast as the naive path (512: 1.08x) with a 12x lower peak (512: 17x).
@@ -61,8 +38,7 @@ def token_logprobs(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     temperature: float = 1.0,
     lm_head_bias: Tensor | None = None,
-    return_entropy: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
+) -> Tensor:
     """log pi(target) for each row of ``hidden``, without materialising the (N, V) logits.
 
     pi = softmax((hidden @ weight.T + lm_head_bias) / temperature).
@@ -73,15 +49,12 @@ def token_logprobs(
             gradients then accumulate on the shared parameter as usual.
         targets: (N,) long token ids in [0, V).
         chunk_size: tokens per chunk; the extra memory is one (chunk_size, V) fp32 buffer, held from
-            the forward to the backward when grads are needed (two while the entropy is computed or
-            differentiated), plus (V, H) fp32 for the weight's gradient.
+            the forward to the backward when grads are needed, plus (V, H) fp32 for the weight's gradient.
         temperature: sampling temperature (> 0) the rollouts were drawn with.
         lm_head_bias: optional (V,) bias of the head.
-        return_entropy: also return the entropy of pi per token; it is differentiable, and costs
-            nothing in the backward when it is not used in the loss.
 
     Returns:
-        (N,) float32 log-probs, or a tuple (log-probs (N,), entropy (N,)) both float32.
+        (N,) float32 log-probs.
     """
     _check_head_inputs(hidden, weight, targets, lm_head_bias, chunk_size, temperature)
     needs_grad = torch.is_grad_enabled() and any(
@@ -90,13 +63,8 @@ def token_logprobs(
     # fp32 throughout, also under autocast: mixed precision stops at the head
     with torch.autocast(hidden.device.type, enabled=False):
         if needs_grad:
-            return _ChunkedTokenLogprobs.apply(
-                hidden, weight, lm_head_bias, targets, chunk_size, temperature, return_entropy
-            )
-        logp, entropy, _ = _forward_chunks(
-            hidden, weight, lm_head_bias, targets, chunk_size, temperature, return_entropy
-        )
-    return (logp, entropy) if return_entropy else logp
+            return _ChunkedTokenLogprobs.apply(hidden, weight, lm_head_bias, targets, chunk_size, temperature)
+        return _forward_chunks(hidden, weight, lm_head_bias, targets, chunk_size, temperature)[0]
 
 
 def _check_head_inputs(
@@ -140,11 +108,6 @@ def _chunk_logits(
     return torch.addmm(bias32, h, weight32.T, out=out)
 
 
-def _row_dot(a: Tensor, b: Tensor) -> Tensor:
-    """sum_j a_ij b_ij   (c,) without a (c, V) temporary."""
-    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
-
-
 def _forward_chunks(
     hidden: Tensor,
     weight: Tensor,
@@ -152,18 +115,14 @@ def _forward_chunks(
     targets: Tensor,
     chunk_size: int,
     temperature: float,
-    return_entropy: bool,
-) -> tuple[Tensor, Tensor | None, Tensor]:
-    """log-probs (N,), entropy (N,) or None, and the (chunk, V) buffer: its first rows hold log pi of
-    the last chunk."""
+) -> tuple[Tensor, Tensor]:
+    """log-probs (N,) and the (chunk, V) buffer: its first rows hold log pi of the last chunk."""
     n, vocab = hidden.shape[0], weight.shape[0]
     device = hidden.device
     weight32, bias32 = _fp32_head(weight, bias, temperature)
     logp = torch.empty(n, dtype=torch.float32, device=device)
-    entropy = torch.empty(n, dtype=torch.float32, device=device) if return_entropy else None
     # Reused across chunks: fresh (c, V) allocations each chunk cost page faults on CPU.
     logits_buf = torch.empty(min(chunk_size, n), vocab, dtype=torch.float32, device=device)
-    pi_buf = torch.empty_like(logits_buf) if return_entropy else None
     for start in range(0, n, chunk_size):
         end = min(start + chunk_size, n)
         c = end - start
@@ -171,11 +130,7 @@ def _forward_chunks(
         # log pi = log_softmax(z)   (c, V), in place (see the note on in-place softmax)
         log_pi = torch.log_softmax(logits, dim=-1, out=logits)
         logp[start:end] = log_pi.gather(1, targets[start:end, None]).view(-1)
-        if pi_buf is not None:
-            # H = -sum_j pi_j log pi_j   (c,)
-            pi = torch.exp(log_pi, out=pi_buf[:c])
-            entropy[start:end] = _row_dot(pi, log_pi).neg_()
-    return logp, entropy, logits_buf
+    return logp, logits_buf
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
@@ -185,45 +140,40 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     logits matmul: the whole recompute when N <= chunk_size. The backward consumes it in place; a
     second backward (retain_graph) recomputes every chunk.
 
-    With u = h W^T + b, z = u / T, pi = softmax(z), g = dL/dlogp, e = dL/dentropy:
-        dL/dz_ij = g_i [j = t_i] - pi_ij g_i - e_i pi_ij (log pi_ij + H_i)
+    With u = h W^T + b, z = u / T, pi = softmax(z), g = dL/dlogp:
+        dL/dz_ij = g_i ([j = t_i] - pi_ij)
     and dL/du = dL/dz / T, dL/dh = dL/du W, dL/dW = dL/du^T h, dL/db = sum_i dL/du_i.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk_size, temperature, return_entropy):
-        logp, entropy, last_log_pi = _forward_chunks(
-            hidden, weight, bias, targets, chunk_size, temperature, return_entropy
-        )
-        ctx.save_for_backward(hidden, weight, bias, targets, entropy)
+    def forward(ctx, hidden, weight, bias, targets, chunk_size, temperature):
+        logp, last_log_pi = _forward_chunks(hidden, weight, bias, targets, chunk_size, temperature)
+        ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.last_log_pi = last_log_pi
         ctx.chunk_size = chunk_size
         ctx.temperature = temperature
         ctx.set_materialize_grads(False)
-        return (logp, entropy) if return_entropy else logp
+        return logp
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_logp, grad_entropy=None):
-        hidden, weight, bias, targets, entropy = ctx.saved_tensors
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    def backward(ctx, grad_logp):
+        hidden, weight, bias, targets = ctx.saved_tensors
         last_log_pi, ctx.last_log_pi = ctx.last_log_pi, None
-        if grad_logp is None and grad_entropy is None:
-            return None, None, None, None, None, None, None
+        if grad_logp is None:
+            return None, None, None, None, None, None
         grads = _backward_chunks(
             hidden,
             weight,
             bias,
             targets,
-            entropy,
             grad_logp,
-            grad_entropy,
             last_log_pi,
             ctx.chunk_size,
             ctx.temperature,
-            (need_h, need_w, need_b),
+            ctx.needs_input_grad[:3],
         )
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None)
 
 
 def _backward_chunks(
@@ -231,9 +181,7 @@ def _backward_chunks(
     weight: Tensor,
     bias: Tensor | None,
     targets: Tensor,
-    entropy: Tensor | None,
-    grad_logp: Tensor | None,
-    grad_entropy: Tensor | None,
+    grad_logp: Tensor,
     last_log_pi: Tensor | None,
     chunk_size: int,
     temperature: float,
@@ -244,16 +192,8 @@ def _backward_chunks(
     device = hidden.device
     weight32, bias32 = _fp32_head(weight, bias, temperature)
     hidden32 = hidden.detach().float()
-    # dL/du = (g/T) [j = t] - s M, with a (c, V) block M and a row scale s (N,):
-    #   entropy unused:  M = pi,                      s = g / T
-    #   entropy used:    M = pi (g + e (log pi + H)), s = 1 / T
-    g = torch.zeros(n, dtype=torch.float32, device=device) if grad_logp is None else grad_logp.float()
-    g_over_t = g / temperature
-    if grad_entropy is None:
-        row_scale = g_over_t
-    else:
-        row_scale = torch.full((n,), 1.0 / temperature, dtype=torch.float32, device=device)
-        e = grad_entropy.float()
+    # dL/du = s ([j = t] - pi) with the row scale s = g / T   (N,)
+    g_over_t = grad_logp.float() / temperature
 
     # the [j = t] terms, once for all tokens (few large ops instead of many small ones per chunk)
     grad_hidden = weight32[targets].mul_(g_over_t[:, None]) if need_h else None  # (N, H)
@@ -267,36 +207,29 @@ def _backward_chunks(
         logits_buf = torch.empty(min(chunk_size, n), vocab, dtype=torch.float32, device=device)
     else:
         logits_buf = last_log_pi
-    pi_buf = None if grad_entropy is None else torch.empty_like(logits_buf)
     starts = list(range(0, n, chunk_size))
     # the last chunk first: its log pi is still in the buffer from the forward, no recompute
     for i, start in enumerate(starts[-1:] + starts[:-1]):
         end = min(start + chunk_size, n)
         c = end - start
-        log_pi = logits_buf[:c] if i == 0 and last_log_pi is not None else None
-        if log_pi is None:
-            logits = _chunk_logits(hidden[start:end], weight32, bias32, temperature, logits_buf[:c])
-        if pi_buf is None:
-            block = torch.softmax(logits, dim=-1, out=logits) if log_pi is None else log_pi.exp_()
+        if i == 0 and last_log_pi is not None:
+            pi = logits_buf[:c].exp_()
         else:
-            if log_pi is None:
-                log_pi = torch.log_softmax(logits, dim=-1, out=logits)
-            pi = torch.exp(log_pi, out=pi_buf[:c])
-            block = log_pi.add_(entropy[start:end, None]).mul_(e[start:end, None])
-            block.add_(g[start:end, None]).mul_(pi)
-        s_c = row_scale[start:end, None]
+            logits = _chunk_logits(hidden[start:end], weight32, bias32, temperature, logits_buf[:c])
+            pi = torch.softmax(logits, dim=-1, out=logits)
+        s_c = g_over_t[start:end, None]
         if need_h:
-            # dL/dh -= s (M @ W)   (c, H)
-            grad_hidden[start:end].addcmul_(torch.mm(block, weight32), s_c, value=-1.0)
+            # dL/dh -= s (pi @ W)   (c, H)
+            grad_hidden[start:end].addcmul_(torch.mm(pi, weight32), s_c, value=-1.0)
         if need_w:
-            # dL/dW -= M^T (s h)   (V, H)
+            # dL/dW -= pi^T (s h)   (V, H)
             if i == 0:
-                torch.mm(block.T, hidden32[start:end] * -s_c, out=grad_weight)
+                torch.mm(pi.T, hidden32[start:end] * -s_c, out=grad_weight)
             else:
-                grad_weight.addmm_(block.T, hidden32[start:end] * s_c, alpha=-1.0)
+                grad_weight.addmm_(pi.T, hidden32[start:end] * s_c, alpha=-1.0)
         if need_b:
-            grad_bias.addmv_(block.T, s_c.squeeze(1), alpha=-1.0)
-    del logits_buf, pi_buf, last_log_pi
+            grad_bias.addmv_(pi.T, s_c.squeeze(1), alpha=-1.0)
+    del logits_buf, last_log_pi
     if need_w:
         grad_weight.index_add_(0, targets, hidden32 * g_over_t[:, None])
     if need_b:
@@ -317,8 +250,7 @@ def causal_lm_logprobs(
     logprob_mask: Tensor | None = None,
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
-    return_entropy: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
+) -> Tensor:
     """out[b, t] = log pi(input_ids[b, t] | input_ids[b, :t]) from a transformers causal LM, chunked.
 
     Runs the model's decoder to its final hidden states (never its LM head), gathers the hidden states
@@ -345,10 +277,9 @@ def causal_lm_logprobs(
             token of a packed segment) is never scored.
         temperature: the sampling temperature; logits are divided by it before the softmax.
         chunk_size: tokens per head chunk (see ``token_logprobs``).
-        return_entropy: also return the per-token entropy (B, T), 0 where not scored.
 
     Returns:
-        (B, T) float32 log-probs, exactly 0 where not scored; or (log-probs, entropy).
+        (B, T) float32 log-probs, exactly 0 where not scored.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     head = base.get_output_embeddings()
@@ -379,30 +310,23 @@ def causal_lm_logprobs(
     # the hidden state at t - 1 predicts the token at t
     hidden_prev = hidden_states.flatten(0, 1).index_select(0, flat_pos - 1)  # (n, H)
     targets = input_ids.flatten().index_select(0, flat_pos)  # (n,)
-    results = token_logprobs(
+    values = token_logprobs(
         hidden_prev,
         head.weight,
         targets,
         chunk_size=chunk_size,
         temperature=temperature,
         lm_head_bias=head.bias,
-        return_entropy=return_entropy,
     )
-    results = results if return_entropy else (results,)
-    dense = tuple(
-        torch.zeros(batch * seq_len, dtype=torch.float32, device=input_ids.device)
-        .index_put((flat_pos,), values)
-        .view(batch, seq_len)
-        for values in results
-    )
-    return dense if return_entropy else dense[0]
+    dense = torch.zeros(batch * seq_len, dtype=torch.float32, device=input_ids.device)
+    return dense.index_put((flat_pos,), values).view(batch, seq_len)
 
 
 def decoder_hidden_states(
     decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None
 ) -> Tensor:
     """The decoder's final hidden states (B, T, H). Packed rows (no attention_mask, position_ids given)
-    run their attention one segment at a time where the model allows it (gspo.attention), else with
+    run their attention one segment at a time where the model allows it (gspo.core.attention), else with
     transformers' block-diagonal mask."""
     packed = attention_mask is None and position_ids is not None
     with segment_attention(decoder, position_ids) if packed else contextlib.nullcontext():

@@ -1,32 +1,9 @@
 """Expert routing of Mixture-of-Experts models: recording it, measuring its volatility, Routing Replay.
 
-Supported routers are transformers' top-k routers (``Qwen3MoeTopKRouter``, ``Qwen2MoeTopKRouter``,
-``OlmoeTopKRouter``, ``MixtralTopKRouter``, ...): modules whose class name ends in ``TopKRouter`` and
-that return ``(router_logits (N, E), gates (N, k), experts (N, k))`` with
-``gates = softmax(router_logits)[experts]``, renormalised over the k or not. N = B*T: the router flattens
-the (B, T, H) hidden states row-major, so token n of a (packed or padded) micro-batch is row n // T,
-position n % T -- the layout of ``MicroBatch.logprob_mask.reshape(-1)``. Routing in these models is
-token-wise (no expert capacity), so packing sequences into rows does not change any token's experts.
-
-Everything is done with forward hooks on the router modules; the model code is not touched.
-
-- Recording (``record_routing`` for one forward pass, ``record_passes`` for several, ``expert_choices``
-  for a micro-batch): the hook keeps a copy of the k experts each router chose.
-- Volatility (``routing_difference``, ``routing_volatility``): for the same tokens and two routings
-  (before / after an update), per MoE layer and token, the k chosen experts are compared as sets.
-  ``routing_volatility``: fraction of (token, layer) pairs whose expert set differs.
-  ``routing_expert_change_frac``: fraction of activated experts (token, layer, slot) not activated any
-  more -- the GSPO paper's "about 10% of the activated experts change" (section 4.3). With k = 2, a
-  pair with one of its two experts replaced counts 1 in the first and 1/2 in the second.
-- Routing Replay (``routing_replay``): the hook replaces the router's output. Experts: the recorded ones
-  (the old policy's). Gates: the *current* router's softmax probabilities gathered at those experts,
-  renormalised over the k exactly when the router renormalises its own top-k (detected per call by
-  comparing its own output to both forms). Router logits are returned unchanged. So the current policy's
-  log-probs are computed with the old policy's expert selection but its own gating weights; gradients
-  reach the router weights through the gathered probabilities and the replayed experts' weights as usual.
-  The GSPO paper (section 4.3) only says the old policy's "routing modes" are cached and replayed when
-  computing the ratios; that gates are recomputed rather than replayed is our reading (a replayed
-  gate would carry no gradient to the router).
+Forward hooks on transformers' top-k routers (``*TopKRouter`` modules: Qwen2/3-MoE, OLMoE, Mixtral) record
+the k experts each token is sent to, compare two routings of the same tokens (the paper's "about 10% of
+activated experts change", section 4.3), and replay the old policy's experts with gates recomputed by
+the current router. docs/moe.md has the definitions and our reading of the paper.
 """
 
 from __future__ import annotations
@@ -38,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from gspo.batching import MicroBatch
-from gspo.logprobs import decoder_hidden_states
+from gspo.core.layout import MicroBatch
+from gspo.core.logprobs import decoder_hidden_states
 
 ROUTER_SUFFIX = "TopKRouter"
 

@@ -1,14 +1,18 @@
-"""Rollouts: G completions per prompt with Hugging Face `generate` (KV cache), keeping the sampler's log-probs.
+"""Samplers: G completions per prompt with the sampler's per-token log-probs, from any engine.
 
-The sampler's token log-probs are `log_softmax(logits / temperature)` of the raw logits at the sampled
-token: the same distribution the trainer recomputes (it also divides by the temperature), so the two can
-be compared token for token. top-p truncation is not folded into them (as in vLLM's default).
-HF's implicit `top_k=50` is switched off: we sample from the distribution the objective assumes.
+A `Sampler` is the trainer's own model in this process (`HFSampler`, transformers `generate`) or an
+OpenAI-compatible server (gspo.rollout.openai.OpenAIBackend). The log-probs are those of the tempered
+distribution, log_softmax(logits / temperature) at the sampled token, which the trainer also scores;
+top-p truncation is not folded into them (as in vLLM's default), and HF's implicit top_k=50 is off.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -103,3 +107,66 @@ def generate(
             out.completions.append(tokenizer.decode(completion, skip_special_tokens=True))
     model.train(was_training)
     return out
+
+
+class Sampler(Protocol):
+    """Draws ``group_size`` completions of each (templated) prompt, with their per-token log-probs.
+
+    current: whether the samples come from the trainer's current weights in its compute dtype, so that
+    its log-probs are the old policy's (``train.old_logprobs=auto`` then skips the recompute pass).
+    sync_weights: called after each rollout batch's updates, to hand the new weights to the engine.
+    """
+
+    current: bool
+
+    def generate(
+        self,
+        prompts: list[str],
+        *,
+        group_size: int,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+    ) -> Rollouts: ...
+
+    def sync_weights(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, step: int) -> None: ...
+
+
+@dataclass
+class HFSampler:
+    """The trainer's own model, sampling with transformers `generate` in this process.
+
+    context: entered around each call, e.g. FSDP2's gathered parameters and the compute dtype's autocast.
+    """
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    batch_size: int = 64
+    context: Callable[[], AbstractContextManager[Any]] = field(default=contextlib.nullcontext)
+    current: bool = True
+
+    def generate(
+        self,
+        prompts: list[str],
+        *,
+        group_size: int,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        greedy: bool = False,
+    ) -> Rollouts:
+        with self.context():
+            return generate(
+                self.model,
+                self.tokenizer,
+                prompts,
+                group_size=group_size,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                greedy=greedy,
+                batch_size=self.batch_size,
+            )
+
+    def sync_weights(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, step: int) -> None:
+        """Nothing to do: it samples from the trainer's own parameters."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gspo.batching import Sequence, make_micro_batches, packing_is_exact
+from gspo.core.layout import Sequence, make_micro_batches, packing_is_exact
 
 
 def _sequences() -> list[Sequence]:
@@ -86,13 +86,12 @@ def test_packing_probe_detects_attention_that_mixes_sequences() -> None:
 
 
 def test_packing_probe_passes_on_a_real_tiny_llama() -> None:
-    from gspo.config import Config
+    from gspo.learning.policy import UpdateSpec, score
     from gspo.models import tiny_model
-    from gspo.updates import score
 
     model = tiny_model("llama", vocab_size=99, seed=0)
     with torch.no_grad():
-        assert packing_is_exact(lambda mb: score(model, mb, Config()), vocab_size=99, pad_id=0)
+        assert packing_is_exact(lambda mb: score(model, mb, UpdateSpec()), vocab_size=99, pad_id=0)
 
 
 def test_a_micro_batch_moves_every_tensor_and_keeps_its_indices() -> None:

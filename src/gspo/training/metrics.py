@@ -1,7 +1,7 @@
 """Training metrics: one JSON object per line in ``run_dir/metrics.jsonl``, mirrored to TensorBoard.
 
 Each line is ``{"step": int, "kind": "train" | "eval", <key>: float | int | null, ...}``. The file is the
-source of truth: plots and the summary (``gspo.plots``) are drawn from it, and a resumed run rewrites it
+source of truth: plots and the summary (``gspo.training.plots``) are drawn from it, and a resumed run rewrites it
 to the lines at or before its checkpoint's step, so that a run killed and resumed ends with exactly the
 lines of an uninterrupted one.
 
@@ -20,11 +20,13 @@ import math
 import numbers
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from gspo.learning.reduction import tensors_to_floats
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -37,26 +39,6 @@ def metrics_path(run_dir: str | Path) -> Path:
     """``run_dir/metrics.jsonl``; a path that already names a ``.jsonl`` file is returned as is."""
     path = Path(run_dir)
     return path if path.suffix == ".jsonl" else path / METRICS_FILE
-
-
-def tensors_to_floats(tensors: Sequence[torch.Tensor]) -> list[float]:
-    """Python floats of single-element tensors, with one device sync per device rather than one per tensor.
-
-    Tensors are stacked per device (float64 where the device has it, so CPU values are not rounded) and
-    read back with one ``.tolist()``.
-    """
-    out: list[float] = [0.0] * len(tensors)
-    by_device: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(tensors):
-        if t.numel() != 1:
-            raise ValueError(f"expected a single-element tensor, got shape {tuple(t.shape)}")
-        by_device.setdefault(t.device, []).append(i)
-    for device, indices in by_device.items():
-        dtype = torch.float32 if device.type == "mps" else torch.float64
-        stacked = torch.stack([tensors[i].detach().reshape(()).to(dtype) for i in indices])
-        for i, value in zip(indices, stacked.tolist(), strict=True):
-            out[i] = value
-    return out
 
 
 def _to_python(values: Mapping[str, Any]) -> dict[str, float | int | None]:
@@ -126,32 +108,6 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise FileNotFoundError(f"no metrics file at {path}")
     return [record for _, record in _parse_lines(path.read_text(encoding="utf-8"), path)]
-
-
-def mean_metrics(items: Sequence[Mapping[str, torch.Tensor | float]]) -> dict[str, float]:
-    """Mean per key over minibatches; a key missing from some items is averaged over those that have it.
-
-    All tensors are read back together (one device sync), not with one ``.item()`` per key.
-
-    >>> mean_metrics([{"loss": torch.tensor(1.0), "kl": 0.5}, {"loss": torch.tensor(3.0)}])
-    {'loss': 2.0, 'kl': 0.5}
-    """
-    tensors: list[torch.Tensor] = []
-    tensor_keys: list[str] = []
-    sums: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    for item in items:
-        for key, value in item.items():
-            counts[key] = counts.get(key, 0) + 1
-            sums.setdefault(key, 0.0)
-            if isinstance(value, torch.Tensor):
-                tensors.append(value)
-                tensor_keys.append(key)
-            else:
-                sums[key] += float(value)
-    for key, value in zip(tensor_keys, tensors_to_floats(tensors), strict=True):
-        sums[key] += value
-    return {key: sums[key] / counts[key] for key in counts}
 
 
 class MetricsLogger:
@@ -238,3 +194,13 @@ class MetricsLogger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class SilentLogger:
+    """The logger of ranks other than 0: every rank computes the (reduced) metrics, one writes them."""
+
+    def log(self, step: int, metrics: Any, kind: str = "train") -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -8,18 +8,30 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gspo.losses import (
-    AGGREGATIONS,
-    OBJECTIVES,
-    PACKED_OBJECTIVES,
-    grpo_loss,
-    grpo_loss_packed,
-    gspo_loss,
-    gspo_loss_packed,
-    gspo_token_loss,
-)
+from gspo.core.objectives import AGGREGATIONS, PAPER_CLIP, policy_loss
+from gspo.core.objectives import OBJECTIVES as KINDS
 
-KINDS = tuple(OBJECTIVES)
+
+def _padded(kind):
+    def loss(logp, old_logp, advantages, mask, **kwargs):
+        return policy_loss(kind, logp, old_logp, advantages, mask, **kwargs)
+
+    return loss
+
+
+def _packed(kind):
+    def loss(logp, old_logp, advantages, segment_ids, num_segments, **kwargs):
+        return policy_loss(
+            kind, logp, old_logp, advantages, segment_ids=segment_ids, num_segments=num_segments, **kwargs
+        )
+
+    return loss
+
+
+OBJECTIVES = {kind: _padded(kind) for kind in KINDS}
+PACKED_OBJECTIVES = {kind: _packed(kind) for kind in KINDS}
+gspo_loss, gspo_token_loss, grpo_loss = OBJECTIVES["gspo"], OBJECTIVES["gspo_token"], OBJECTIVES["grpo"]
+gspo_loss_packed, grpo_loss_packed = PACKED_OBJECTIVES["gspo"], PACKED_OBJECTIVES["grpo"]
 METRIC_KEYS = {
     "loss",
     "clip_frac_token",
@@ -455,7 +467,7 @@ def test_nonfinite_at_valid_position_names_tensor_and_position(kind, tensor, val
     inputs[tensor][where] = value
     fn = OBJECTIVES[kind]
     with pytest.raises(
-        ValueError, match=rf"{fn.__name__}: {tensor} is .* \(row {where[0]}, col {where[1]}\).*Hint"
+        ValueError, match=rf"policy_loss\({kind}\): {tensor} is .* \(row {where[0]}, col {where[1]}\).*Hint"
     ):
         fn(inputs["logp"], inputs["old_logp"], adv, mask, ref_logp=inputs["ref_logp"])
     mask[where] = False  # the same value outside the mask is fine
@@ -467,11 +479,15 @@ def test_nonfinite_advantages_named():
     logp, old, adv, mask, _ = make_batch(11, B=3, T=4)
     bad = adv.clone()
     bad[2] = float("nan")
-    with pytest.raises(ValueError, match=r"gspo_loss: advantages is nan at valid position \(row 2\)"):
+    with pytest.raises(
+        ValueError, match=r"policy_loss\(gspo\): advantages is nan at valid position \(row 2\)"
+    ):
         gspo_loss(logp, old, bad, mask)
     token_adv = torch.ones(3, 4)
     token_adv[1, 0] = float("inf")
-    with pytest.raises(ValueError, match=r"grpo_loss: advantages is inf at valid position \(row 1, col 0\)"):
+    with pytest.raises(
+        ValueError, match=r"policy_loss\(grpo\): advantages is inf at valid position \(row 1, col 0\)"
+    ):
         grpo_loss(logp, old, token_adv, mask)
     gspo_loss(logp, old, bad, mask, check_finite=False)  # the check can be turned off
 
@@ -480,11 +496,13 @@ def test_packed_errors_name_index_and_segment():
     seg = torch.tensor([-1, 0, 0, -1, 1, 1])
     logp = torch.zeros(6)
     logp[4] = float("nan")
-    with pytest.raises(ValueError, match=r"gspo_loss_packed: logp is nan at valid position index 4"):
+    with pytest.raises(ValueError, match=r"policy_loss\(gspo\): logp is nan at valid position index 4"):
         gspo_loss_packed(logp, torch.zeros(6), torch.zeros(2), seg, 2)
     logp[4] = 0.0
     logp[0] = float("nan")  # a prompt token: ignored
-    with pytest.raises(ValueError, match=r"grpo_loss_packed: advantages is nan at valid position segment 1"):
+    with pytest.raises(
+        ValueError, match=r"policy_loss\(grpo\): advantages is nan at valid position segment 1"
+    ):
         grpo_loss_packed(logp, torch.zeros(6), torch.tensor([0.0, float("nan")]), seg, 2)
     with pytest.raises(ValueError, match=r"segment_ids\[4\] = 2 is out of range for num_segments=2"):
         gspo_loss_packed(logp, torch.zeros(6), torch.zeros(2), torch.tensor([-1, 0, 0, -1, 2, 2]), 2)
@@ -494,7 +512,7 @@ def test_bad_arguments():
     logp, old, adv, mask, _ = make_batch(12, B=2, T=3)
     with pytest.raises(ValueError, match="unknown aggregation 'sum'"):
         gspo_loss(logp, old, adv, mask, aggregation="sum")
-    with pytest.raises(ValueError, match="use gspo_token_loss for per-token advantages"):
+    with pytest.raises(ValueError, match="use objective gspo_token for per-token ones"):
         gspo_loss(logp, old, torch.ones(2, 3), mask)
     with pytest.raises(ValueError, match="must share one"):
         grpo_loss(logp, old[:, :2], adv, mask)
@@ -559,7 +577,23 @@ def test_two_rank_sequence_parallel_split_sums_to_unsplit(kind, aggregation):
         torch.testing.assert_close(m0["clip_frac_seq"], m["clip_frac_seq"])
 
 
-def test_objective_mappings():
-    assert {"gspo": gspo_loss, "gspo_token": gspo_token_loss, "grpo": grpo_loss} == OBJECTIVES
-    assert set(PACKED_OBJECTIVES) == set(OBJECTIVES)
+def test_objective_names_defaults_and_entry_point_errors():
+    assert KINDS == ("gspo", "gspo_token", "grpo")
+    assert PAPER_CLIP == {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.27)}
     assert AGGREGATIONS == ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum")
+    logp, old, adv, mask, _ = make_batch(14, B=2, T=3)
+    with pytest.raises(ValueError, match="unknown objective 'ppo'"):
+        policy_loss("ppo", logp, old, adv, mask)
+    with pytest.raises(ValueError, match=r"either mask .* or segment_ids"):
+        policy_loss("gspo", logp, old, adv)
+    seg = torch.tensor([0, 0, 1])
+    with pytest.raises(ValueError, match="segment_ids needs num_segments"):
+        policy_loss("gspo", logp[0], old[0], adv, segment_ids=seg)
+    # the paper's clip range is the default: the same loss as passing it explicitly
+    for kind in KINDS:
+        off = old - 0.05 * torch.sign(adv)[:, None]
+        default, _ = policy_loss(kind, logp, off, adv, mask)
+        explicit, _ = policy_loss(
+            kind, logp, off, adv, mask, eps_low=PAPER_CLIP[kind][0], eps_high=PAPER_CLIP[kind][1]
+        )
+        torch.testing.assert_close(default, explicit)

@@ -1,0 +1,109 @@
+"""Checks across fields that the type system cannot express; each error names the field and the fix."""
+
+from __future__ import annotations
+
+import re
+
+from gspo.config.schema import Config, ConfigError
+
+
+def validate(config: Config) -> None:
+    """Checks of a config on its own (``load_config`` runs them); ``validate_setup`` adds the run's."""
+    positive = {
+        "rollout.prompts_per_step": config.rollout.prompts_per_step,
+        "rollout.group_size": config.rollout.group_size,
+        "rollout.max_new_tokens": config.rollout.max_new_tokens,
+        "train.steps": config.train.steps,
+        "train.minibatches_per_rollout": config.train.minibatches_per_rollout,
+        "train.micro_batch_tokens": config.train.micro_batch_tokens,
+        "train.pack_length": config.train.pack_length,
+        "train.logprob_chunk_size": config.train.logprob_chunk_size,
+        "eval.max_new_tokens": config.eval.max_new_tokens,
+        "eval.batch_size": config.eval.batch_size,
+        "checkpoint.keep": config.checkpoint.keep,
+        "rollout.generation_batch_size": config.rollout.generation_batch_size,
+        "rollout.server.concurrency": config.rollout.server.concurrency,
+    }
+    for name, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{name} must be at least 1, got {value}")
+    if config.rollout.temperature <= 0:
+        raise ConfigError(f"rollout.temperature must be > 0, got {config.rollout.temperature}")
+    if not 0 < config.rollout.top_p <= 1:
+        raise ConfigError(f"rollout.top_p must be in (0, 1], got {config.rollout.top_p}")
+    if config.train.lr <= 0:
+        raise ConfigError(f"train.lr must be > 0, got {config.train.lr}")
+    for name in ("eps_low", "eps_high"):
+        value = getattr(config.train, name)
+        if value is not None and not value >= 0:
+            raise ConfigError(f"train.{name} must be >= 0, got {value}")
+    if config.train.eps_low is not None and config.train.eps_low >= 1:
+        raise ConfigError(
+            f"train.eps_low must be < 1 (the ratio's lower bound is 1 - eps_low), got {config.train.eps_low}"
+        )
+    samples = config.rollout.prompts_per_step * config.rollout.group_size
+    if samples < config.train.minibatches_per_rollout:
+        raise ConfigError(
+            f"train.minibatches_per_rollout={config.train.minibatches_per_rollout} exceeds the "
+            f"{samples} completions of a rollout batch (rollout.prompts_per_step x rollout.group_size)"
+        )
+    if len(config.train.adam_betas) != 2:
+        raise ConfigError(f"train.adam_betas needs two numbers, got {config.train.adam_betas}")
+    if not config.rewards:
+        raise ConfigError(
+            "rewards is empty: name at least one reward function, e.g. rewards={exact_answer: 1.0}"
+        )
+    if config.task.name == "file" and not config.task.data_path:
+        raise ConfigError("task.name=file needs task.data_path (a .jsonl, .csv or datasets directory)")
+    if config.model.path is not None and config.model.tiny is not None:
+        raise ConfigError("set either model.path or model.tiny, not both")
+    if config.eval.every < 0 or config.checkpoint.every < 0:
+        raise ConfigError("eval.every and checkpoint.every must be >= 0")
+    if config.train.sampler_is_cap < 0:
+        raise ConfigError(
+            f"train.sampler_is_cap must be >= 0 (0 disables), got {config.train.sampler_is_cap}"
+        )
+    if config.train.sampler_is_cap > 0 and config.train.old_logprobs != "recompute":
+        raise ConfigError(
+            "train.sampler_is_cap corrects sampler -> old policy and needs train.old_logprobs=recompute "
+            "(with old_logprobs=sampler the ratio itself already divides by the sampler's probabilities)"
+        )
+    if config.distributed.timeout_minutes <= 0:
+        raise ConfigError(
+            f"distributed.timeout_minutes must be > 0, got {config.distributed.timeout_minutes}"
+        )
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", config.device):
+        raise ConfigError(f'device must be "auto", "cpu", "cuda" or "cuda:N", got {config.device!r}')
+    if config.rollout.engine == "openai" and not config.rollout.server.url:
+        raise ConfigError(
+            'rollout.engine=openai needs rollout.server.url, the API root (e.g. "http://127.0.0.1:8000/v1")'
+        )
+    if config.rollout.engine == "openai" and config.rollout.temperature != 1.0:
+        raise ConfigError(
+            f"rollout.temperature={config.rollout.temperature} with rollout.engine=openai: servers report "
+            "log-probs of the untempered distribution; sample at rollout.temperature=1.0"
+        )
+
+
+def validate_setup(config: Config, *, num_processes: int, is_moe: bool) -> None:
+    """Checks that depend on the launch (torchrun's WORLD_SIZE) and on the model loaded."""
+    if config.train.routing_replay and not is_moe:
+        raise ConfigError(
+            "train.routing_replay needs a Mixture-of-Experts model with top-k routers (e.g. Qwen3-MoE); "
+            "this model has none"
+        )
+    if num_processes <= 1:
+        return
+    prompts = config.rollout.prompts_per_step
+    if prompts % num_processes:
+        up = -(-prompts // num_processes) * num_processes
+        raise ConfigError(
+            f"rollout.prompts_per_step={prompts} does not divide across {num_processes} processes (each "
+            f"generates whole groups for an equal share of the prompts): set rollout.prompts_per_step={up} "
+            f"(a multiple of {num_processes}), or launch a number of processes that divides {prompts}"
+        )
+    if config.distributed.wrapper == "fsdp2" and config.lora.rank > 0:
+        raise ConfigError(
+            "lora.rank > 0 with distributed.wrapper=fsdp2 is not supported: use distributed.wrapper=ddp "
+            "(the adapters' gradients and optimizer state are small enough to replicate)"
+        )

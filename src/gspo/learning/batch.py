@@ -1,0 +1,129 @@
+"""The one road from scored samples to the learner's batch: advantages, zero-spread groups, reward metrics.
+
+`gspo train`'s rollouts and the user's own trajectories (gspo.rollout.trajectories) both become a list of
+`Sample`s and go through `make_batch`, so they share one definition of group advantages (gspo.core
+.advantages), of zero-std filtering and of every reward metric.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from gspo.core.advantages import group_advantages
+from gspo.core.layout import Sequence
+from gspo.parallel.collectives import all_gather_objects
+from gspo.parallel.group import rank
+
+
+@dataclass
+class Sample:
+    """One scored completion (or conversation) of a group of samples of the same prompt.
+
+    prompt_ids, completion_ids: token ids; sampler_logprobs: per completion token, the sampler's log-prob
+    (NaN where unknown); reward: the sample's (trajectory's) reward; group: which group (prompt) of this
+    process's samples it belongs to; truncated: it hit the length limit; train_mask: per completion
+    token, whether it gets gradient (None: all); turns and turn_rewards (multi-turn): per completion token
+    the index of the turn it was generated in, and one reward per turn, for per-turn advantages.
+    """
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    sampler_logprobs: list[float]
+    reward: float
+    group: int
+    truncated: bool = False
+    train_mask: list[bool] | None = None
+    turns: list[int] | None = None
+    turn_rewards: list[float] | None = None
+
+    def returns(self) -> list[float]:
+        """G_k = sum_{j >= k} turn_rewards[j] + reward: the return from each turn on (the reward last)."""
+        to_go, acc = [], self.reward
+        for r in reversed(self.turn_rewards or []):
+            acc += r
+            to_go.append(acc)
+        return to_go[::-1] or [self.reward]
+
+
+@dataclass
+class Batch:
+    """What the learner trains on: sequences, their advantages and the sampler's log-probs.
+
+    advantages: (n,) one per sequence, or one list per sequence with a value per completion token
+    (per-turn rewards); groups: the (global) group of each sequence.
+    """
+
+    sequences: list[Sequence]
+    advantages: Tensor | list[list[float]]
+    sampler_logprobs: list[list[float]]
+    groups: list[int]
+
+
+def make_batch(
+    samples: list[Sample],
+    *,
+    scale: str = "group",
+    filter_zero_std: bool = False,
+    mask_truncated: bool = False,
+) -> tuple[Batch, dict[str, float]]:
+    """The learner's batch from this process's samples, and the reward metrics of all processes' samples.
+
+    Advantages compare each sample with its group (`group_advantages`; with turn rewards, per turn and so
+    per token); every process sees all processes' rewards, so the metrics and a batch-wide scale are one
+    process's. filter_zero_std drops the groups whose returns are all equal (they carry no signal);
+    mask_truncated gives truncated samples no gradient (they still count in the 1/G normaliser).
+    """
+    per_turn = any(s.turn_rewards is not None for s in samples)
+    # every process's samples in process order; group ids made global
+    mine = [
+        (s.group, s.returns() if per_turn else [s.reward], len(s.completion_ids), s.truncated)
+        for s in samples
+    ]
+    parts = all_gather_objects(mine)
+    offsets = [0]
+    for part in parts:
+        offsets.append(offsets[-1] + (max((g for g, *_ in part), default=-1) + 1))
+    rows = [(offsets[r] + g, *rest) for r, part in enumerate(parts) for g, *rest in part]
+    first = sum(len(part) for part in parts[: rank()])  # this process's first sample among all
+    groups = torch.tensor([g for g, *_ in rows], dtype=torch.long)
+    width = max((len(ret) for _, ret, *_ in rows), default=1)
+    returns = torch.full((len(rows), width), float("nan"))
+    for i, (_, ret, *_) in enumerate(rows):
+        returns[i, : len(ret)] = torch.tensor(ret)
+    returns = returns if per_turn else returns[:, 0]
+    advantages, zero_std = group_advantages(returns, groups, scale=scale)
+
+    totals = returns[:, 0] if per_turn else returns
+    lengths = [n for *_, n, _ in rows]
+    metrics = {
+        "reward_mean": float(totals.mean()),
+        "reward_std": float(totals.std(unbiased=False)),
+        "zero_std_groups": float(zero_std.sum()),
+        "completion_len_mean": sum(lengths) / len(lengths),
+        "truncated_frac": sum(t for *_, t in rows) / len(rows),
+    }
+    keep = [i for i, s in enumerate(samples) if not (filter_zero_std and zero_std[groups[first + i]])]
+    sequences, kept_advantages = [], []
+    for i in keep:
+        s = samples[i]
+        mask = list(s.train_mask) if s.train_mask is not None else [True] * len(s.completion_ids)
+        if mask_truncated and s.truncated:
+            mask = [False] * len(mask)
+        sequences.append(Sequence(s.prompt_ids, s.completion_ids, mask))
+        if per_turn:  # each token takes its turn's advantage; 0 on context tokens
+            turn_adv = advantages[first + i].tolist()
+            turns = s.turns if s.turns is not None else [0] * len(s.completion_ids)
+            kept_advantages.append([turn_adv[k] if k >= 0 else 0.0 for k in turns])
+    batch = Batch(
+        sequences,
+        kept_advantages if per_turn else advantages[[first + i for i in keep]],
+        [list(samples[i].sampler_logprobs) for i in keep],
+        [int(groups[first + i]) for i in keep],
+    )
+    counts = all_gather_objects((len(sequences), sum(sum(seq.train_mask) for seq in sequences)))
+    metrics["num_trained"] = float(sum(n for n, _ in counts))
+    metrics["trained_tokens_mean"] = sum(t for _, t in counts) / max(metrics["num_trained"], 1.0)
+    return batch, metrics

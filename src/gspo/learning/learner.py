@@ -1,0 +1,272 @@
+"""The learner: old-policy log-probs, then K minibatch updates on a batch, with exact gradient accumulation.
+
+`learn(policy, spec, batch, seed=...)` takes everything it uses as arguments and returns its metrics. The
+batch is shuffled (seeded) and split into ``spec.minibatches`` minibatches, each laid out in micro-batches
+of at most ``spec.micro_batch_tokens`` tokens; the old policy is scored on exactly that layout, so the
+first minibatch is exactly on-policy. Each minibatch is one optimizer update whose micro-batches share
+the minibatch's loss normaliser, so accumulation reproduces the full-minibatch gradient exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import numpy as np
+import torch
+
+from gspo.core.layout import MicroBatch, Sequence, make_micro_batches
+from gspo.core.mismatch import mismatch_metrics, sampler_log_ratios, truncated_is_weights
+from gspo.core.objectives import policy_loss
+from gspo.learning.batch import Batch
+from gspo.learning.policy import Policy, UpdateSpec, score
+from gspo.learning.reduction import reduce_metrics
+from gspo.models import moe
+from gspo.parallel.clipping import clip_grad_norm, release_grad_scale
+from gspo.parallel.collectives import (
+    all_gather_metrics,
+    all_gather_objects,
+    all_gather_varlen,
+    all_reduce_sum,
+)
+from gspo.parallel.group import rank
+from gspo.parallel.wrap import full_parameters, pad_micro_batches, set_gradient_sync
+
+Advantages = torch.Tensor | list[list[float]]
+
+
+def place(values: list[list[float]], mb: MicroBatch) -> torch.Tensor:
+    """Scatter per-sequence completion-token values into a micro-batch's flattened layout (its device)."""
+    device = mb.logprob_mask.device
+    flat = torch.zeros(mb.logprob_mask.numel(), device=device)
+    flat[mb.logprob_mask.reshape(-1)] = torch.tensor(
+        [v for i in mb.indices for v in values[i]], dtype=torch.float32, device=device
+    )
+    return flat
+
+
+def minibatches(
+    spec: UpdateSpec, sequences: list[Sequence], *, seed: int, device: torch.device
+) -> list[tuple[list[int], list[MicroBatch]]]:
+    """Shuffle (seeded) and split into minibatches, each laid out in micro-batches on ``device``.
+
+    One permutation of the whole batch (every rank's sequences, in rank order): minibatch k holds the same
+    sequences however many ranks share the batch, each rank its own of them.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    counts = all_gather_objects(len(sequences))
+    offset = sum(counts[: rank()])
+    order = torch.randperm(sum(counts), generator=generator).tolist()
+    out = []
+    for chunk in np.array_split(np.array(order), spec.minibatches):
+        ids = [g - offset for g in chunk.tolist() if offset <= g < offset + len(sequences)]
+        micro = make_micro_batches(
+            [sequences[i] for i in ids],
+            packed=spec.packed,
+            pack_length=spec.pack_length,
+            micro_batch_tokens=spec.micro_batch_tokens,
+            pad_id=spec.pad_id,
+        )
+        out.append((ids, micro))
+    # every rank runs as many micro-batches per minibatch (under FSDP2 each pass is a collective)
+    padded = pad_micro_batches([micro for _, micro in out], spec.pad_id)
+    return [(ids, [mb.to(device) for mb in micro]) for (ids, _), micro in zip(out, padded, strict=True)]
+
+
+def update(
+    policy: Policy,
+    spec: UpdateSpec,
+    ids: list[int],
+    micro: list[MicroBatch],
+    advantages: Advantages,
+    old: list[torch.Tensor],
+    ref: list[torch.Tensor] | None,
+    routes: list[moe.Routing] | None = None,
+) -> dict[str, Any]:
+    """One optimizer update on a minibatch (gradient accumulation over its micro-batches).
+
+    ids: the minibatch's sequences (indices into the batch); old, ref: per micro-batch, the old and the
+    reference policy's log-probs; routes (MoE models): the old policy's expert choices per micro-batch,
+    replayed with ``spec.routing_replay`` and compared with the current routers' own choices otherwise.
+    """
+    per_token = not isinstance(advantages, torch.Tensor)
+    # per-token advantages: GSPO as GSPO-token (GSPO's value and gradient for per-sequence ones)
+    objective = "gspo_token" if per_token and spec.objective == "gspo" else spec.objective
+    # the minibatch's normaliser, over all ranks: 1/B per sequence, or 1/tokens for token-mean; each
+    # rank's loss is its share of the one-process loss, and the ranks' gradients are summed
+    if spec.aggregation == "token-mean":
+        normalizer = float(sum(int((mb.segment_ids >= 0).sum()) for mb in micro))
+    else:
+        normalizer = float(len(ids))
+    normalizer = all_reduce_sum(normalizer)
+    policy.optimizer.zero_grad(set_to_none=True)
+    metrics, losses = [], []
+    moved = moe.RoutingDifference()  # MoE: the current routers' own choices vs the old policy's
+    for j, mb in enumerate(micro):
+        set_gradient_sync(policy.scorer, j == len(micro) - 1)  # DDP: sum once, at the end
+        if routes is None:
+            logp = score(policy.scorer, mb, spec)
+        else:
+            if spec.routing_replay:
+                routing = moe.routing_replay(policy.model, routes[j])
+            else:
+                routing = moe.record_routing(policy.model)
+            with routing as natural:  # what the current routers choose themselves, replayed or not
+                logp = score(policy.scorer, mb, spec)
+            moved = moved + moe.routing_difference(routes[j], natural, mb.logprob_mask)
+        if per_token:  # per completion token, laid out like logp: (R*L,)
+            adv = place([advantages[i] for i in ids], mb)
+        else:
+            adv = advantages[[ids[i] for i in mb.indices]].to(logp.device)
+        loss, m = policy_loss(
+            objective,
+            logp,
+            old[j],
+            adv,
+            segment_ids=mb.segment_ids,
+            num_segments=len(mb.indices),
+            eps_low=spec.eps_low,
+            eps_high=spec.eps_high,
+            aggregation=spec.aggregation,
+            normalizer=normalizer,
+            ref_logp=None if ref is None else ref[j],
+            beta=spec.beta,
+        )
+        loss.backward()
+        losses.append(loss.detach())  # read back once, after the loop
+        if mb.indices:  # not an idle micro-batch (distributed padding)
+            metrics.append(m)
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    max_norm = spec.max_grad_norm if spec.max_grad_norm > 0 else float("inf")
+    grad_norm = clip_grad_norm(params, max_norm, policy.optimizer)  # fused AdamW: applied inside its step
+    policy.optimizer.step()
+    release_grad_scale(policy.optimizer)
+    policy.scheduler.step()
+    out = reduce_metrics(all_gather_metrics(metrics))  # all ranks' micro-batches
+    out["loss"] = all_reduce_sum(float(torch.stack(losses).sum()))
+    out["grad_norm"] = float(grad_norm)
+    if routes is not None:  # learn() renames them by the number of updates before this one
+        out.update(moved.metrics("live_"))
+    return out
+
+
+def _old_policy(
+    policy: Policy, spec: UpdateSpec, batch: Batch, layout: list[tuple[list[int], list[MicroBatch]]]
+) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor] | None], list[list[moe.Routing] | None], Advantages, dict[str, float]]:  # fmt: skip
+    """Old-policy log-probs (and reference ones, expert choices) per micro-batch, before any update.
+
+    With ``spec.old_logprobs == "recompute"`` the trainer's own forward pass, which also gives the
+    sampler/trainer mismatch metrics and the truncated-IS weights (gspo.core.mismatch); with "sampler"
+    the sampler's log-probs, a token it did not report (NaN) recomputed. Returns (old, ref, routes,
+    advantages, metrics); the advantages carry the truncated-IS weights when ``spec.sampler_is_cap``.
+    """
+    sequences, advantages, sampler_logprobs = batch.sequences, batch.advantages, batch.sampler_logprobs
+    # a trained token the sampler gave no log-prob for (NaN, e.g. llama.cpp's EOS) needs the trainer's
+    unknown = sum(
+        t and not math.isfinite(lp)
+        for seq, lps in zip(sequences, sampler_logprobs, strict=True)
+        for t, lp in zip(seq.train_mask, lps, strict=True)
+    )
+    recompute = spec.old_logprobs == "recompute" or all_reduce_sum(float(unknown)) > 0
+    old, ref, routes, deltas = [], [], [], []
+    seq_log_ratio, seq_counted = torch.zeros(len(sequences)), torch.zeros(len(sequences))
+    # old policy = the current weights, before any update of this step; FSDP2 gathers them once
+    with torch.no_grad(), full_parameters(policy.scorer):
+        for ids, micro in layout:
+            sampled = [place([sampler_logprobs[i] for i in ids], mb) for mb in micro]
+            if recompute:
+                with moe.record_passes(policy.model, enabled=policy.moe) as passes:  # MoE: expert choices
+                    recomputed = [score(policy.scorer, mb, spec) for mb in micro]
+                routes.append(passes or None)
+                for mb, r, s in zip(micro, recomputed, sampled, strict=True):
+                    if not mb.indices:  # an idle micro-batch scores nothing
+                        continue
+                    delta, seq, counts = sampler_log_ratios(r, s, mb.segment_ids, len(mb.indices))
+                    deltas.append(delta)
+                    seq_log_ratio[[ids[i] for i in mb.indices]] = seq.cpu()
+                    seq_counted[[ids[i] for i in mb.indices]] = counts.cpu()
+                if spec.old_logprobs == "recompute":
+                    old.append(recomputed)
+                else:  # the sampler's log-probs; the trainer's only where the sampler gave none
+                    old.append(
+                        [torch.where(torch.isnan(s), r, s) for r, s in zip(recomputed, sampled, strict=True)]
+                    )
+            else:
+                old.append(sampled)
+                with policy.autocast():
+                    routes.append(
+                        [moe.expert_choices(policy.model, mb) for mb in micro] if policy.moe else None
+                    )
+            ref.append([policy.reference_logprobs(mb, spec) for mb in micro] if spec.beta > 0 else None)
+    metrics: dict[str, float] = {}
+    if spec.old_logprobs == "recompute":  # both log-probs known: how far apart (gspo.core.mismatch)
+        delta = all_gather_varlen(torch.cat(deltas) if deltas else torch.zeros(0))
+        metrics.update(mismatch_metrics(delta, all_gather_varlen(seq_log_ratio[seq_counted > 0])))
+        if spec.sampler_is_cap > 0:  # truncated IS: scaling A_i by w_i scales sequence i's loss
+            weights = truncated_is_weights(seq_log_ratio, spec.sampler_is_cap)  # (n,), 1 if unknown
+            if isinstance(advantages, torch.Tensor):
+                advantages = advantages * weights
+            else:
+                advantages = [
+                    [a * float(w) for a in adv] for adv, w in zip(advantages, weights.tolist(), strict=True)
+                ]
+            counted = weights[seq_counted > 0]
+            if counted.numel():
+                metrics["sampler_is_weight_mean"] = float(counted.mean())
+                metrics["sampler_is_truncated_frac"] = float((counted >= spec.sampler_is_cap).float().mean())
+    else:
+        trained = sum(sum(seq.train_mask) for seq in sequences)
+        metrics["sampler_logprob_missing_frac"] = unknown / max(trained, 1)  # recomputed by the trainer
+    return old, ref, routes, advantages, metrics
+
+
+def learn(
+    policy: Policy,
+    spec: UpdateSpec,
+    batch: Batch,
+    *,
+    seed: int,
+    around_update: Callable[[], AbstractContextManager[Any]] | None = None,
+) -> dict[str, float]:
+    """Old-policy log-probs, then ``spec.minibatches`` optimizer updates on ``batch``; returns the metrics.
+
+    seed: the minibatch shuffle's (the trainer passes one per step). around_update: a context manager
+    factory entered around each optimizer update, e.g. to count its FLOPs (benchmarks/train_step.py).
+    """
+    layout = minibatches(spec, batch.sequences, seed=seed, device=policy.device)
+    t0 = time.perf_counter()
+    old, ref, routes, advantages, out = _old_policy(policy, spec, batch, layout)
+    out["time_old_logprobs"] = time.perf_counter() - t0
+    # what the updates compute vs what is real: padding overhead of the layout
+    computed = sum(mb.num_tokens for _, micro in layout for mb in micro if mb.indices)
+    out["update_tokens"] = all_reduce_sum(float(computed))
+    out["real_tokens"] = all_reduce_sum(float(sum(len(seq) for seq in batch.sequences)))
+    t0 = time.perf_counter()
+    updates = []
+    for (ids, micro), o, r, rt in zip(layout, old, ref, routes, strict=True):
+        with around_update() if around_update is not None else contextlib.nullcontext():
+            updates.append(update(policy, spec, ids, micro, advantages, o, r, rt))
+    out["time_update"] = time.perf_counter() - t0
+    if policy.moe:
+        t0 = time.perf_counter()
+        # minibatch j was scored after j updates of this step (j = 0: no change, not logged)
+        for j, metrics in enumerate(updates):
+            for key in [k for k in metrics if k.startswith("live_")]:
+                live = metrics.pop(key)
+                if j:
+                    out[f"{key.removeprefix('live_')}_after_{j}_updates"] = live
+        # this rank's batch routed again by the policy after all this step's updates (FSDP2: gathered once)
+        with full_parameters(policy.scorer), policy.autocast():
+            out.update(
+                moe.routing_volatility(
+                    policy.model,
+                    [mb for _, micro in layout for mb in micro],
+                    [r for rs in routes for r in rs],
+                )
+            )
+        out["time_routing"] = time.perf_counter() - t0
+    return {**reduce_metrics(updates), **out}

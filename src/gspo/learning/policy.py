@@ -1,0 +1,123 @@
+"""What the learner acts on (`Policy`) and how it updates it (`UpdateSpec`), as explicit inputs."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from gspo.config import Config
+from gspo.core.layout import MicroBatch
+from gspo.core.logprobs import causal_lm_logprobs
+from gspo.core.objectives import PAPER_CLIP
+from gspo.models.moe import is_moe
+from gspo.parallel.wrap import is_scorer
+
+
+@dataclass(frozen=True)
+class UpdateSpec:
+    """How a batch becomes optimizer updates; built once from the config by `UpdateSpec.from_config`."""
+
+    objective: str = "gspo"
+    eps_low: float = PAPER_CLIP["gspo"][0]
+    eps_high: float = PAPER_CLIP["gspo"][1]
+    aggregation: str = "seq-mean-token-mean"
+    beta: float = 0.0
+    minibatches: int = 4
+    packed: bool = True
+    pack_length: int = 1024
+    micro_batch_tokens: int = 4096
+    pad_id: int = 0
+    temperature: float = 1.0
+    chunk_size: int = 1024
+    max_grad_norm: float = 1.0
+    old_logprobs: str = "recompute"
+    """"recompute" (a forward pass before the updates) or "sampler" (the sampler's own log-probs)."""
+    sampler_is_cap: float = 0.0
+    routing_replay: bool = False
+
+    @classmethod
+    def from_config(
+        cls, config: Config, *, packed: bool, pad_id: int, old_logprobs: str | None = None
+    ) -> UpdateSpec:
+        """The spec of ``config.train`` with the clip range resolved (None: the objective's paper default)."""
+        train = config.train
+        low, high = PAPER_CLIP[train.objective]
+        return cls(
+            objective=train.objective,
+            eps_low=low if train.eps_low is None else train.eps_low,
+            eps_high=high if train.eps_high is None else train.eps_high,
+            aggregation=train.aggregation,
+            beta=train.beta,
+            minibatches=train.minibatches_per_rollout,
+            packed=packed,
+            pack_length=train.pack_length,
+            micro_batch_tokens=train.micro_batch_tokens,
+            pad_id=pad_id,
+            temperature=config.rollout.temperature,
+            chunk_size=train.logprob_chunk_size,
+            max_grad_norm=train.max_grad_norm,
+            old_logprobs=old_logprobs or train.old_logprobs,
+            sampler_is_cap=train.sampler_is_cap,
+            routing_replay=train.routing_replay,
+        )
+
+
+@dataclass
+class Policy:
+    """The model being trained and what updates it.
+
+    model: the causal LM (peft-wrapped with LoRA): generation, saving, routing hooks; scorer: what computes
+    log-probs with gradients, the model itself or its DDP/FSDP2/autocast wrapper (gspo.parallel.wrap);
+    reference: the frozen initial policy of the KL term (None: with LoRA the adapters are switched off
+    instead, or no KL term); compute_dtype: mixed precision (None: the parameters' dtype).
+    """
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scorer: nn.Module | None = None
+    reference: nn.Module | None = None
+    compute_dtype: torch.dtype | None = None
+    moe: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.scorer = self.model if self.scorer is None else self.scorer
+        self.moe = is_moe(self.model)  # routing volatility is logged, Routing Replay possible
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def autocast(self) -> torch.autocast:
+        """The compute dtype, for passes that do not go through the scorer (generation, reference, MoE
+        expert choices), so every pass computes like the policy's log-probs."""
+        dtype = self.compute_dtype
+        return torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
+
+    def reference_logprobs(self, mb: MicroBatch, spec: UpdateSpec) -> torch.Tensor:
+        """log pi_ref of a micro-batch's tokens (the KL anchor), computed like the policy's."""
+        with self.autocast():
+            if self.reference is not None:
+                return score(self.reference, mb, spec)
+            with self.model.disable_adapter():  # LoRA: the base model is the reference
+                return score(self.model, mb, spec)
+
+
+def score(model: nn.Module, mb: MicroBatch, spec: UpdateSpec) -> torch.Tensor:
+    """log pi(token) of every completion token of a micro-batch, flattened to (R*L,); 0 elsewhere.
+
+    `model`: a causal LM, or the data-parallel scorer wrapping it (gspo.parallel.wrap.wrap_model).
+    """
+    scorer = model if is_scorer(model) else functools.partial(causal_lm_logprobs, model)
+    logp = scorer(
+        mb.input_ids,
+        attention_mask=mb.attention_mask,
+        position_ids=mb.position_ids,
+        logprob_mask=mb.logprob_mask,
+        temperature=spec.temperature,
+        chunk_size=spec.chunk_size,
+    )
+    return logp.reshape(-1)

@@ -1,0 +1,42 @@
+"""Gradient-norm clipping over all ranks' shards, folded into torch's fused AdamW step where it can be."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+def clip_grad_norm(
+    parameters: list[nn.Parameter], max_norm: float, optimizer: torch.optim.Optimizer | None = None
+) -> Tensor:
+    """Clip to a total gradient norm, the norm taken over all ranks' shards (DTensor) when sharded.
+
+    With a fused ``optimizer`` (torch's fused AdamW) and plain tensors, the gradients are not rescaled
+    here: the factor goes to the optimizer's next step as its ``grad_scale`` (the attribute GradScaler
+    sets), which the fused kernel divides each gradient by as it reads it. The update is
+    ``clip_grad_norm_``'s, without its read-and-write pass over every gradient.
+    """
+    if not parameters or not hasattr(parameters[0], "device_mesh"):  # plain tensors
+        if optimizer is None or not optimizer.defaults.get("fused"):
+            return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        grads = [p.grad for p in parameters if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        # clip_grad_norm_ multiplies by min(1, max_norm / (total + 1e-6)): divide by its inverse
+        # (float32 whatever the gradients' dtype: the fused kernel reads it as such); the caller
+        # removes it after the step (``release_grad_scale``), as GradScaler does
+        optimizer.grad_scale = ((total.float() + 1e-6) / max_norm).clamp(min=1.0)
+        return total
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    total = torch.nn.utils.get_total_norm(grads)
+    if hasattr(total, "full_tensor"):  # FSDP2: a partial norm per shard, reduced here
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    return total
+
+
+def release_grad_scale(optimizer: torch.optim.Optimizer) -> None:
+    """Forget a clipping factor :func:`clip_grad_norm` handed to ``optimizer`` once its step used it."""
+    if hasattr(optimizer, "grad_scale"):
+        del optimizer.grad_scale

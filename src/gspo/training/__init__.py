@@ -1,0 +1,1 @@
+"""Runs: the training loop, its setup, checkpoints, metrics and plots."""

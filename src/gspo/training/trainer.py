@@ -1,0 +1,331 @@
+"""The training loop, read top to bottom: sample -> reward -> batch -> learn -> log, evaluate, checkpoint.
+
+`Trainer` builds each part once (gspo.training.setup) and keeps what lives across steps; `train_step`
+(the sampler's rollouts) and `train_on_groups` (the user's trajectories) both become `Sample`s and go
+through `_learn`: `make_batch`, then `learn`. The step counter lives there.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+from tqdm.auto import tqdm
+
+from gspo.config import Config, load_config, save_config, validate_setup
+from gspo.learning.batch import Sample, make_batch
+from gspo.learning.learner import learn
+from gspo.learning.policy import UpdateSpec
+from gspo.parallel.collectives import all_gather_cat, all_gather_list, all_gather_varlen, raise_together
+from gspo.parallel.group import (
+    barrier,
+    init_from_env,
+    is_main,
+    rank,
+    rank_slice,
+    resolve_device,
+    seed_rank,
+    shutdown,
+    world_size,
+)
+from gspo.parallel.state import (
+    load_optimizer_state,
+    optimizer_state,
+    rank_states,
+    resume_rank_state,
+    savable_model,
+)
+from gspo.rollout.data import Example, PromptStream, batch_fields, format_prompt
+from gspo.rollout.rewards import RewardError, RewardFunction, compute_rewards
+from gspo.rollout.samplers import HFSampler, Sampler
+from gspo.rollout.trajectories import TrajectoryGroup, trajectory_samples
+from gspo.training.checkpoint import (
+    latest_checkpoint,
+    load_trainer_state,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from gspo.training.metrics import MetricsLogger, SilentLogger
+from gspo.training.setup import (
+    build_examples,
+    choose_packing,
+    generating,
+    resolve_rewards,
+    setup_model,
+    setup_policy,
+    setup_run_dir,
+    setup_sampler,
+)
+
+
+class Trainer:
+    """A run: its config and folder, the policy, the sampler, the prompt stream, the step counter, the logger.
+
+    ``sampler``: a `Sampler` of your own (e.g. an OpenAIBackend with weight sync) instead of rollout.engine's.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        reward_functions: Mapping[str, RewardFunction] | None = None,
+        resume: str | Path | None = None,
+        sampler: Sampler | None = None,
+    ) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        init_from_env(config.distributed, self.device)  # under torchrun: join the process group
+        self.rewards = resolve_rewards(config, reward_functions)
+        self.train_examples, self.eval_examples = build_examples(config)
+        self.run_dir, checkpoint = setup_run_dir(config, resume)
+        if is_main():
+            save_config(config, self.run_dir / "config.yaml")
+
+        transformers.utils.logging.disable_progress_bar()  # one progress bar: ours
+        torch.manual_seed(config.seed)
+        random.seed(config.seed)
+        np.random.seed(config.seed)
+        model, self.tokenizer = setup_model(config, checkpoint)
+        model = model.to(self.device)
+        packed = choose_packing(
+            config, model, self.tokenizer.pad_token_id
+        )  # the plain model, before wrapping
+        self.policy = setup_policy(config, model, self.device, resumed=checkpoint is not None)
+        validate_setup(config, num_processes=world_size(), is_moe=self.policy.moe)
+        if world_size() > 1:
+            seed_rank(config.seed)  # each rank samples its own completions
+        self.sampler = sampler or setup_sampler(config, self.policy, self.tokenizer)
+        old_logprobs = config.train.old_logprobs
+        self.spec = UpdateSpec.from_config(
+            config, packed=packed, pad_id=self.tokenizer.pad_token_id, old_logprobs=old_logprobs
+        )
+        self.stream = PromptStream(self.train_examples, config.rollout.prompts_per_step, seed=config.seed)
+        self.step = 0
+        if checkpoint is not None:
+            state = load_trainer_state(checkpoint)
+            load_optimizer_state(self.policy.model, self.policy.optimizer, state["optimizer"])
+            self.policy.scheduler.load_state_dict(state["scheduler"])
+            mine = resume_rank_state(state)  # this rank's RNG streams and data position
+            self.stream.load_state_dict(mine["stream"])
+            set_rng_state(mine["rng"])
+            self.step = state["step"]
+        if is_main():
+            self.logger = MetricsLogger(
+                self.run_dir, tensorboard=config.tensorboard, resume_step=self.step if checkpoint else None
+            )
+        else:
+            self.logger = SilentLogger()
+
+    def prompts(self, examples: list[Example]) -> list[str]:
+        return [
+            format_prompt(self.tokenizer, ex.prompt, system_prompt=self.config.task.system_prompt)
+            for ex in examples
+        ]
+
+    # ---- one step -----------------------------------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        """One rollout batch from the sampler, then its updates."""
+        samples, metrics = self.sample()
+        return self._learn(samples, metrics)
+
+    def sample(self) -> tuple[list[Sample], dict[str, float]]:
+        """This rank's share of a rollout batch: G completions of each prompt, scored by the rewards."""
+        cfg = self.config.rollout
+        t0 = time.perf_counter()
+        examples = rank_slice(self.stream.next_batch())  # this rank's prompts, whole groups
+        prompts = self.prompts(examples)
+        rollouts = self.sampler.generate(
+            prompts, group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+            top_p=cfg.top_p,
+        )  # fmt: skip
+        times = {"time_rollout": time.perf_counter() - t0}
+        failure, rewards, per_function = None, None, {}
+        try:
+            rewards, per_function = compute_rewards(
+                self.rewards,
+                [p for p in prompts for _ in range(cfg.group_size)],
+                rollouts.completions,
+                batch_fields(examples, repeat=cfg.group_size),
+            )
+        except RewardError as error:
+            failure = error
+        raise_together(failure)  # all ranks stop together, so they can checkpoint together
+        samples = [
+            Sample(
+                rollouts.prompt_ids[i],
+                rollouts.completion_ids[i],
+                rollouts.sampler_logprobs[i],
+                float(rewards[i]),
+                group=i // cfg.group_size,
+                truncated=rollouts.truncated[i],
+            )
+            for i in range(len(rollouts))
+        ]
+        per_reward = {f"reward/{name}": float(all_gather_cat(v).mean()) for name, v in per_function.items()}
+        return samples, {**per_reward, **times}
+
+    def train_on_groups(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
+        """One step of updates on the user's own trajectory groups (gspo.rollout.trajectories); logged."""
+        need = self.spec.old_logprobs == "sampler"
+        metrics = self._learn(trajectory_samples(self.tokenizer, groups, need_sampler_logprobs=need), {})
+        self.logger.log(self.step, metrics)
+        return metrics
+
+    def _learn(self, samples: list[Sample], metrics: dict[str, float]) -> dict[str, float]:
+        """Samples -> batch (advantages, filtering, reward metrics) -> old-policy log-probs and updates."""
+        train = self.config.train
+        batch, batch_metrics = make_batch(
+            samples,
+            scale=train.advantage_scale,
+            filter_zero_std=train.filter_zero_std_groups,
+            mask_truncated=self.config.rollout.mask_truncated,
+        )
+        metrics = {**batch_metrics, **metrics, "lr": self.policy.scheduler.get_last_lr()[0]}
+        if batch_metrics["num_trained"] > 0:
+            metrics |= learn(self.policy, self.spec, batch, seed=self.step_seed())
+        else:  # every group had equal returns and was filtered out: nothing to learn from
+            metrics |= {"time_old_logprobs": 0.0, "time_update": 0.0}
+        self.step += 1
+        self.sampler.sync_weights(self.policy.model, self.tokenizer, self.step)
+        return metrics
+
+    def step_seed(self) -> int:
+        """The seed of this step's minibatch shuffle."""
+        return self.config.seed * 1_000_003 + self.step
+
+    # ---- evaluation ---------------------------------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        """Greedy completions on the held-out split; accuracy = mean of the first reward function."""
+        examples = self.eval_examples[rank() :: world_size()]  # this rank's share
+        prompts = self.prompts(examples)
+        sampler = HFSampler(
+            self.policy.model, self.tokenizer, self.config.eval.batch_size, lambda: generating(self.policy)
+        )
+        rollouts = sampler.generate(
+            prompts, group_size=1, max_new_tokens=self.config.eval.max_new_tokens, greedy=True
+        )
+        total, per_function = compute_rewards(
+            self.rewards, prompts, rollouts.completions, batch_fields(examples)
+        )
+        total = all_gather_varlen(total)
+        per_function = {name: all_gather_varlen(v) for name, v in per_function.items()}
+        lengths = all_gather_list([len(c) for c in rollouts.completion_ids])
+        first = self.rewards[0][0]
+        return {
+            "accuracy": float(per_function[first].mean()),
+            "reward_mean": float(total.mean()),
+            "completion_len_mean": sum(lengths) / len(lengths),
+        }
+
+    # ---- the loop -----------------------------------------------------------------------------------
+    def checkpoint(self, rng: dict[str, Any] | None = None, stream: dict[str, Any] | None = None) -> Path:
+        policy = self.policy
+        state = {
+            "optimizer": optimizer_state(policy.model, policy.optimizer),  # FSDP2: gathered
+            "scheduler": policy.scheduler.state_dict(),
+            "stream": stream if stream is not None else self.stream.state_dict(),
+            "rng": rng if rng is not None else rng_state(),
+        }
+        if world_size() > 1:  # every rank's own RNG streams and data position
+            state["ranks"] = rank_states(state["rng"], state["stream"])
+        model = savable_model(policy.scorer, policy.model)  # FSDP2: full weights on rank 0
+        if is_main():
+            save_checkpoint(
+                self.run_dir, self.step, model=model, tokenizer=self.tokenizer, state=state,
+                keep=self.config.checkpoint.keep,
+            )  # fmt: skip
+        barrier()  # complete before any rank goes on
+        return latest_checkpoint(self.run_dir)
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.config
+        if self.step == 0:
+            self._log_eval()
+            self.checkpoint()  # step 0: a resumable point exists before any update
+        show = cfg.progress and is_main()
+        bar = tqdm(total=cfg.train.steps, initial=self.step, disable=not show, desc="gspo", unit="step")
+        while self.step < cfg.train.steps:
+            start_rng, start_stream = rng_state(), self.stream.state_dict()
+            try:
+                metrics = self.train_step()
+            except RewardError:
+                # nothing was updated in this step: record its start so `--resume` redoes it exactly
+                latest = latest_checkpoint(self.run_dir)
+                if latest is None or load_trainer_state(latest)["step"] != self.step:
+                    self.checkpoint(rng=start_rng, stream=start_stream)
+                raise
+            self.logger.log(self.step, metrics)
+            bar.update(1)
+            bar.set_postfix(
+                reward=f"{metrics['reward_mean']:.3f}", clip=f"{metrics.get('clip_frac_token', 0.0):.3f}",
+                gen=f"{metrics['time_rollout']:.1f}s", old=f"{metrics['time_old_logprobs']:.1f}s",
+                upd=f"{metrics['time_update']:.1f}s",
+            )  # fmt: skip
+            last = self.step == cfg.train.steps
+            if last or (cfg.eval.every and self.step % cfg.eval.every == 0):
+                self._log_eval()
+            if last or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
+                self.checkpoint()
+        bar.close()
+        self.logger.close()
+        if not is_main():  # rank 0 plots and summarises
+            return {"run_dir": str(self.run_dir), "eval_accuracy_first": None, "eval_accuracy_last": None}
+        return self._finish()
+
+    def _log_eval(self) -> dict[str, float]:
+        result = self.evaluate()
+        self.logger.log(self.step, result, kind="eval")
+        if self.config.progress and is_main():
+            tqdm.write(
+                f"step {self.step}: eval accuracy {result['accuracy']:.3f} (reward {result['reward_mean']:.3f})"
+            )
+        return result
+
+    def _finish(self) -> dict[str, Any]:
+        from gspo.training.metrics import read_metrics
+        from gspo.training.plots import write_summary
+
+        evals = [r for r in read_metrics(self.run_dir) if r["kind"] == "eval"]
+        try:
+            from gspo.training.plots import plot_run
+
+            plot_run(self.run_dir)
+        except ImportError as error:  # plots are optional; the metrics are on disk
+            print(f"plots skipped: {error}")
+        summary = write_summary(self.run_dir)
+        first, last = (evals[0]["accuracy"], evals[-1]["accuracy"]) if evals else (None, None)
+        return {
+            "run_dir": str(self.run_dir),
+            "eval_accuracy_first": first,
+            "eval_accuracy_last": last,
+            "summary": summary,
+        }
+
+
+def train(
+    config: Config | str | Path | None = None,
+    *,
+    overrides: list[str] | tuple[str, ...] = (),
+    reward_functions: Mapping[str, RewardFunction] | None = None,
+    resume: str | Path | None = None,
+) -> dict[str, Any]:
+    """Run GSPO training; returns the run folder and the first/last eval accuracy.
+
+    >>> from gspo import train, load_config
+    >>> result = train(load_config("configs/tiny.yaml"), reward_functions={"mine": my_reward})  # doctest: +SKIP
+    """
+    if resume is not None:
+        config = load_config(Path(resume) / "config.yaml", overrides)
+    elif config is None or isinstance(config, (str, Path)):
+        config = load_config(config, overrides)
+    try:
+        return Trainer(config, reward_functions=reward_functions, resume=resume).run()
+    finally:
+        shutdown()  # only if the Trainer created the process group

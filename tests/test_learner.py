@@ -1,0 +1,168 @@
+"""The learner on its own: no Trainer, no run folder. The one road (make_batch), learn(), metric reduction."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gspo.core.advantages import group_advantages
+from gspo.core.layout import Sequence
+from gspo.learning.batch import Batch, Sample, make_batch
+from gspo.learning.learner import learn, minibatches
+from gspo.learning.policy import Policy, UpdateSpec
+from gspo.learning.reduction import reduce_metrics
+from gspo.models import tiny_model
+
+
+def _samples(rewards: list[float], group_size: int) -> list[Sample]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i, r in enumerate(rewards):
+        n = 2 + i % 3
+        completion = torch.randint(3, 60, (n,), generator=g).tolist()
+        out.append(Sample([5, 6, 7], completion, [-1.0] * n, r, group=i // group_size, truncated=i % 4 == 3))
+    return out
+
+
+def test_make_batch_advantages_are_group_advantages_and_metrics_are_the_batch_s():
+    rewards = [1.0, 0.0, 0.5, 0.5, 2.0, 2.0, 2.0, 2.0]  # group 1 has no spread
+    batch, metrics = make_batch(_samples(rewards, 4))
+    expected, _ = group_advantages(torch.tensor(rewards), 4)
+    assert torch.equal(batch.advantages, expected)
+    assert batch.groups == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert metrics["reward_mean"] == pytest.approx(sum(rewards) / 8)
+    mean = sum(rewards) / 8
+    assert metrics["reward_std"] == pytest.approx(
+        math.sqrt(sum((r - mean) ** 2 for r in rewards) / 8)
+    )  # population
+    assert metrics["zero_std_groups"] == 1.0 and metrics["num_trained"] == 8.0
+    assert metrics["truncated_frac"] == 0.25
+    assert metrics["completion_len_mean"] == pytest.approx(sum(2 + i % 3 for i in range(8)) / 8)
+
+
+def test_make_batch_filters_zero_spread_groups_and_masks_truncated_samples():
+    rewards = [1.0, 0.0, 0.5, 0.5, 2.0, 2.0, 2.0, 2.0]
+    batch, metrics = make_batch(_samples(rewards, 4), filter_zero_std=True, mask_truncated=True)
+    assert len(batch.sequences) == 4 and batch.groups == [0, 0, 0, 0]
+    assert metrics["num_trained"] == 4.0 and metrics["reward_mean"] == pytest.approx(sum(rewards) / 8)
+    assert [any(s.train_mask) for s in batch.sequences] == [True, True, True, False]  # sample 3 truncated
+
+
+def test_make_batch_per_turn_returns_give_per_token_advantages():
+    # two 2-turn samples of one group; tokens of turn 0, context (-1), then turn 1
+    samples = [
+        Sample([1], [5, 6, 7, 8], [0.0] * 4, 1.0, 0, turns=[0, -1, 1, 1], turn_rewards=[0.5, 0.0]),
+        Sample([1], [5, 6, 7, 8], [0.0] * 4, 0.0, 0, turns=[0, -1, 1, 1], turn_rewards=[0.0, 0.0]),
+    ]
+    batch, metrics = make_batch(samples)
+    # returns-to-go: [1.5, 1.0] and [0.0, 0.0]; baseline = mean total 0.75; std over {1.5, 1, 0, 0}
+    values = torch.tensor([1.5, 1.0, 0.0, 0.0])
+    std = float(values.std(unbiased=False)) + 1e-6
+    a = [(1.5 - 0.75) / std, (1.0 - 0.75) / std, (0.0 - 0.75) / std]
+    assert batch.advantages[0] == pytest.approx([a[0], 0.0, a[1], a[1]])
+    assert batch.advantages[1] == pytest.approx([a[2], 0.0, a[2], a[2]])
+    assert metrics["reward_mean"] == pytest.approx(0.75)
+
+
+def _policy(seed: int = 0, sgd: bool = False) -> Policy:
+    model = tiny_model("llama", vocab_size=64, seed=seed)
+    if sgd:  # the update is the gradient itself: parameters compare gradients
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    return Policy(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0))
+
+
+def _batch() -> Batch:
+    g = torch.Generator().manual_seed(1)
+    sequences = []
+    for i in range(12):
+        prompt = torch.randint(3, 60, (3 + i % 4,), generator=g).tolist()
+        completion = torch.randint(3, 60, (2 + i % 5,), generator=g).tolist()
+        sequences.append(Sequence(prompt, completion, [True] * len(completion)))
+    advantages = torch.randn(12, generator=g)
+    return Batch(
+        sequences,
+        advantages,
+        [[float("nan")] * len(s.completion_ids) for s in sequences],
+        [i // 4 for i in range(12)],
+    )
+
+
+def _params(policy: Policy) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in policy.model.parameters()])
+
+
+def test_learn_without_a_trainer_updates_and_is_deterministic():
+    spec = UpdateSpec(objective="gspo", eps_low=0.2, eps_high=0.2, minibatches=3)
+    runs, counted = [], []
+    for _ in range(2):
+        policy = _policy()
+        before = _params(policy)
+        metrics = learn(policy, spec, _batch(), seed=7, around_update=lambda: _Count(counted))
+        runs.append(_params(policy))
+        assert not torch.equal(before, runs[-1])
+    assert torch.equal(runs[0], runs[1])
+    assert counted == [1] * 6  # the hook wrapped each of the 3 updates, twice
+    # the first minibatch is on-policy: its ratios are exactly 1, the later ones moved
+    assert metrics["ratio_token_min"] <= 1.0 <= metrics["ratio_token_max"]
+    assert "sampler_logprob_abs_diff" not in metrics  # the sampler reported no log-probs to compare
+    assert metrics["update_tokens"] == metrics["real_tokens"] == sum(len(s) for s in _batch().sequences)
+    assert all(math.isfinite(v) for v in metrics.values())
+
+
+def test_learn_accumulation_over_micro_batches_equals_one_micro_batch_per_minibatch():
+    params = {}
+    for tokens in (16, 4096):  # many micro-batches per minibatch vs one
+        policy = _policy(sgd=True)
+        spec = UpdateSpec(objective="grpo", minibatches=2, micro_batch_tokens=tokens, pack_length=16)
+        layout = minibatches(spec, _batch().sequences, seed=3, device=torch.device("cpu"))
+        assert [len(micro) > 1 for _, micro in layout] == [tokens == 16] * 2
+        metrics = learn(policy, spec, _batch(), seed=3)
+        params[tokens] = _params(policy)
+        assert metrics["loss"] == metrics["loss"]  # finite
+    torch.testing.assert_close(params[16], params[4096], rtol=1e-5, atol=1e-6)
+
+
+class _Count:
+    def __init__(self, calls: list[int]) -> None:
+        self.calls = calls
+
+    def __enter__(self) -> None:
+        self.calls.append(1)
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def test_reduce_metrics_averages_each_key_over_the_items_that_have_it():
+    items = [
+        {"loss": torch.tensor(1.0), "clip_frac_seq": 0.5, "kl": torch.tensor(0.25, dtype=torch.float64)},
+        {"loss": torch.tensor(2.0), "clip_frac_seq": torch.tensor(0.0)},
+        {"loss": 6.0},
+    ]
+    assert reduce_metrics(items) == {"loss": 3.0, "clip_frac_seq": 0.25, "kl": 0.25}
+    extremes = [
+        {"ratio_min": 0.5, "ratio_max": 1.5, "num_tokens": 3.0},
+        {"ratio_min": 0.9, "ratio_max": 2.0, "num_tokens": 4.0},
+    ]
+    assert reduce_metrics(extremes) == {"ratio_min": 0.5, "ratio_max": 2.0, "num_tokens": 7.0}
+    assert reduce_metrics([]) == {}
+    assert math.isnan(reduce_metrics([{"x": torch.tensor(float("nan"))}, {"x": 1.0}])["x"])
+
+
+def test_reduce_metrics_reads_tensors_back_with_one_sync(monkeypatch):
+    calls = []
+    real_tolist = torch.Tensor.tolist
+
+    def counting_tolist(self):
+        calls.append(self.shape)
+        return real_tolist(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail(".item() called"))
+    items = [{f"k{i}": torch.tensor(float(i + j)) for i in range(5)} for j in range(4)]
+    assert reduce_metrics(items) == {f"k{i}": i + 1.5 for i in range(5)}
+    assert calls == [torch.Size([20])]
