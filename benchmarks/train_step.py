@@ -1,22 +1,26 @@
-"""Time one rollout batch of the default run, phase by phase, and how well the update phase uses the CPU.
+"""Time a rollout batch phase by phase, count the tokens each phase computes, and the update phase's FLOP/s.
 
-For the default model and batch shape (or any config + overrides) it prints, per measured step:
-generation, old-policy log-probs and update times; tokens/s; and the layout's padding overhead
-(tokens computed / real tokens in the updates). It also prints the peak RSS, and the update phase's
-achieved FLOP/s against a torch matmul peak measured in the same process, in the dtype the updates compute
-in (fp32, or bf16 with train.mixed_precision=bf16). The update phase's FLOPs
-are counted by torch's FlopCounterMode on one extra step: matmuls and attention, forward and backward. Its
-FLOPs per computed token are applied to the timed steps. The counted step itself is not timed, since the
-counter slows dispatch.
+Default mode (any config + overrides, the default run's by default), per measured step: generation,
+old-policy log-probs and update times; tokens computed per unique token in each phase (a unique token
+counts a group's prompt once: what the rollout batch holds without repeats); tokens/s; and the update
+phase's achieved FLOP/s against a torch matmul peak measured in the same process, in the dtype the
+updates compute in. The update phase's FLOPs are counted by torch's FlopCounterMode on one extra step
+(matmuls and attention, forward and backward, through learn's around_update hook), and its FLOPs per
+computed token applied to the timed steps.
 
-Goals (issue 4): update phase >= 50% of the matmul peak; padding overhead <= 5%.
+--long-prefix: the agent and tool-use case. Synthetic rollout batches of P prompts of 512 tokens, G=8
+completions of 32 tokens each (random token ids; the update phase costs the same whatever the tokens),
+and the update phase of `learn` timed for today's layout (packed rows, samples split across minibatches)
+and the shared-prefix layout (whole groups per minibatch), alternating, on the config's model.
 
 Run:  HF_HUB_OFFLINE=1 python benchmarks/train_step.py [CONFIG] [key=value ...] [--steps N]
+      HF_HUB_OFFLINE=1 python benchmarks/train_step.py --long-prefix [--steps N]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import resource
 import statistics
 import tempfile
@@ -26,9 +30,12 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from gspo.config import load_config
-from gspo.learning.batch import make_batch
+from gspo.core.layout import Sequence
+from gspo.learning.batch import Batch, make_batch
 from gspo.learning.learner import learn
 from gspo.training.trainer import Trainer
+
+LONG_PREFIX = {"prompt": 512, "group_size": 8, "completion": 32}
 
 
 def matmul_peak(dtype: torch.dtype = torch.float32, size: int = 2048, repeats: int = 10) -> float:
@@ -43,14 +50,18 @@ def matmul_peak(dtype: torch.dtype = torch.float32, size: int = 2048, repeats: i
     return 2 * size**3 / best / 1e9
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("config", nargs="?", help="YAML config (default: the built-in defaults)")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides")
-    parser.add_argument("--steps", type=int, default=3, help="measured rollout batches (after one warm-up)")
-    args = parser.parse_args()
+def _phases(trainer: Trainer) -> dict[str, float]:
+    """One rollout batch, with each phase's time and computed / unique tokens."""
+    out = trainer.train_step()
+    # unique tokens: each group's prompt once, then every sampled token (no group is filtered out here)
+    out["generation_per_unique"] = out["generation_tokens"] / out["unique_tokens"]
+    old_computed = out["update_tokens"] if out["old_logprobs_recomputed"] else 0.0
+    out["old_per_unique"] = old_computed / out["unique_tokens"]
+    out["update_per_unique"] = out["update_tokens"] / out["unique_tokens"]
+    return out
+
+
+def default_mode(args: argparse.Namespace) -> None:
     config_path = args.config if args.config and "=" not in args.config else None
     overrides = ([args.config] if args.config and "=" in args.config else []) + args.overrides
     with tempfile.TemporaryDirectory() as run_dir:
@@ -61,13 +72,13 @@ def main() -> None:
         # the peak of the dtype the matmuls run in: bf16 with train.mixed_precision=bf16
         dtype = trainer.policy.compute_dtype or next(trainer.policy.model.parameters()).dtype
         peaks = [matmul_peak(dtype)]
+        spec = trainer.spec
         print(
-            f"batch: {config.rollout.prompts_per_step} prompts x G={config.rollout.group_size}, "
-            f"{config.train.minibatches_per_rollout} minibatches, packing={config.train.packing} "
-            f"(pack_length {config.train.pack_length})"
+            f"batch: {config.rollout.prompts_per_step} prompts x G={config.rollout.group_size}, {spec.minibatches} "
+            f"minibatches split by {spec.minibatch_split}, layout {spec.layout}, old log-probs {spec.old_logprobs}"
         )
-        trainer.train_step()  # warm-up: allocator, first-call overheads
-        rows = [trainer.train_step() for _ in range(args.steps)]
+        _phases(trainer)  # warm-up: allocator, first-call overheads
+        rows = [_phases(trainer) for _ in range(args.steps)]
 
         # one more step's updates, each inside a FLOP counter (learn's around_update hook)
         counters: list[FlopCounterMode] = []
@@ -86,8 +97,10 @@ def main() -> None:
         f"threads {torch.get_num_threads()}, {dtype} matmul peak {peak:.1f} GFLOP/s "
         f"(best of 10 2048^3 matmuls, before and after the steps: {peaks[0]:.1f}, {peaks[1]:.1f})"
     )
-
-    header = f"{'step':>4} {'generate s':>10} {'old logp s':>10} {'update s':>9} {'tokens/s':>9} {'computed/real':>13} {'update GFLOP/s':>14} {'% of peak':>9}"
+    header = (
+        f"{'step':>4} {'generate s':>10} {'old logp s':>10} {'update s':>9} {'tokens/s':>9} "
+        f"{'computed/unique: gen':>20} {'old':>5} {'update':>6} {'update GFLOP/s':>14} {'% of peak':>9}"
+    )
     print(header)
     print("-" * len(header))
     for i, r in enumerate(rows, 1):
@@ -95,20 +108,90 @@ def main() -> None:
         gflops = flops_per_token * r["update_tokens"] / r["time_update"] / 1e9
         print(
             f"{i:>4} {r['time_rollout']:>10.2f} {r['time_old_logprobs']:>10.2f} {r['time_update']:>9.2f} "
-            f"{r['real_tokens'] / total:>9.0f} {r['update_tokens'] / r['real_tokens']:>13.3f} "
-            f"{gflops:>14.1f} {100 * gflops / peak:>8.1f}%"
+            f"{r['real_tokens'] / total:>9.0f} {r['generation_per_unique']:>20.2f} {r['old_per_unique']:>5.2f} "
+            f"{r['update_per_unique']:>6.2f} {gflops:>14.1f} {100 * gflops / peak:>8.1f}%"
         )
     med = {
         k: statistics.median(r[k] for r in rows) for k in ("time_rollout", "time_old_logprobs", "time_update")
     }
-    overhead = statistics.median(r["update_tokens"] / r["real_tokens"] for r in rows) - 1
     gflops = statistics.median(flops_per_token * r["update_tokens"] / r["time_update"] / 1e9 for r in rows)
     print(
         f"median: generate {med['time_rollout']:.2f} s, old log-probs {med['time_old_logprobs']:.2f} s, "
-        f"updates {med['time_update']:.2f} s; padding overhead {100 * overhead:.1f}%; "
-        f"update phase {gflops:.1f} GFLOP/s = {100 * gflops / peak:.0f}% of the matmul peak"
+        f"updates {med['time_update']:.2f} s, {sum(med.values()):.2f} s per rollout batch; update phase "
+        f"{gflops:.1f} GFLOP/s = {100 * gflops / peak:.0f}% of the matmul peak"
     )
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+
+
+def long_prefix_batch(prompts: int, vocab: int, seed: int) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    sequences, groups = [], []
+    for group in range(prompts):
+        prompt = torch.randint(3, vocab, (LONG_PREFIX["prompt"],), generator=g).tolist()
+        for _ in range(LONG_PREFIX["group_size"]):
+            completion = torch.randint(3, vocab, (LONG_PREFIX["completion"],), generator=g).tolist()
+            sequences.append(Sequence(prompt, completion, [True] * len(completion)))
+            groups.append(group)
+    advantages = torch.randn(len(sequences), generator=g)
+    return Batch(sequences, advantages, [[float("nan")] * len(s.completion_ids) for s in sequences], groups)
+
+
+def long_prefix_mode(args: argparse.Namespace) -> None:
+    config_path = args.config if args.config and "=" not in args.config else None
+    with tempfile.TemporaryDirectory() as run_dir:
+        config = load_config(
+            config_path,
+            [*args.overrides, f"output_dir={run_dir}", "tensorboard=false", "progress=false", "eval.every=0"],
+        )
+        trainer = Trainer(config)
+        vocab = trainer.policy.model.get_input_embeddings().num_embeddings
+        variants = {
+            "today (packed rows, sample split)": dataclasses.replace(
+                trainer.spec, layout="packed", minibatch_split="sample", old_logprobs="recompute"
+            ),
+            "shared prefix, group split": dataclasses.replace(
+                trainer.spec, layout="shared_prefix", minibatch_split="group", old_logprobs="recompute"
+            ),
+        }
+        print(
+            f"long prefix: {args.prompts} prompts of {LONG_PREFIX['prompt']} tokens x G={LONG_PREFIX['group_size']} "
+            f"completions of {LONG_PREFIX['completion']} tokens, {trainer.spec.minibatches} minibatches; "
+            f"threads {torch.get_num_threads()}"
+        )
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        ratios: dict[str, float] = {}
+        for step in range(args.steps + 1):  # the first round warms up
+            for name, spec in variants.items():
+                metrics = learn(trainer.policy, spec, long_prefix_batch(args.prompts, vocab, step), seed=step)
+                ratios[name] = metrics["update_tokens"] / metrics["unique_tokens"]
+                if step:
+                    times[name].append(metrics["time_update"])
+                print(
+                    f"  round {step}{' (warm-up)' if not step else ''}: {name}: update phase "
+                    f"{metrics['time_update']:.2f} s, old log-probs {metrics['time_old_logprobs']:.2f} s",
+                    flush=True,
+                )
+    base, shared = (statistics.median(t) for t in times.values())
+    for name, t in times.items():
+        print(
+            f"{name:<36} median update phase {statistics.median(t):7.2f} s, computed/unique tokens {ratios[name]:.2f}"
+        )
+    print(f"update phase: shared prefix {base / shared:.2f}x faster than today's layout")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("config", nargs="?", help="YAML config (default: the built-in defaults)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides")
+    parser.add_argument("--steps", type=int, default=3, help="measured rollout batches (after one warm-up)")
+    parser.add_argument(
+        "--long-prefix", action="store_true", help="512-token prompts, G=8, 32-token completions"
+    )
+    parser.add_argument("--prompts", type=int, default=4, help="--long-prefix: prompts per rollout batch")
+    args = parser.parse_args()
+    (long_prefix_mode if args.long_prefix else default_mode)(args)
 
 
 if __name__ == "__main__":

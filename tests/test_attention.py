@@ -57,8 +57,8 @@ def test_segment_attention_equals_the_block_diagonal_mask_and_the_padded_layout(
     model, _ = load_model(ModelConfig(tiny=family), seed=0)
     sequences = _sequences(1)
     packed, padded = (
-        make_micro_batches(sequences, packed=p, pack_length=80, micro_batch_tokens=4096, pad_id=0)[0]
-        for p in (True, False)
+        make_micro_batches(sequences, layout=layout, pack_length=80, micro_batch_tokens=4096, pad_id=0)[0]
+        for layout in ("packed", "padded")
     )
     assert packed.input_ids.shape[0] > 1 and len(packed.indices) > packed.input_ids.shape[0]
     weights = torch.randn(packed.input_ids.shape, generator=torch.Generator().manual_seed(5))
@@ -135,3 +135,106 @@ def test_models_with_attention_code_of_their_own_keep_their_mask() -> None:
             self.config = LlamaConfig(attn_implementation="sdpa")
 
     assert not attention.supports_segments(OwnAttention())
+
+
+def test_tree_attention_equals_each_completion_attending_to_its_prompt_and_itself() -> None:
+    """Called directly on shared-prefix rows: a naive loop over each completion as prompt + completion."""
+    g = torch.Generator().manual_seed(1)
+    # row 0: a tree with a 3-token prompt and completions of 2, 1, 3 tokens, then a plain 2-token tree;
+    # row 1: a tree with a 2-token prompt and two completions of 2 tokens
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 3, 3, 4, 5, 0, 1], [0, 1, 2, 3, 2, 3, 0, 0, 0, 0, 0]])
+    branch_ids = torch.tensor([[0, 0, 0, 1, 1, 2, 3, 3, 3, 0, 1], [0, 0, 1, 1, 2, 2, 0, 0, 0, 0, 0]])
+    query = torch.randn(2, 4, 11, 8, generator=g)
+    key = torch.randn(2, 2, 11, 8, generator=g)
+    value = torch.randn(2, 2, 11, 5, generator=g)
+    token = attention._LAYOUT.set(attention.segment_layout(position_ids, branch_ids))
+    try:
+        out, _ = attention._segment_attention_forward(torch.nn.Module(), query, key, value, None, scaling=0.3)
+    finally:
+        attention._LAYOUT.reset(token)
+
+    def naive(row: int, prompt: list[int], completion: list[int]) -> torch.Tensor:
+        """Causal attention over the prompt's and the completion's tokens, for the completion's queries."""
+        seen = prompt + completion
+        q = query[row][:, completion]
+        k = key[row][:, seen].repeat_interleave(2, dim=0)
+        v = value[row][:, seen].repeat_interleave(2, dim=0)
+        scores = (q @ k.transpose(-1, -2)) * 0.3
+        causal = torch.ones(len(completion), len(seen)).triu(len(prompt) + 1).bool()
+        return (scores.masked_fill(causal, float("-inf")).softmax(-1) @ v).transpose(0, 1)
+
+    cases = [(0, [0, 1, 2], [3, 4]), (0, [0, 1, 2], [5]), (0, [0, 1, 2], [6, 7, 8]), (0, [9], [10])]
+    cases += [(1, [0, 1], [2, 3]), (1, [0, 1], [4, 5])]
+    for row, prompt, completion in cases:
+        torch.testing.assert_close(out[row, completion], naive(row, prompt, completion), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out[0, :3], naive(0, [], [0, 1, 2]), rtol=1e-5, atol=1e-6)  # the prompt itself
+
+
+def _groups(seed: int) -> list[Sequence]:
+    """Four groups sharing prompts of 2..30 tokens, 1 to 4 completions of 1..9 tokens each."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n_prompt, samples in ((30, 4), (2, 3), (11, 1), (7, 4)):
+        prompt = torch.randint(3, 90, (n_prompt,), generator=g).tolist()
+        for _ in range(samples):
+            completion = torch.randint(
+                3, 90, (int(torch.randint(1, 10, (), generator=g)),), generator=g
+            ).tolist()
+            out.append(Sequence(prompt, completion, [True] * len(completion)))
+    return out
+
+
+def _shared_logprobs_and_grads(model, mb):
+    model.zero_grad(set_to_none=True)
+    layout = {} if mb.branch_ids is None else {"branch_ids": mb.branch_ids}
+    logp = causal_lm_logprobs(
+        model, mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+        logprob_mask=mb.logprob_mask, **layout,
+    )  # fmt: skip
+    flat = logp.reshape(-1)
+    per_sequence = {i: flat[mb.segment_ids == k] for k, i in enumerate(mb.indices)}
+    values = torch.cat([per_sequence[i] for i in sorted(per_sequence)])
+    # a weight per sequence, the same whatever the layout
+    (
+        values * torch.cat([torch.full_like(per_sequence[i], 1.0 + i / 10) for i in sorted(per_sequence)])
+    ).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return values.detach(), grads
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "llama+lora"])
+def test_shared_prefix_rows_give_the_padded_layout_s_logprobs_and_gradients(family):
+    """Tolerance: fp32, the same math summed in another order (the prompt's keys reached through a mask
+    over the tree instead of one padded row per sequence): values to 2e-6, gradients to 1e-4 relative."""
+    model, _ = load_model(ModelConfig(tiny=family.split("+")[0]), seed=0)
+    if family.endswith("lora"):
+        from gspo.config import LoraConfig
+        from gspo.models import add_lora
+
+        model = add_lora(model, LoraConfig(rank=4, target_modules=["q_proj", "v_proj"]))
+        for name, param in model.named_parameters():  # adapters away from zero, so their gradients matter
+            if "lora_B" in name:
+                torch.nn.init.normal_(param, std=0.1, generator=torch.Generator().manual_seed(0))
+    sequences = _groups(2)
+    shared, padded = (
+        make_micro_batches(sequences, layout=layout, pack_length=64, micro_batch_tokens=4096, pad_id=0)[0]
+        for layout in ("shared_prefix", "padded")
+    )
+    unique = 30 + 2 + 11 + 7 + sum(len(s.completion_ids) for s in sequences)
+    assert int((shared.input_ids != 0).sum()) == unique < sum(len(s) for s in sequences)
+    got, want = _shared_logprobs_and_grads(model, shared), _shared_logprobs_and_grads(model, padded)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=2e-6)
+    assert got[1].keys() == want[1].keys() and got[1]
+    for name, grad in want[1].items():
+        torch.testing.assert_close(got[1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_shared_prefix_rows_need_segment_attention() -> None:
+    model, _ = load_model(ModelConfig(tiny="llama"), seed=0)
+    model.config.sliding_window = 2
+    position_ids, branch_ids = torch.tensor([[0, 1, 2, 2]]), torch.tensor([[0, 0, 1, 2]])
+    with (
+        pytest.raises(ValueError, match=r"cannot compute shared-prefix rows.*train\.packing=packed"),
+        attention.segment_attention(model, position_ids, branch_ids),
+    ):
+        pass

@@ -120,15 +120,26 @@ def _config(run_dir: Path, *overrides: str):
 def _learn_config(run_dir: Path, wrapper: str, precision: str = "none"):
     return _config(
         run_dir, f"distributed.wrapper={wrapper}", "train.micro_batch_tokens=40", "train.pack_length=20",
+        "train.old_logprobs=recompute",
         f"train.mixed_precision={precision}", *LEARN_OVERRIDES[wrapper],
     )  # fmt: skip
 
 
+# whole groups on each rank (10 sequences, then 6), as in gspo train
+GROUPS = [0, 0, 0, 1, 1, 1, 1, 2, 2, 3, 4, 4, 4, 5, 5, 5]
+
+
 def _fixed_batch() -> tuple[list[Sequence], torch.Tensor, list[list[float]]]:
+    """Groups of 1 to 4 sequences sharing a prompt, so the shared-prefix layout shares."""
     g = torch.Generator().manual_seed(3)
     sequences = []
-    for _ in range(sum(RANK_SIZES)):
-        prompt = torch.randint(3, 90, (int(torch.randint(2, 6, (), generator=g)),), generator=g).tolist()
+    prompts = {}
+    for owner in GROUPS:
+        if owner not in prompts:
+            prompts[owner] = torch.randint(
+                3, 90, (int(torch.randint(2, 6, (), generator=g)),), generator=g
+            ).tolist()
+        prompt = prompts[owner]
         completion = torch.randint(3, 90, (int(torch.randint(1, 9, (), generator=g)),), generator=g).tolist()
         mask = [True] * len(completion)
         mask[-1] = len(completion) < 6  # long ones have an untrained last token (a truncation mask)
@@ -139,10 +150,10 @@ def _fixed_batch() -> tuple[list[Sequence], torch.Tensor, list[list[float]]]:
     return sequences, advantages, sampler
 
 
-def _learn(trainer, sequences, advantages, sampler) -> list[dict[str, float]]:
+def _learn(trainer, sequences, advantages, sampler, groups) -> list[dict[str, float]]:
     """Two rollout batches' worth of updates (learn() twice, as steps 0 and 1)."""
     history = []
-    batch = Batch(sequences, advantages, sampler, list(range(len(sequences))))
+    batch = Batch(sequences, advantages, sampler, groups)
     for step in range(2):
         trainer.step = step
         history.append(learn(trainer.policy, trainer.spec, batch, seed=trainer.step_seed()))
@@ -161,9 +172,11 @@ def _scenario_learn(rank: int, out: Path, wrapper: str, precision: str = "none")
     sequences, advantages, sampler = _fixed_batch()
     start = sum(RANK_SIZES[:rank])
     mine = slice(start, start + RANK_SIZES[rank])
-    layout = minibatches(trainer.spec, sequences[mine], seed=trainer.step_seed(), device=trainer.device)
+    layout = minibatches(
+        trainer.spec, sequences[mine], seed=trainer.step_seed(), device=trainer.device, groups=GROUPS[mine]
+    )
     idle = sum(1 for _, micro in layout for mb in micro if not mb.indices)
-    history = _learn(trainer, sequences[mine], advantages[mine], sampler[mine])
+    history = _learn(trainer, sequences[mine], advantages[mine], sampler[mine], GROUPS[mine])
     return {"params": _full_parameters(trainer.policy.model), "history": history, "idle": idle}
 
 
@@ -284,7 +297,7 @@ def test_two_ranks_make_the_one_process_updates(distributed_runs, tmp_path, wrap
     ranks = _result(distributed_runs[1], f"learn_{wrapper}")
     assert sum(r["idle"] for r in ranks) > 0  # the ranks' micro-batch counts differed: padding was used
     single = Trainer(_learn_config(tmp_path / "single", wrapper))
-    history = _learn(single, *_fixed_batch())
+    history = _learn(single, *_fixed_batch(), GROUPS)
     expected = _full_parameters(single.policy.model)
     for r in ranks:  # both ranks hold the same (full) parameters, equal to one process's
         assert set(r["params"]) == set(expected)
@@ -305,7 +318,7 @@ def test_bf16_mixed_precision_under_two_ranks_matches_one_process(distributed_ru
 
     ranks = _result(distributed_runs[1], f"learn_{wrapper}_bf16")
     single = Trainer(_learn_config(tmp_path / "single", wrapper, "bf16"))
-    history = _learn(single, *_fixed_batch())
+    history = _learn(single, *_fixed_batch(), GROUPS)
     expected = _full_parameters(single.policy.model)
     fp32 = _result(distributed_runs[1], f"learn_{wrapper}")[0]["params"]
     start = Trainer(_learn_config(tmp_path / "start", wrapper)).policy.model.state_dict()

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from gspo.core.layout import Sequence, make_micro_batches, packing_is_exact
+from gspo.core.layout import Sequence, layout_is_exact, make_micro_batches
 
 
 def _sequences() -> list[Sequence]:
@@ -43,7 +44,7 @@ def _check_layout(sequences: list[Sequence], batches, packed: bool) -> None:
 
 def test_packed_rows_hold_several_sequences() -> None:
     seqs = _sequences()
-    batches = make_micro_batches(seqs, packed=True, pack_length=12, micro_batch_tokens=1000, pad_id=0)
+    batches = make_micro_batches(seqs, layout="packed", pack_length=12, micro_batch_tokens=1000, pad_id=0)
     _check_layout(seqs, batches, packed=True)
     assert len(batches) == 1
     # lengths 5, 5, 6, 5 -> rows of <= 12 tokens: two rows, (6+5) and (5+5)
@@ -52,7 +53,7 @@ def test_packed_rows_hold_several_sequences() -> None:
 
 def test_padded_rows_hold_one_sequence_each() -> None:
     seqs = _sequences()
-    batches = make_micro_batches(seqs, packed=False, pack_length=12, micro_batch_tokens=1000, pad_id=0)
+    batches = make_micro_batches(seqs, layout="padded", pack_length=12, micro_batch_tokens=1000, pad_id=0)
     _check_layout(seqs, batches, packed=False)
     mb = batches[0]
     assert mb.input_ids.shape == (4, 6)
@@ -61,14 +62,14 @@ def test_padded_rows_hold_one_sequence_each() -> None:
 
 def test_micro_batches_respect_the_token_budget() -> None:
     seqs = _sequences() * 3
-    batches = make_micro_batches(seqs, packed=False, pack_length=12, micro_batch_tokens=13, pad_id=0)
+    batches = make_micro_batches(seqs, layout="padded", pack_length=12, micro_batch_tokens=13, pad_id=0)
     assert all(mb.num_tokens <= 13 for mb in batches)
     _check_layout(seqs, batches, packed=False)
 
 
 def test_a_sequence_longer_than_the_pack_length_gets_its_own_row() -> None:
     seqs = [Sequence(list(range(1, 20)), [30, 31], [True, True]), Sequence([1], [2], [True])]
-    batches = make_micro_batches(seqs, packed=True, pack_length=8, micro_batch_tokens=1000, pad_id=0)
+    batches = make_micro_batches(seqs, layout="packed", pack_length=8, micro_batch_tokens=1000, pad_id=0)
     _check_layout(seqs, batches, packed=True)
     assert batches[0].input_ids.shape[0] == 2
     assert torch.equal(batches[0].input_ids[0, :21], torch.tensor([*range(1, 20), 30, 31]))
@@ -81,8 +82,8 @@ def test_packing_probe_detects_attention_that_mixes_sequences() -> None:
     def mixing(mb):  # a running sum over the whole row: packed sequences leak into each other
         return mb.input_ids.float().cumsum(-1).reshape(-1)
 
-    assert packing_is_exact(per_token, vocab_size=50, pad_id=0)
-    assert not packing_is_exact(mixing, vocab_size=50, pad_id=0)
+    assert layout_is_exact(per_token, vocab_size=50, pad_id=0)
+    assert not layout_is_exact(mixing, vocab_size=50, pad_id=0)
 
 
 def test_packing_probe_passes_on_a_real_tiny_llama() -> None:
@@ -91,13 +92,17 @@ def test_packing_probe_passes_on_a_real_tiny_llama() -> None:
 
     model = tiny_model("llama", vocab_size=99, seed=0)
     with torch.no_grad():
-        assert packing_is_exact(lambda mb: score(model, mb, UpdateSpec()), vocab_size=99, pad_id=0)
+        assert layout_is_exact(lambda mb: score(model, mb, UpdateSpec()), vocab_size=99, pad_id=0)
 
 
 def test_a_micro_batch_moves_every_tensor_and_keeps_its_indices() -> None:
     for packed in (True, False):
         (mb,) = make_micro_batches(
-            _sequences(), packed=packed, pack_length=64, micro_batch_tokens=1024, pad_id=0
+            _sequences(),
+            layout="packed" if packed else "padded",
+            pack_length=64,
+            micro_batch_tokens=1024,
+            pad_id=0,
         )
         assert mb.to(torch.device("cpu")) is mb  # already there: no copy
         moved = mb.to(torch.device("meta"))
@@ -108,3 +113,78 @@ def test_a_micro_batch_moves_every_tensor_and_keeps_its_indices() -> None:
             assert (tensor.shape, tensor.dtype) == (getattr(mb, name).shape, getattr(mb, name).dtype)
         assert (moved.attention_mask is None) == packed
         assert packed or moved.attention_mask.device.type == "meta"
+
+
+def _groups() -> list[Sequence]:
+    """Three groups (prompts of 4, 2 and 3 tokens) of completions of varied lengths, some untrained."""
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    completions = [[[20, 21], [22], [23, 24, 25]], [[26, 27, 28, 29], [30]], [[31, 32], [33, 34], [35]]]
+    return [
+        Sequence(prompt, c, [k != 1] * len(c))
+        for prompt, group in zip(prompts, completions, strict=True)
+        for k, c in enumerate(group)
+    ]
+
+
+def test_shared_prefix_rows_hold_each_prompt_once_and_continue_its_positions() -> None:
+    seqs = _groups()
+    (mb,) = make_micro_batches(
+        seqs, layout="shared_prefix", pack_length=64, micro_batch_tokens=1000, pad_id=0
+    )
+    assert mb.attention_mask is None and mb.branch_ids is not None
+    unique = sum(len(p) for p in ([5, 6, 7, 8], [9, 10], [11, 12, 13])) + sum(
+        len(s.completion_ids) for s in seqs
+    )
+    assert int((mb.input_ids != 0).sum()) == unique == 25  # every prompt once: 9 + 16 tokens
+    ids, pos, branch = mb.input_ids.reshape(-1), mb.position_ids.reshape(-1), mb.branch_ids.reshape(-1)
+    lp = mb.logprob_mask.reshape(-1)
+    assert ids[lp].tolist() == [t for i in mb.indices for t in seqs[i].completion_ids]
+    expected_segments = [
+        k if trained else -1 for k, i in enumerate(mb.indices) for trained in seqs[i].train_mask
+    ]
+    assert mb.segment_ids[lp].tolist() == expected_segments
+    # a tree: the prompt at positions 0.., then each completion at positions len(prompt).., branch 1, 2, ...
+    j = 0
+    for item in ([0, 1, 2], [3, 4], [5, 6, 7]):
+        j = next(k for k in range(len(ids)) if pos[k] == 0 and ids[k] == seqs[item[0]].prompt_ids[0])
+        p = len(seqs[item[0]].prompt_ids)
+        assert ids[j : j + p].tolist() == seqs[item[0]].prompt_ids and branch[j : j + p].tolist() == [0] * p
+        j += p
+        for b, i in enumerate(item, 1):
+            n = len(seqs[i].completion_ids)
+            assert ids[j : j + n].tolist() == seqs[i].completion_ids
+            assert pos[j : j + n].tolist() == list(range(p, p + n)) and branch[j : j + n].tolist() == [b] * n
+            j += n
+
+
+def test_a_tree_longer_than_pack_length_repeats_its_prompt_in_a_new_tree() -> None:
+    prompt = [5, 6, 7, 8]
+    seqs = [Sequence(prompt, [20 + k] * 3, [True] * 3) for k in range(4)]  # 4 + 4 * 3 = 16 tokens
+    batches = make_micro_batches(
+        seqs, layout="shared_prefix", pack_length=10, micro_batch_tokens=1000, pad_id=0
+    )
+    ids = torch.cat([mb.input_ids.reshape(-1) for mb in batches])
+    assert int((ids == 5).sum()) == 2  # two trees of two completions: 4 + 3 + 3 = 10 tokens each
+    assert sorted(i for mb in batches for i in mb.indices) == [0, 1, 2, 3]
+
+
+def test_the_layout_probe_catches_a_model_that_ignores_the_branches() -> None:
+    def per_token(mb):  # log-probs that depend on the token alone: any exact layout agrees
+        return -(mb.input_ids.reshape(-1).float() / 100) * mb.logprob_mask.reshape(-1)
+
+    def causal_sum(mb):  # a running sum along each tree, ignoring branches: siblings leak into each other
+        restart = mb.position_ids.reshape(-1) == 0
+        values, total = [], 0.0
+        for token, start in zip(mb.input_ids.reshape(-1).tolist(), restart.tolist(), strict=True):
+            total = (0.0 if start else total) + token
+            values.append(total / 1000)
+        return torch.tensor(values) * mb.logprob_mask.reshape(-1)
+
+    assert layout_is_exact(per_token, vocab_size=50, pad_id=0, layout="shared_prefix")
+    assert layout_is_exact(causal_sum, vocab_size=50, pad_id=0, layout="packed")
+    assert not layout_is_exact(causal_sum, vocab_size=50, pad_id=0, layout="shared_prefix")
+
+
+def test_unknown_layout_is_named() -> None:
+    with pytest.raises(ValueError, match="unknown layout 'trees'"):
+        make_micro_batches(_groups(), layout="trees", pack_length=64, micro_batch_tokens=1000, pad_id=0)

@@ -126,6 +126,124 @@ def test_learn_accumulation_over_micro_batches_equals_one_micro_batch_per_miniba
     torch.testing.assert_close(params[16], params[4096], rtol=1e-5, atol=1e-6)
 
 
+def _group_batch(per_token: bool = False) -> Batch:
+    """Four groups of 3 samples sharing their group's prompt; advantages per sequence or per token."""
+    g = torch.Generator().manual_seed(5)
+    sequences, groups = [], []
+    for group in range(4):
+        prompt = torch.randint(3, 60, (4 + 3 * group,), generator=g).tolist()
+        for _ in range(3):
+            completion = torch.randint(
+                3, 60, (int(torch.randint(1, 6, (), generator=g)),), generator=g
+            ).tolist()
+            sequences.append(Sequence(prompt, completion, [True] * len(completion)))
+            groups.append(group)
+    if per_token:
+        advantages = [torch.randn(len(s.completion_ids), generator=g).tolist() for s in sequences]
+    else:
+        advantages = torch.randn(len(sequences), generator=g)
+    return Batch(sequences, advantages, [[float("nan")] * len(s.completion_ids) for s in sequences], groups)
+
+
+def _model_policy(family: str, beta: float) -> Policy:
+    import copy
+
+    model = tiny_model(family.split("+")[0], vocab_size=64, seed=0)
+    if family.endswith("lora"):
+        from gspo.config import LoraConfig
+        from gspo.models import add_lora
+
+        model = add_lora(model, LoraConfig(rank=4, target_modules=["q_proj", "v_proj"]))
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(param, std=0.1, generator=torch.Generator().manual_seed(0))
+    reference = copy.deepcopy(model).requires_grad_(False) if beta and not family.endswith("lora") else None
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+    return Policy(
+        model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), reference=reference
+    )
+
+
+CASES = [
+    ("llama", "gspo", {}),
+    ("llama", "gspo_token", {"per_token": True}),
+    ("llama", "grpo", {"per_token": True, "beta": 0.1}),
+    ("llama+lora", "gspo", {"beta": 0.1}),
+    ("qwen3_moe", "gspo", {}),
+    ("qwen3_moe", "grpo", {"routing_replay": True}),
+]
+
+
+@pytest.mark.parametrize(
+    ("family", "objective", "options"), CASES, ids=[f"{f}-{o}-{sorted(x)}" for f, o, x in CASES]
+)
+def test_shared_prefix_updates_equal_the_padded_layout_s(family, objective, options):
+    """Three SGD updates (so parameter changes are the gradients) on whole-group minibatches, shared-prefix
+    rows vs one padded row per sequence. Tolerance: fp32 sums in another order (attention over a tree,
+    against a padded row), compounded over the updates: 1e-4 relative; the MoE metrics 1e-3, as top-k
+    routing turns a rounding-level difference into another expert for a token at a near-tie."""
+    per_token, beta = options.get("per_token", False), options.get("beta", 0.0)
+    results = {}
+    for layout in ("shared_prefix", "padded"):
+        policy = _model_policy(family, beta)
+        spec = UpdateSpec(
+            objective=objective, eps_low=0.02, eps_high=0.02, minibatches=3, beta=beta, layout=layout,
+            routing_replay=options.get("routing_replay", False), max_grad_norm=0.0,
+        )  # fmt: skip
+        batch = _group_batch(per_token)
+        metrics = learn(policy, spec, batch, seed=11)
+        results[layout] = (_params(policy), metrics)
+    (shared, m_shared), (padded, m_padded) = results["shared_prefix"], results["padded"]
+    assert m_shared["update_tokens"] == m_shared["unique_tokens"] < m_padded["update_tokens"]
+    assert 0 < m_padded["clip_frac_token"] < 1  # clipping is exercised
+    moved = (padded - _params(_model_policy(family, beta))).abs().max()
+    assert moved > 1e-3
+    torch.testing.assert_close(shared, padded, rtol=1e-4, atol=1e-4 * float(moved))
+    rel = 1e-3 if family == "qwen3_moe" else 1e-4
+    for key in ("loss", "clip_frac_token", "ratio_seq_mean", "grad_norm", "num_tokens"):
+        assert m_shared[key] == pytest.approx(m_padded[key], rel=rel, abs=1e-7), key
+
+
+def test_group_minibatches_hold_whole_groups_and_sample_minibatches_do_not():
+    batch = _group_batch()
+    for split in ("group", "sample"):
+        spec = UpdateSpec(minibatches=2, minibatch_split=split)
+        layout = minibatches(spec, batch.sequences, seed=4, device=torch.device("cpu"), groups=batch.groups)
+        assert sorted(i for ids, _ in layout for i in ids) == list(range(12))
+        groups_per_minibatch = [sorted({batch.groups[i] for i in ids}) for ids, _ in layout]
+        if split == "group":  # 4 groups of 3 in 2 minibatches: 2 whole groups each
+            assert (
+                all(len(ids) == 6 for ids, _ in layout)
+                and len({g for gs in groups_per_minibatch for g in gs}) == 4
+            )
+            assert not set(groups_per_minibatch[0]) & set(groups_per_minibatch[1])
+        else:  # 12 samples in 2 minibatches of 6: some group is cut between them (for this seed)
+            assert set(groups_per_minibatch[0]) & set(groups_per_minibatch[1])
+
+
+def test_the_sampler_s_logprobs_as_the_old_policy_s_skip_the_recompute_and_still_measure_the_mismatch():
+    policy = _policy(sgd=True)
+    batch = _group_batch()
+    # the sampler's log-probs: the policy's own, off by a known 1e-3 on every token
+    spec = UpdateSpec(minibatches=2, old_logprobs="recompute")
+    from gspo.learning.policy import score
+
+    with torch.no_grad():
+        for ids, micro in minibatches(
+            spec, batch.sequences, seed=1, device=torch.device("cpu"), groups=batch.groups
+        ):
+            for mb in micro:
+                flat = score(policy.model, mb, spec)
+                for k, i in enumerate(mb.indices):
+                    batch.sampler_logprobs[ids[i]] = (flat[mb.segment_ids == k] - 1e-3).tolist()
+    metrics = learn(policy, UpdateSpec(minibatches=2, old_logprobs="sampler"), batch, seed=1)
+    assert metrics["old_logprobs_recomputed"] == 0.0
+    # measured on the first minibatch's own forward: log pi_old - log pi_sampler = 1e-3 on every token
+    assert metrics["sampler_logprob_abs_diff"] == pytest.approx(1e-3, rel=1e-3)
+    assert metrics["sampler_seq_log_ratio_mean"] == pytest.approx(1e-3, rel=1e-3)
+    assert metrics["sampler_seq_outside_clip_frac"] == 1.0  # exp(1e-3) > 1 + 4e-4: GSPO would clip them
+
+
 class _Count:
     def __init__(self, calls: list[int]) -> None:
         self.calls = calls

@@ -36,7 +36,7 @@ def _packed() -> list[MicroBatch]:
     for n_prompt, n_completion in [(9, 5), (14, 3), (6, 8), (11, 4), (7, 6), (12, 2)]:
         ids = torch.randint(3, 99, (n_prompt + n_completion,), generator=g).tolist()
         sequences.append(Sequence(ids[:n_prompt], ids[n_prompt:], [True] * n_completion))
-    micro = make_micro_batches(sequences, packed=True, pack_length=32, micro_batch_tokens=64, pad_id=0)
+    micro = make_micro_batches(sequences, layout="packed", pack_length=32, micro_batch_tokens=64, pad_id=0)
     assert len(micro) == 2 and all(mb.attention_mask is None for mb in micro)
     return micro
 

@@ -60,7 +60,7 @@ def test_bf16_mixed_precision_computes_in_bf16_and_keeps_fp32_master_weights(tmp
     exact = Trainer(_config(tmp_path / "fp32", *common))
     mixed = Trainer(_config(tmp_path / "bf16", "train.mixed_precision=bf16", *common))
     sequences = [Sequence([5, 6, 7, 8], [9, 10, 11], [True] * 3), Sequence([12, 13], [14, 15], [True] * 2)]
-    (mb,) = make_micro_batches(sequences, packed=True, pack_length=64, micro_batch_tokens=1024, pad_id=0)
+    (mb,) = make_micro_batches(sequences, layout="packed", pack_length=64, micro_batch_tokens=1024, pad_id=0)
     with torch.no_grad():  # the same initial weights, scored in fp32 and in bf16
         gap = (
             (score(exact.policy.scorer, mb, exact.spec) - score(mixed.policy.scorer, mb, mixed.spec))
@@ -87,7 +87,7 @@ def test_two_seeded_runs_give_identical_metrics(tmp_path: Path) -> None:
     assert len([r for r in a if r["kind"] == "train"]) == 2
 
 
-def test_packed_and_padded_minibatches_give_the_same_gradients(tmp_path: Path) -> None:
+def test_every_layout_of_the_trainers_rollouts_gives_the_same_gradients(tmp_path: Path) -> None:
     trainer = Trainer(_config(tmp_path))
     group_size = trainer.config.rollout.group_size
     rollouts = trainer.sampler.generate(
@@ -99,9 +99,9 @@ def test_packed_and_padded_minibatches_give_the_same_gradients(tmp_path: Path) -
     ]
     advantages = torch.linspace(-1, 1, len(sequences))
     grads = {}
-    for packed in (True, False):
+    for layout in ("shared_prefix", "packed", "padded"):
         trainer.policy.model.zero_grad()
-        micro = make_micro_batches(sequences, packed=packed, pack_length=64, micro_batch_tokens=128, pad_id=0)
+        micro = make_micro_batches(sequences, layout=layout, pack_length=64, micro_batch_tokens=128, pad_id=0)
         assert len(micro) > 1  # several micro-batches: accumulation is exercised too
         for mb in micro:
             logp = score(trainer.policy.model, mb, trainer.spec)
@@ -118,9 +118,10 @@ def test_packed_and_padded_minibatches_give_the_same_gradients(tmp_path: Path) -
                 normalizer=len(sequences),
             )
             loss.backward()
-        grads[packed] = torch.cat([p.grad.reshape(-1) for p in trainer.policy.model.parameters()])
-    assert grads[True].abs().sum() > 0
-    torch.testing.assert_close(grads[True], grads[False], rtol=1e-4, atol=1e-6)
+        grads[layout] = torch.cat([p.grad.reshape(-1) for p in trainer.policy.model.parameters()])
+    assert grads["padded"].abs().sum() > 0
+    torch.testing.assert_close(grads["packed"], grads["padded"], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(grads["shared_prefix"], grads["padded"], rtol=1e-4, atol=1e-6)
 
 
 def test_lora_and_kl_run_and_save_an_adapter(tmp_path: Path) -> None:

@@ -168,7 +168,10 @@ def _with_logprobs(trainer: Trainer, groups: list[TrajectoryGroup]) -> list[Traj
     tokenized = [tokenize_trajectory(trainer.tokenizer, t) for g in groups for t in g.trajectories]
     sequences = [_sequence(t) for t in tokenized]
     values = [[math.nan] * len(s.completion_ids) for s in sequences]
-    layout = minibatches(trainer.spec, sequences, seed=trainer.step_seed(), device=trainer.device)
+    group_of = [g for g, group in enumerate(groups) for _ in group.trajectories]
+    layout = minibatches(
+        trainer.spec, sequences, seed=trainer.step_seed(), device=trainer.device, groups=group_of
+    )
     with torch.no_grad():
         for ids, micro in layout:  # the layout learn() scores in
             for mb in micro:

@@ -63,7 +63,7 @@ def validate(config: Config) -> None:
         raise ConfigError(
             f"train.sampler_is_cap must be >= 0 (0 disables), got {config.train.sampler_is_cap}"
         )
-    if config.train.sampler_is_cap > 0 and config.train.old_logprobs != "recompute":
+    if config.train.sampler_is_cap > 0 and config.train.old_logprobs == "sampler":
         raise ConfigError(
             "train.sampler_is_cap corrects sampler -> old policy and needs train.old_logprobs=recompute "
             "(with old_logprobs=sampler the ratio itself already divides by the sampler's probabilities)"

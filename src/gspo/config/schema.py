@@ -119,6 +119,9 @@ class TrainConfig:
     """Rollout batches to train on; each gives `minibatches_per_rollout` optimizer updates."""
     minibatches_per_rollout: int = 4
     """Optimizer updates per rollout batch (the paper uses 4); all but the first are off-policy."""
+    minibatch_split: Literal["group", "sample"] = "group"
+    """How a rollout batch is cut into minibatches: "group", whole groups (a group's prompt is then shared
+    by its G samples in the shared-prefix layout), or "sample", any samples (docs/minibatch_split.md)."""
     micro_batch_tokens: int = 4096
     """Token budget of one forward/backward; minibatches above it accumulate gradients exactly."""
     lr: float = 1e-5
@@ -139,10 +142,12 @@ class TrainConfig:
     """Divide centred rewards by the group std, the batch std, or nothing."""
     filter_zero_std_groups: bool = False
     """Drop groups whose rewards are all equal (they carry no signal); counted in metrics either way."""
-    packing: Literal["auto", "packed", "padded"] = "auto"
-    """"packed": several sequences per row, no padding inside a row (position_ids restart per sequence);
-    "padded": one right-padded sequence per row; "auto": packed if a probe at start-up shows the model's
-    attention keeps packed sequences apart (log-probs equal to the padded layout), else padded."""
+    packing: Literal["auto", "shared_prefix", "packed", "padded"] = "auto"
+    """"shared_prefix": the samples of a prompt share one copy of it, each completion attending to the
+    prompt and itself (the prompt is computed once per group and minibatch); "packed": several sequences
+    per row, no padding inside a row (position_ids restart per sequence); "padded": one right-padded
+    sequence per row; "auto": the first of these that a probe at start-up shows exact for the model
+    (log-probs equal to the padded layout's), with a one-line notice when it falls back."""
     pack_length: int = 1024
     """Longest packed row in tokens (bounds the quadratic attention cost of a row)."""
     logprob_chunk_size: int = 1024
@@ -152,9 +157,11 @@ class TrainConfig:
     reference and update passes, with fp32 master weights, optimizer state, gradient reduction and
     log-softmax; "none": the model's own dtype throughout; "auto": bf16 on CUDA GPUs, none on CPUs
     (bf16 pays on CPUs with AMX or AVX512-BF16 matmuls: measure with benchmarks/train_step.py)."""
-    old_logprobs: Literal["recompute", "sampler"] = "recompute"
-    """Old-policy log-probs: the trainer's own forward pass at rollout time, or the sampler's (the
-    inference engine's; a token it did not report is recomputed). See docs/sampler_mismatch.md."""
+    old_logprobs: Literal["auto", "recompute", "sampler"] = "auto"
+    """Old-policy log-probs: "recompute", the trainer's own forward pass before the updates; "sampler",
+    the sampler's (a token it did not report is recomputed); "auto": the sampler's when it is the
+    trainer's own model in this process (same weights, same compute dtype), else recompute. The first
+    minibatch's forward measures the sampler/trainer mismatch either way (docs/sampler_mismatch.md)."""
     sampler_is_cap: float = 0.0
     """With old_logprobs=recompute: truncated importance sampling from the sampler to the old policy,
     each sequence's loss weighted by w_i = min(exp(mean_t (log pi_old - log pi_sampler)), cap), the

@@ -1,9 +1,10 @@
-"""Attention for packed rows, one sequence at a time: no FLOPs on the masked-out blocks.
+"""Attention for packed rows, one segment at a time: no FLOPs on the masked-out blocks.
 
-Inside :func:`segment_attention`, a supported model's attention gathers each packed sequence's queries,
-keys and values into a batch of segments (buckets of similar lengths, right-padded), runs causal sdpa on
-it and scatters the outputs back: exactly the block-diagonal attention, without computing the blocks it
-masks out. docs/logprobs.md says which models are supported and what it saves.
+Inside :func:`segment_attention`, a supported model's attention gathers each segment's queries, keys and
+values into a batch of segments (buckets of similar lengths, right-padded), runs sdpa on it and scatters
+the outputs back: exactly the block-diagonal attention, without computing the blocks it masks out. A
+segment is one sequence (causal), or a shared-prefix tree: a prompt and the completions that follow it,
+each completion seeing the prompt and itself only. docs/logprobs.md says which models are supported.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class _Bucket:
     keep: Tensor  # (n,) the slots holding the segments' own tokens (index_select: a cheap backward)
     segments: int
     length: int
+    mask: Tensor | None  # (S, 1, L, L) bool for trees with several completions; None: causal
 
 
 @dataclass(frozen=True)
@@ -43,13 +45,21 @@ class SegmentLayout:
 _LAYOUT: contextvars.ContextVar[SegmentLayout | None] = contextvars.ContextVar("gspo_segments", default=None)
 
 
-def segment_layout(position_ids: Tensor, bucket_ratio: float = BUCKET_RATIO) -> SegmentLayout:
-    """The segments of packed rows: a segment starts at each row start and wherever the position does
-    not continue the previous one (a packed row's position_ids restart at 0 for each sequence)."""
+def segment_layout(
+    position_ids: Tensor, branch_ids: Tensor | None = None, bucket_ratio: float = BUCKET_RATIO
+) -> SegmentLayout:
+    """The segments of packed rows. Without ``branch_ids`` a segment starts at each row start and wherever
+    the position does not continue the previous one (position_ids restart at 0 for each sequence); with
+    them (shared-prefix rows) a segment is a tree, starting where the position is 0, and a token sees the
+    earlier tokens of its tree's prompt (branch 0) and of its own branch."""
     rows, width = position_ids.shape
     pos = position_ids.detach().cpu()
     starts = torch.ones_like(pos, dtype=torch.bool)
-    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    if branch_ids is None:
+        starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    else:
+        starts[:, 1:] = pos[:, 1:] == 0
+        branches = branch_ids.detach().cpu().reshape(-1)
     first = starts.reshape(-1).nonzero().squeeze(1)  # (S,) flat index of each segment's first token
     ends = torch.cat([first[1:], torch.tensor([rows * width])])
     # a segment never crosses a row: each row's first token starts one
@@ -68,7 +78,16 @@ def segment_layout(position_ids: Tensor, bucket_ratio: float = BUCKET_RATIO) -> 
         slot = torch.arange(longest)[None, :]  # (1, L)
         valid = (slot < seg_len).reshape(-1)
         gather = (seg_start + torch.minimum(slot, seg_len - 1)).reshape(-1)
-        buckets.append(_Bucket(gather.to(device), valid.nonzero().squeeze(1).to(device), j - i, longest))
+        mask = None
+        if branch_ids is not None:
+            branch = branches[gather].view(j - i, longest)  # (S, L)
+            if bool((branch > 1).any()):  # a tree with several completions: not plain causal
+                # query q sees key k <= q of the prompt (branch 0) or of its own branch   (S, 1, L, L)
+                same = (branch[:, None, :] == 0) | (branch[:, None, :] == branch[:, :, None])
+                mask = (same & torch.ones(longest, longest, dtype=torch.bool).tril()).unsqueeze(1).to(device)
+        buckets.append(
+            _Bucket(gather.to(device), valid.nonzero().squeeze(1).to(device), j - i, longest, mask)
+        )
         chosen.append(gather[valid])
         i = j
     return SegmentLayout(buckets, torch.argsort(torch.cat(chosen)).to(device))
@@ -107,9 +126,15 @@ def _segment_attention_forward(
         # grouped-query attention: query head h reads key/value head h // (H / Hkv), as transformers'
         # repeat_kv, without the copy (enable_gqa)
         out = torch.nn.functional.scaled_dot_product_attention(
-            take(q), take(k), take(v), dropout_p=dropout, is_causal=True, scale=scaling,
+            take(q),
+            take(k),
+            take(v),
+            attn_mask=bucket.mask,
+            dropout_p=dropout,
+            is_causal=bucket.mask is None,
+            scale=scaling,
             enable_gqa=k.shape[1] != heads,
-        )  # (S, H, L, Dv)  # fmt: skip
+        )  # (S, H, L, Dv)
         outputs.append(out.transpose(1, 2).reshape(-1, heads, value_dim).index_select(0, bucket.keep))
     merged = torch.cat(outputs).index_select(0, layout.inverse)  # (B*T, H, Dv) in token order
     return merged.view(batch, width, heads, value_dim), None
@@ -136,15 +161,23 @@ def supports_segments(model: torch.nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def segment_attention(model: torch.nn.Module, position_ids: Tensor) -> Iterator[bool]:
+def segment_attention(
+    model: torch.nn.Module, position_ids: Tensor, branch_ids: Tensor | None = None
+) -> Iterator[bool]:
     """Within the block, ``model``'s attention runs one packed segment at a time (yields True), or,
-    for a model it does not support, is left as it is (yields False). ``model``: a transformers
-    PreTrainedModel (the decoder or the causal LM) whose config the block switches and restores."""
+    for a model it does not support, is left as it is (yields False; shared-prefix rows, ``branch_ids``,
+    then raise: only segment attention computes them). ``model``: a transformers PreTrainedModel (the
+    decoder or the causal LM) whose config the block switches and restores."""
     if not supports_segments(model):
+        if branch_ids is not None:
+            raise ValueError(
+                f"{type(model).__name__}'s attention cannot compute shared-prefix rows (it needs sdpa or eager "
+                "attention through transformers' AttentionInterface): set train.packing=packed"
+            )
         yield False
         return
     config = model.config
-    token = _LAYOUT.set(segment_layout(position_ids))
+    token = _LAYOUT.set(segment_layout(position_ids, branch_ids))
     previous = config._attn_implementation
     config._attn_implementation = NAME  # also skips transformers' mask: it builds none for unknown names
     try:

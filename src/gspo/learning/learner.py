@@ -50,23 +50,42 @@ def place(values: list[list[float]], mb: MicroBatch) -> torch.Tensor:
 
 
 def minibatches(
-    spec: UpdateSpec, sequences: list[Sequence], *, seed: int, device: torch.device
+    spec: UpdateSpec,
+    sequences: list[Sequence],
+    *,
+    seed: int,
+    device: torch.device,
+    groups: list[int] | None = None,
 ) -> list[tuple[list[int], list[MicroBatch]]]:
     """Shuffle (seeded) and split into minibatches, each laid out in micro-batches on ``device``.
 
-    One permutation of the whole batch (every rank's sequences, in rank order): minibatch k holds the same
-    sequences however many ranks share the batch, each rank its own of them.
+    One permutation of the whole batch (every rank's sequences, in rank order; with
+    ``spec.minibatch_split == "group"`` of its groups, ``groups`` giving each sequence's global group):
+    minibatch k holds the same sequences however many ranks share the batch, each rank its own of them.
     """
     generator = torch.Generator().manual_seed(seed)
-    counts = all_gather_objects(len(sequences))
-    offset = sum(counts[: rank()])
-    order = torch.randperm(sum(counts), generator=generator).tolist()
+    if spec.minibatch_split == "group" and groups is not None:
+        mine = sorted(set(groups))
+        units = sorted({g for part in all_gather_objects(mine) for g in part})  # every rank's groups
+        members = {g: [i for i, own in enumerate(groups) if own == g] for g in mine}
+        order = [units[k] for k in torch.randperm(len(units), generator=generator).tolist()]
+        chunks = [
+            [i for g in chunk.tolist() for i in members.get(g, [])]
+            for chunk in _split(order, spec.minibatches)
+        ]
+    else:
+        counts = all_gather_objects(len(sequences))
+        offset = sum(counts[: rank()])
+        order = torch.randperm(sum(counts), generator=generator).tolist()
+        chunks = [
+            [g - offset for g in c.tolist() if offset <= g < offset + len(sequences)]
+            for c in _split(order, spec.minibatches)
+        ]
     out = []
-    for chunk in np.array_split(np.array(order), spec.minibatches):
-        ids = [g - offset for g in chunk.tolist() if offset <= g < offset + len(sequences)]
+    for ids in chunks:
         micro = make_micro_batches(
             [sequences[i] for i in ids],
-            packed=spec.packed,
+            layout=spec.layout,
             pack_length=spec.pack_length,
             micro_batch_tokens=spec.micro_batch_tokens,
             pad_id=spec.pad_id,
@@ -75,6 +94,11 @@ def minibatches(
     # every rank runs as many micro-batches per minibatch (under FSDP2 each pass is a collective)
     padded = pad_micro_batches([micro for _, micro in out], spec.pad_id)
     return [(ids, [mb.to(device) for mb in micro]) for (ids, _), micro in zip(out, padded, strict=True)]
+
+
+def _split(order: list[int], parts: int) -> list[np.ndarray]:
+    """``order`` in ``parts`` consecutive chunks of near-equal size (fewer when there are fewer items)."""
+    return np.array_split(np.array(order, dtype=np.int64), max(1, min(parts, len(order))))
 
 
 def update(
@@ -86,12 +110,16 @@ def update(
     old: list[torch.Tensor],
     ref: list[torch.Tensor] | None,
     routes: list[moe.Routing] | None = None,
+    measure_mismatch: bool = False,
 ) -> dict[str, Any]:
     """One optimizer update on a minibatch (gradient accumulation over its micro-batches).
 
     ids: the minibatch's sequences (indices into the batch); old, ref: per micro-batch, the old and the
     reference policy's log-probs; routes (MoE models): the old policy's expert choices per micro-batch,
     replayed with ``spec.routing_replay`` and compared with the current routers' own choices otherwise.
+    measure_mismatch: ``old`` is the sampler's and the policy has not moved yet (the first minibatch of
+    ``old_logprobs="sampler"``): this forward is the old policy's, so the sampler/trainer mismatch
+    metrics come at no extra cost.
     """
     per_token = not isinstance(advantages, torch.Tensor)
     # per-token advantages: GSPO as GSPO-token (GSPO's value and gradient for per-sequence ones)
@@ -104,7 +132,7 @@ def update(
         normalizer = float(len(ids))
     normalizer = all_reduce_sum(normalizer)
     policy.optimizer.zero_grad(set_to_none=True)
-    metrics, losses = [], []
+    metrics, losses, deltas, seq_ratios = [], [], [], []
     moved = moe.RoutingDifference()  # MoE: the current routers' own choices vs the old policy's
     for j, mb in enumerate(micro):
         set_gradient_sync(policy.scorer, j == len(micro) - 1)  # DDP: sum once, at the end
@@ -140,6 +168,12 @@ def update(
         losses.append(loss.detach())  # read back once, after the loop
         if mb.indices:  # not an idle micro-batch (distributed padding)
             metrics.append(m)
+            if measure_mismatch:
+                delta, seq, counts = sampler_log_ratios(
+                    logp.detach(), old[j], mb.segment_ids, len(mb.indices)
+                )
+                deltas.append(delta)
+                seq_ratios.append(seq[counts > 0])
     params = [p for p in policy.model.parameters() if p.requires_grad]
     max_norm = spec.max_grad_norm if spec.max_grad_norm > 0 else float("inf")
     grad_norm = clip_grad_norm(params, max_norm, policy.optimizer)  # fused AdamW: applied inside its step
@@ -151,7 +185,13 @@ def update(
     out["grad_norm"] = float(grad_norm)
     if routes is not None:  # learn() renames them by the number of updates before this one
         out.update(moved.metrics("live_"))
+    if measure_mismatch:
+        out.update(mismatch_metrics(*(all_gather_varlen(_cat(x)) for x in (deltas, seq_ratios))))
     return out
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(tensors).cpu() if tensors else torch.zeros(0)
 
 
 def _old_policy(
@@ -221,7 +261,14 @@ def _old_policy(
     else:
         trained = sum(sum(seq.train_mask) for seq in sequences)
         metrics["sampler_logprob_missing_frac"] = unknown / max(trained, 1)  # recomputed by the trainer
+    metrics["old_logprobs_recomputed"] = float(recompute)
     return old, ref, routes, advantages, metrics
+
+
+def unique_tokens(batch: Batch) -> int:
+    """Tokens with each group's prompt counted once: what a rollout batch holds without repeats."""
+    prompts = {(g, tuple(seq.prompt_ids)) for g, seq in zip(batch.groups, batch.sequences, strict=True)}
+    return sum(len(p) for _, p in prompts) + sum(len(seq.completion_ids) for seq in batch.sequences)
 
 
 def learn(
@@ -237,19 +284,23 @@ def learn(
     seed: the minibatch shuffle's (the trainer passes one per step). around_update: a context manager
     factory entered around each optimizer update, e.g. to count its FLOPs (benchmarks/train_step.py).
     """
-    layout = minibatches(spec, batch.sequences, seed=seed, device=policy.device)
+    layout = minibatches(spec, batch.sequences, seed=seed, device=policy.device, groups=batch.groups)
     t0 = time.perf_counter()
     old, ref, routes, advantages, out = _old_policy(policy, spec, batch, layout)
     out["time_old_logprobs"] = time.perf_counter() - t0
-    # what the updates compute vs what is real: padding overhead of the layout
+    # what the updates compute vs what is there: real tokens (each sequence whole), unique tokens (a
+    # group's prompt once); the layout's padding and prompt repeats make the difference
     computed = sum(mb.num_tokens for _, micro in layout for mb in micro if mb.indices)
     out["update_tokens"] = all_reduce_sum(float(computed))
     out["real_tokens"] = all_reduce_sum(float(sum(len(seq) for seq in batch.sequences)))
+    out["unique_tokens"] = all_reduce_sum(float(unique_tokens(batch)))
     t0 = time.perf_counter()
     updates = []
-    for (ids, micro), o, r, rt in zip(layout, old, ref, routes, strict=True):
+    for j, ((ids, micro), o, r, rt) in enumerate(zip(layout, old, ref, routes, strict=True)):
+        # the sampler's log-probs are the old ones: the first minibatch's forward is the old policy's
+        mismatch = j == 0 and not out["old_logprobs_recomputed"]
         with around_update() if around_update is not None else contextlib.nullcontext():
-            updates.append(update(policy, spec, ids, micro, advantages, o, r, rt))
+            updates.append(update(policy, spec, ids, micro, advantages, o, r, rt, measure_mismatch=mismatch))
     out["time_update"] = time.perf_counter() - t0
     if policy.moe:
         t0 = time.perf_counter()

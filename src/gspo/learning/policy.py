@@ -26,7 +26,10 @@ class UpdateSpec:
     aggregation: str = "seq-mean-token-mean"
     beta: float = 0.0
     minibatches: int = 4
-    packed: bool = True
+    minibatch_split: str = "group"
+    """"group": each minibatch holds whole groups (their prompt computed once); "sample": any samples."""
+    layout: str = "shared_prefix"
+    """gspo.core.layout: "shared_prefix", "packed" or "padded"."""
     pack_length: int = 1024
     micro_batch_tokens: int = 4096
     pad_id: int = 0
@@ -40,7 +43,7 @@ class UpdateSpec:
 
     @classmethod
     def from_config(
-        cls, config: Config, *, packed: bool, pad_id: int, old_logprobs: str | None = None
+        cls, config: Config, *, layout: str, pad_id: int, old_logprobs: str | None = None
     ) -> UpdateSpec:
         """The spec of ``config.train`` with the clip range resolved (None: the objective's paper default)."""
         train = config.train
@@ -52,7 +55,8 @@ class UpdateSpec:
             aggregation=train.aggregation,
             beta=train.beta,
             minibatches=train.minibatches_per_rollout,
-            packed=packed,
+            minibatch_split=train.minibatch_split,
+            layout=layout,
             pack_length=train.pack_length,
             micro_batch_tokens=train.micro_batch_tokens,
             pad_id=pad_id,
@@ -112,6 +116,7 @@ def score(model: nn.Module, mb: MicroBatch, spec: UpdateSpec) -> torch.Tensor:
     `model`: a causal LM, or the data-parallel scorer wrapping it (gspo.parallel.wrap.wrap_model).
     """
     scorer = model if is_scorer(model) else functools.partial(causal_lm_logprobs, model)
+    layout = {} if mb.branch_ids is None else {"branch_ids": mb.branch_ids}
     logp = scorer(
         mb.input_ids,
         attention_mask=mb.attention_mask,
@@ -119,5 +124,6 @@ def score(model: nn.Module, mb: MicroBatch, spec: UpdateSpec) -> torch.Tensor:
         logprob_mask=mb.logprob_mask,
         temperature=spec.temperature,
         chunk_size=spec.chunk_size,
+        **layout,
     )
     return logp.reshape(-1)

@@ -1,6 +1,7 @@
 """Samplers: G completions per prompt with the sampler's per-token log-probs, from any engine.
 
-A `Sampler` is the trainer's own model in this process (`HFSampler`, transformers `generate`) or an
+A `Sampler` is the trainer's own model in this process (`HFSampler`, a KV-cached sampling loop that
+computes each prompt once for its G samples) or an
 OpenAI-compatible server (gspo.rollout.openai.OpenAIBackend). The log-probs are those of the tempered
 distribution, log_softmax(logits / temperature) at the sampled token, which the trainer also scores;
 top-p truncation is not folded into them (as in vLLM's default), and HF's implicit top_k=50 is off.
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 @dataclass
@@ -32,6 +33,8 @@ class Rollouts:
     """True when the completion hit max_new_tokens without an EOS."""
     completions: list[str]
     """Decoded completions, special tokens removed."""
+    computed_tokens: int = 0
+    """Tokens the sampler ran through the model (prompts once per group, padding included); 0: unknown."""
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -66,47 +69,107 @@ def generate(
     greedy: bool = False,
     batch_size: int = 64,
 ) -> Rollouts:
-    """Sample `group_size` completions for each prompt (already templated), `batch_size` sequences at a time."""
+    """Sample `group_size` completions of each prompt (already templated), about `batch_size` at a time.
+
+    Each prompt runs through the model once: its KV cache is then copied to its G samples, which decode
+    together; a sample that has produced EOS leaves the batch. Sampling draws from torch's global RNG.
+    """
     eos_id = tokenizer.eos_token_id
     if eos_id is None:
         raise ValueError("the tokenizer has no eos_token: set tokenizer.eos_token so completions can stop")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
-    generation = GenerationConfig(
-        do_sample=not greedy, temperature=None if greedy else temperature, top_p=None if greedy else top_p,
-        top_k=None if greedy else 0, max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id,
-        use_cache=True, return_dict_in_generate=True, output_logits=True,
-    )  # fmt: skip
-    prompt_ids = [ids for ids in tokenize_prompts(tokenizer, prompts) for _ in range(group_size)]
+    prompt_ids = tokenize_prompts(tokenizer, prompts)
     out = Rollouts([], [], [], [], [])
     was_training = model.training
     model.eval()
-    for start in range(0, len(prompt_ids), batch_size):
-        rows = prompt_ids[start : start + batch_size]
-        ids, mask = (t.to(model.device) for t in _left_pad(rows, pad_id))
-        result = model.generate(input_ids=ids, attention_mask=mask, generation_config=generation)
-        new = result.sequences[:, ids.shape[1] :]  # (b, n)
-        logits = torch.stack(result.logits, dim=1).float()  # (b, n, V)
-        logprobs = torch.log_softmax(logits / (1.0 if greedy else temperature), dim=-1)
-        token_logprobs = logprobs.gather(-1, new.unsqueeze(-1)).squeeze(-1).cpu()  # (b, n)
-        new = new.cpu()  # read back once per batch, not per row
-        is_eos = new == eos_id
-        has_eos = is_eos.any(dim=1)
-        # length up to and including the first EOS; the whole row when there is none
-        lengths = torch.where(
-            has_eos,
-            is_eos.float().argmax(dim=1) + 1,
-            torch.full_like(has_eos, new.shape[1], dtype=torch.long),
+    per_call = max(1, batch_size // group_size)  # prompts per call: about batch_size sequences
+    for start in range(0, len(prompt_ids), per_call):
+        rows = prompt_ids[start : start + per_call]
+        new, logprobs, lengths, computed = _sample(
+            model, rows, group_size, max_new_tokens, temperature, top_p, greedy, eos_id, pad_id
         )
-        for i, row in enumerate(rows):
+        out.computed_tokens += computed
+        for i in range(len(rows) * group_size):
             n = int(lengths[i])
             completion = new[i, :n].tolist()
-            out.prompt_ids.append(row)
+            out.prompt_ids.append(rows[i // group_size])
             out.completion_ids.append(completion)
-            out.sampler_logprobs.append(token_logprobs[i, :n].tolist())
-            out.truncated.append(not bool(has_eos[i]))
+            out.sampler_logprobs.append(logprobs[i, :n].tolist())
+            out.truncated.append(eos_id not in completion)
             out.completions.append(tokenizer.decode(completion, skip_special_tokens=True))
     model.train(was_training)
     return out
+
+
+def _sample(
+    model: PreTrainedModel,
+    rows: list[list[int]],
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    greedy: bool,
+    eos_id: int,
+    pad_id: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Tokens (n, max_new_tokens), their log-probs, lengths (up to and including EOS) and the number of
+    tokens computed, for n = len(rows) * group_size samples."""
+    device = model.device
+    ids, mask = (t.to(device) for t in _left_pad(rows, pad_id))
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    # the prompts once; only the last position's logits are needed
+    result = model(
+        input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
+    )
+    cache = result.past_key_values
+    cache.batch_repeat_interleave(group_size)  # each prompt's keys and values for its G samples
+    logits = result.logits[:, -1].float().repeat_interleave(group_size, 0)  # (n, V)
+    mask = mask.repeat_interleave(group_size, 0)
+    position = positions[:, -1:].repeat_interleave(group_size, 0) + 1  # (n, 1)
+    n = logits.shape[0]
+    tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)
+    lengths = torch.full((n,), max_new_tokens, dtype=torch.long, device=device)
+    active = torch.arange(n, device=device)  # the samples still generating, in the cache's row order
+    computed = ids.numel()
+    for t in range(max_new_tokens):
+        # log pi_sampler = log_softmax(logits / T): the distribution the trainer scores (top-p not folded in)
+        log_pi = torch.log_softmax(logits if greedy else logits / temperature, dim=-1)
+        chosen = log_pi.argmax(-1) if greedy else _draw(log_pi, top_p)
+        tokens[active, t] = chosen
+        logprobs[active, t] = log_pi.gather(1, chosen[:, None]).squeeze(1)
+        done = chosen == eos_id
+        lengths[active[done]] = t + 1
+        keep = (~done).nonzero().squeeze(1)
+        if t == max_new_tokens - 1 or keep.numel() == 0:
+            break
+        if keep.numel() < active.numel():  # finished samples leave the batch
+            cache.batch_select_indices(keep)
+            active, chosen, mask, position = active[keep], chosen[keep], mask[keep], position[keep]
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        result = model(
+            input_ids=chosen[:, None],
+            attention_mask=mask,
+            position_ids=position,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        computed += chosen.numel()
+        logits = result.logits[:, -1].float()
+        position = position + 1
+    return tokens.cpu(), logprobs.cpu(), lengths.cpu(), computed
+
+
+def _draw(log_pi: torch.Tensor, top_p: float) -> torch.Tensor:
+    """One token per row from exp(log_pi), restricted to the top-p nucleus (the smallest set of the most
+    likely tokens whose probability reaches top_p; transformers' TopPLogitsWarper rule)."""
+    probs = log_pi.exp()
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1)  # ascending
+        drop = sorted_probs.cumsum(-1) <= 1 - top_p
+        drop[:, -1] = False  # the most likely token always stays
+        probs = probs.scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
+    return torch.multinomial(probs, 1).squeeze(1)
 
 
 class Sampler(Protocol):

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from gspo.config import Config, ConfigError
-from gspo.core.layout import packing_is_exact
+from gspo.core.attention import supports_segments
+from gspo.core.layout import layout_is_exact
 from gspo.learning.policy import Policy, UpdateSpec, score
 from gspo.models import add_lora, is_lora, load_model
 from gspo.parallel.collectives import broadcast_object
@@ -124,24 +125,40 @@ def setup_model(config: Config, checkpoint: Path | None) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def choose_packing(config: Config, model: torch.nn.Module, pad_id: int) -> bool:
-    """train.packing: "packed", "padded", or "auto": packed if a probe shows the model keeps packed
-    sequences apart (its log-probs equal the padded layout's)."""
+def choose_layout(config: Config, model: torch.nn.Module, pad_id: int) -> str:
+    """train.packing, with "auto" resolved: the first of shared_prefix, packed, padded that a probe shows
+    exact for this model (its log-probs equal to the padded layout's), with a one-line notice on fallback."""
     mode = config.train.packing
     if mode != "auto":
-        return mode == "packed"
+        return mode
     vocab = model.get_input_embeddings().num_embeddings
     device = next(model.parameters()).device
     spec = UpdateSpec(temperature=config.rollout.temperature, chunk_size=config.train.logprob_chunk_size)
-    with torch.no_grad():
-        exact = packing_is_exact(lambda mb: score(model, mb.to(device), spec).cpu(), vocab, pad_id)
-    if not exact:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    candidates = ["shared_prefix", "packed"] if supports_segments(base.get_decoder()) else ["packed"]
+    for layout in candidates:
+        with torch.no_grad():
+            if layout_is_exact(lambda mb: score(model, mb.to(device), spec).cpu(), vocab, pad_id, layout):
+                break
+    else:
+        layout = "padded"
+    if layout != "shared_prefix":
+        why = "cannot share a prompt among its samples" if layout == "packed" else "mixes packed sequences"
         warnings.warn(
-            "this model's attention mixes packed sequences (it ignores restarting position_ids): training "
-            "on padded rows instead (set train.packing=padded to skip this probe)",
+            f"train.packing=auto: this model's attention {why}: training on {layout} rows, which compute "
+            f"each prompt once per sample (set train.packing={layout} to skip this probe)",
             stacklevel=2,
         )
-    return exact
+    return layout
+
+
+def resolve_old_logprobs(config: Config, sampler: Sampler) -> str:
+    """train.old_logprobs, with "auto" resolved: the sampler's log-probs when the sampler is the trainer's
+    own model in its compute dtype (they are the old policy's, up to float rounding), else recompute."""
+    mode = config.train.old_logprobs
+    if mode != "auto":
+        return mode
+    return "sampler" if sampler.current and config.train.sampler_is_cap == 0 else "recompute"
 
 
 def setup_policy(config: Config, model: torch.nn.Module, device: torch.device, *, resumed: bool) -> Policy:

@@ -7,8 +7,10 @@ through `_learn`: `make_batch`, then `learn`. The step counter lives there.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,13 @@ from gspo.config import Config, load_config, save_config, validate_setup
 from gspo.learning.batch import Sample, make_batch
 from gspo.learning.learner import learn
 from gspo.learning.policy import UpdateSpec
-from gspo.parallel.collectives import all_gather_cat, all_gather_list, all_gather_varlen, raise_together
+from gspo.parallel.collectives import (
+    all_gather_cat,
+    all_gather_list,
+    all_gather_varlen,
+    all_reduce_sum,
+    raise_together,
+)
 from gspo.parallel.group import (
     barrier,
     init_from_env,
@@ -55,8 +63,9 @@ from gspo.training.checkpoint import (
 from gspo.training.metrics import MetricsLogger, SilentLogger
 from gspo.training.setup import (
     build_examples,
-    choose_packing,
+    choose_layout,
     generating,
+    resolve_old_logprobs,
     resolve_rewards,
     setup_model,
     setup_policy,
@@ -94,18 +103,17 @@ class Trainer:
         np.random.seed(config.seed)
         model, self.tokenizer = setup_model(config, checkpoint)
         model = model.to(self.device)
-        packed = choose_packing(
-            config, model, self.tokenizer.pad_token_id
-        )  # the plain model, before wrapping
+        layout = choose_layout(config, model, self.tokenizer.pad_token_id)  # the plain model, before wrapping
         self.policy = setup_policy(config, model, self.device, resumed=checkpoint is not None)
         validate_setup(config, num_processes=world_size(), is_moe=self.policy.moe)
         if world_size() > 1:
             seed_rank(config.seed)  # each rank samples its own completions
         self.sampler = sampler or setup_sampler(config, self.policy, self.tokenizer)
-        old_logprobs = config.train.old_logprobs
+        old_logprobs = resolve_old_logprobs(config, self.sampler)
         self.spec = UpdateSpec.from_config(
-            config, packed=packed, pad_id=self.tokenizer.pad_token_id, old_logprobs=old_logprobs
+            config, layout=layout, pad_id=self.tokenizer.pad_token_id, old_logprobs=old_logprobs
         )
+        self._warned_mismatch = False
         self.stream = PromptStream(self.train_examples, config.rollout.prompts_per_step, seed=config.seed)
         self.step = 0
         if checkpoint is not None:
@@ -142,10 +150,16 @@ class Trainer:
         examples = rank_slice(self.stream.next_batch())  # this rank's prompts, whole groups
         prompts = self.prompts(examples)
         rollouts = self.sampler.generate(
-            prompts, group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+            prompts,
+            group_size=cfg.group_size,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
             top_p=cfg.top_p,
-        )  # fmt: skip
-        times = {"time_rollout": time.perf_counter() - t0}
+        )
+        metrics = {
+            "time_rollout": time.perf_counter() - t0,
+            "generation_tokens": all_reduce_sum(float(rollouts.computed_tokens)),  # through the model
+        }
         failure, rewards, per_function = None, None, {}
         try:
             rewards, per_function = compute_rewards(
@@ -169,16 +183,23 @@ class Trainer:
             for i in range(len(rollouts))
         ]
         per_reward = {f"reward/{name}": float(all_gather_cat(v).mean()) for name, v in per_function.items()}
-        return samples, {**per_reward, **times}
+        return samples, {**per_reward, **metrics}
 
     def train_on_groups(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
-        """One step of updates on the user's own trajectory groups (gspo.rollout.trajectories); logged."""
-        need = self.spec.old_logprobs == "sampler"
-        metrics = self._learn(trajectory_samples(self.tokenizer, groups, need_sampler_logprobs=need), {})
+        """One step of updates on the user's own trajectory groups (gspo.rollout.trajectories); logged.
+
+        Their engine is not the trainer's model: with train.old_logprobs=auto the old policy's log-probs
+        are recomputed (the trajectories' own sampler log-probs, if any, give the mismatch metrics)."""
+        need = self.config.train.old_logprobs == "sampler"
+        old_logprobs = "recompute" if self.config.train.old_logprobs == "auto" else self.spec.old_logprobs
+        samples = trajectory_samples(self.tokenizer, groups, need_sampler_logprobs=need)
+        metrics = self._learn(samples, {}, dataclasses.replace(self.spec, old_logprobs=old_logprobs))
         self.logger.log(self.step, metrics)
         return metrics
 
-    def _learn(self, samples: list[Sample], metrics: dict[str, float]) -> dict[str, float]:
+    def _learn(
+        self, samples: list[Sample], metrics: dict[str, float], spec: UpdateSpec | None = None
+    ) -> dict[str, float]:
         """Samples -> batch (advantages, filtering, reward metrics) -> old-policy log-probs and updates."""
         train = self.config.train
         batch, batch_metrics = make_batch(
@@ -188,13 +209,29 @@ class Trainer:
             mask_truncated=self.config.rollout.mask_truncated,
         )
         metrics = {**batch_metrics, **metrics, "lr": self.policy.scheduler.get_last_lr()[0]}
+        spec = spec or self.spec
         if batch_metrics["num_trained"] > 0:
-            metrics |= learn(self.policy, self.spec, batch, seed=self.step_seed())
+            metrics |= learn(self.policy, spec, batch, seed=self.step_seed())
+            if spec.old_logprobs == "sampler":
+                self._check_mismatch(metrics)
         else:  # every group had equal returns and was filtered out: nothing to learn from
             metrics |= {"time_old_logprobs": 0.0, "time_update": 0.0}
         self.step += 1
         self.sampler.sync_weights(self.policy.model, self.tokenizer, self.step)
         return metrics
+
+    def _check_mismatch(self, metrics: dict[str, float]) -> None:
+        """Warn once when the sampler's log-probs, used as the old policy's, are off by more than GSPO's
+        clip band for more than 1% of the sequences (measured on the first minibatch)."""
+        outside = metrics.get("sampler_seq_outside_clip_frac", 0.0)
+        if outside > 0.01 and not self._warned_mismatch:
+            self._warned_mismatch = True
+            warnings.warn(
+                f"step {self.step + 1}: the sampler's log-probs differ from the trainer's by more than GSPO's clip "
+                f"band for {outside:.0%} of the sequences, and they serve as the old policy's: set "
+                "train.old_logprobs=recompute (docs/sampler_mismatch.md)",
+                stacklevel=2,
+            )
 
     def step_seed(self) -> int:
         """The seed of this step's minibatch shuffle."""
