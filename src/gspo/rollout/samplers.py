@@ -197,7 +197,7 @@ class Sampler(Protocol):
 
 @dataclass
 class HFSampler:
-    """The trainer's own model, sampling with transformers `generate` in this process.
+    """The trainer's own model, sampling in this process (`generate`: each prompt computed once per group).
 
     context: entered around each call, e.g. FSDP2's gathered parameters and the compute dtype's autocast.
     """
