@@ -313,29 +313,12 @@ class OpenAIBackend:
             logprobs = choice.get("logprobs")
             if logprobs is None:
                 continue  # reported by _align
-            tokens, values = (
-                logprobs.get(k) if isinstance(logprobs, dict) else None for k in ("tokens", "token_logprobs")
-            )
-            offsets = logprobs.get("text_offset") if isinstance(logprobs, dict) else None
-            if not (
-                isinstance(logprobs, dict)
-                and (tokens is None or (isinstance(tokens, list) and all(isinstance(t, str) for t in tokens)))
-                and (
-                    values is None
-                    or (
-                        isinstance(values, list)
-                        and all(
-                            v is None or (isinstance(v, numbers.Real) and not isinstance(v, bool))
-                            for v in values
-                        )
-                    )
-                )
-                and (
-                    offsets is None
-                    or (isinstance(offsets, list) and all(isinstance(o, int) for o in offsets))
-                )
+            if not isinstance(logprobs, dict) or not all(
+                _list_of(logprobs.get(key), kind)
+                for key, kind in (("tokens", str), ("token_logprobs", "number"), ("text_offset", int))
             ):
                 raise malformed("a choice's logprobs are not lists of tokens, numbers and offsets", choice)
+            tokens = logprobs.get("tokens")
             bad = [t for t in tokens or () if t.startswith("token_id:") and not t[9:].isdigit()]
             if bad:
                 raise malformed(f"token {bad[0]!r} is no token id", choice)
@@ -416,6 +399,17 @@ class OpenAIBackend:
         """Hand the trainer's current weights to the server (no-op without a `weight_sync`)."""
         if self.weight_sync is not None:
             self.weight_sync(model, tokenizer, step)
+
+
+def _list_of(value: Any, kind: type | str) -> bool:
+    """None, or a list of `kind` (a "number" is a real or None: servers send null for unknown log-probs)."""
+    if value is None:
+        return True
+    if kind == "number":
+        return isinstance(value, list) and all(
+            v is None or (isinstance(v, numbers.Real) and not isinstance(v, bool)) for v in value
+        )
+    return isinstance(value, list) and all(isinstance(v, kind) and not isinstance(v, bool) for v in value)
 
 
 # ---- a local llama.cpp server (tests, benchmarks) ----------------------------------------------------------

@@ -2,7 +2,10 @@
 
 A reward function takes ``(prompts, completions, **fields)`` (lists aligned with one another; every
 ``Example.fields`` key arrives as a keyword list) and returns one float per completion. Functions accept
-``**_`` so that fields meant for other functions pass through.
+``**_`` so that fields meant for other functions pass through. A function may carry a
+``validate_example(fields)`` attribute raising ValueError for an example it cannot score (``correct_number``:
+an answer that is not a number); the trainer calls it on every example at start-up. ``with_timeout`` gives
+each call a deadline (the trainer's ``reward_timeout``).
 
 Numbers in completions (``correct_number``, ``number_format``) are decimal: an optional ``-``, digits, an
 optional fraction (``3.5``; ``.5`` and ``3.`` are not fractions), and thousands written either plainly

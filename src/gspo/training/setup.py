@@ -90,11 +90,11 @@ def check_examples(rewards: list[tuple[str, RewardFunction, float]], examples: l
     default) and passes the function's own `validate_example`, if any: found at start-up, not when the
     row is first drawn."""
     for name, function, _ in rewards:
-        needed = [
-            p.name
-            for p in inspect.signature(function).parameters.values()
-            if p.kind is p.KEYWORD_ONLY and p.default is p.empty
-        ]
+        try:
+            parameters = inspect.signature(function).parameters.values()
+        except (TypeError, ValueError):  # some callables have no signature to read
+            parameters = []
+        needed = [p.name for p in parameters if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
         validate = getattr(function, "validate_example", None)
         for index, example in enumerate(examples):
             where = example.source or f"example {index} ({example.prompt[:60]!r})"
