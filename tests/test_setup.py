@@ -58,7 +58,7 @@ def test_an_answer_a_reward_cannot_use_is_refused_at_start_naming_the_row(tmp_pa
 
 def test_an_unknown_reward_name_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(
-        ConfigError, match=r"rewards\.exact_anwser: .*unknown reward .*did you mean 'exact_answer'"
+        ConfigError, match=r"rewards\.exact_anwser: unknown reward .*did you mean 'exact_answer'"
     ):
         Trainer(_config(tmp_path, "rewards={exact_anwser: 1.0}"))
 

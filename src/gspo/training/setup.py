@@ -79,8 +79,12 @@ def resolve_rewards(
     for name, weight in weights.items():
         try:
             function = custom[name] if name in custom else resolve_reward(name)
-        except Exception as error:  # unknown name, missing file, a file that fails to import, ...
-            raise ConfigError(f"rewards.{name}: {type(error).__name__}: {error}") from error
+        except (ValueError, TypeError, ImportError, FileNotFoundError) as error:  # unknown name, no file, ...
+            raise ConfigError(f"rewards.{name}: {error}") from error
+        except Exception as error:  # the reward file itself fails when imported
+            raise ConfigError(
+                f"rewards.{name}: importing it raised {type(error).__name__}: {error}"
+            ) from error
         resolved.append((name, with_timeout(function, config.reward_timeout, name), weight))
     return resolved
 
