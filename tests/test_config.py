@@ -80,6 +80,13 @@ def test_resolved_config_round_trips(tmp_path: Path) -> None:
         ("task.name=file", "task.name=file needs task.data_path"),
         ("device=gpu", 'device must be "auto", "cpu", "cuda" or "cuda:N", got \'gpu\''),
         ("train.mixed_precision=fp8", "train.mixed_precision: 'fp8' is not one of 'auto', 'bf16', 'none'"),
+        ("train.lr=.nan", "train.lr: expected a finite number, got nan"),  # NaN passes `lr <= 0`
+        ("rewards={correct_number: .inf}", "rewards.correct_number: expected a finite number, got inf"),
+        ("rollout.group_size=1", "rollout.group_size must be at least 2, got 1: advantages compare"),
+        ("train.lr=[1e-5", "override 'train.lr=[1e-5': the value is not valid YAML: line 1, column 6"),
+        ("rollout.server.url=file:///etc/passwd", "rollout.server.url='file:///etc/passwd': give an http://"),
+        ("rollout.server.url=http://me:secret@host/v1", "without credentials in it"),
+        ("reward_timeout=-1", "reward_timeout and train.warn_after_flat_steps must be >= 0"),
     ],
 )
 def test_bad_input_names_the_field(override: str, message: str) -> None:
@@ -105,3 +112,12 @@ def test_describe_is_loadable_yaml_of_the_defaults(tmp_path: Path) -> None:
     assert "# Lower clip range; None uses the objective's paper default" in text
     (tmp_path / "described.yaml").write_text(text)
     assert to_dict(load_config(tmp_path / "described.yaml")) == to_dict(Config())
+
+
+def test_a_yaml_syntax_error_names_the_file_and_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text("train:\n  lr: 1e-5\n  steps: [3\nrollout: {}\n")
+    with pytest.raises(
+        ConfigError, match=r"broken\.yaml: not valid YAML: line 4, column 8: expected ',' or ']'"
+    ):
+        load_config(path)

@@ -11,6 +11,7 @@ import pytest
 
 from gspo.rollout.data import (
     TASKS,
+    DataError,
     Example,
     PromptStream,
     arithmetic_task,
@@ -304,3 +305,22 @@ def test_stream_rejects_bad_arguments():
         PromptStream([], 2)
     with pytest.raises(ValueError, match="batch_size"):
         PromptStream([Example("a")], 0)
+
+
+def test_text_that_is_not_utf8_names_the_file_and_the_line(tmp_path):
+    jsonl = tmp_path / "data.jsonl"
+    jsonl.write_bytes(
+        b'{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "2"}\n{"prompt": "caf\xe9"}\n'
+    )
+    with pytest.raises(DataError, match=r"data\.jsonl: line 3 is not UTF-8 text \(byte 0xe9\)"):
+        load_examples(jsonl)
+    table = tmp_path / "data.csv"
+    table.write_bytes(b"prompt,answer\nWhat is 1 + 1?,2\nWhat is 2 + 2?,\xff4\n")
+    with pytest.raises(DataError, match=r"data\.csv: line 3 is not UTF-8 text \(byte 0xff\)"):
+        load_examples(table)
+
+
+def test_loaded_examples_remember_their_file_and_row(tmp_path):
+    table = tmp_path / "data.csv"
+    table.write_text("prompt,answer\nWhat is 1 + 1?,2\nWhat is 2 + 2?,4\n")
+    assert [ex.source for ex in load_examples(table)] == [f"{table} row 1", f"{table} row 2"]

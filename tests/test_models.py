@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gspo.config import ModelConfig
-from gspo.models import default_model_file, load_model, loading, save_model, tiny_tokenizer
+from gspo.models import ModelError, default_model_file, load_model, loading, save_model, tiny_tokenizer
 
 
 def test_missing_model_package_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -52,3 +52,21 @@ def test_gguf_model_saves_and_reloads_with_from_pretrained(tmp_path: Path) -> No
     ids = torch.tensor([tokenizer("What is 2 + 2?").input_ids])
     torch.testing.assert_close(model(ids).logits, reloaded(ids).logits)
     assert AutoTokenizer.from_pretrained(tmp_path / "saved").chat_template == tokenizer.chat_template
+
+
+def test_a_folder_that_is_not_a_model_and_a_corrupt_gguf_get_one_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "readme.txt").write_text("not a model")
+    with pytest.raises(ModelError, match=r"is not a Hugging Face model directory \(it has no config\.json\)"):
+        load_model(ModelConfig(path=str(tmp_path / "notes")))
+    (tmp_path / "model.gguf").write_bytes(b"<html>not found</html>")
+    with pytest.raises(ModelError, match="is not a GGUF file"):
+        load_model(ModelConfig(path=str(tmp_path / "model.gguf")))
+    if importlib.util.find_spec("gguf") is None:
+        pytest.skip("the truncated-GGUF case needs the gguf package")
+    # a GGUF header that promises 3 tensors and 5 metadata entries, then ends
+    (tmp_path / "model.gguf").write_bytes(
+        b"GGUF" + (3).to_bytes(4, "little") + (3).to_bytes(8, "little") + (5).to_bytes(8, "little")
+    )
+    with pytest.raises(ModelError, match="this GGUF file cannot be read, it is truncated or corrupt"):
+        load_model(ModelConfig(path=str(tmp_path / "model.gguf")))

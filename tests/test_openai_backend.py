@@ -3,10 +3,13 @@ real llama-cpp-python server on the SmolLM2 GGUF file (skipped, with the reason,
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
+import socketserver
 import threading
+import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -287,3 +290,141 @@ def test_gspo_train_samples_from_the_real_server(engine, tmp_path) -> None:
     trainer.logger.log(trainer.step, metrics)
     trainer.logger.close()
     assert [r["step"] for r in read_metrics(tmp_path / "run") if r["kind"] == "train"] == [1]
+
+
+# ---- a server that is wrong, slow, hostile or far away -------------------------------------------------
+@contextlib.contextmanager
+def _raw_server(respond: Callable[[Any, str, str, dict[str, str]], None]) -> Iterator[str]:
+    """A local server calling respond(wfile, method, path, headers) for each request, to write any bytes."""
+    seen: list[tuple[str, str, dict[str, str]]] = []
+
+    class Handler(socketserver.StreamRequestHandler):
+        def handle(self) -> None:
+            method, path, _ = self.rfile.readline().decode().split(" ", 2)
+            headers = {}
+            while (line := self.rfile.readline().decode().strip()) != "":
+                key, _, value = line.partition(":")
+                headers[key.strip().lower()] = value.strip()
+            self.rfile.read(int(headers.get("content-length", 0)))
+            seen.append((method, path, headers))
+            with contextlib.suppress(OSError):  # the client may hang up first (deadlines, size limits)
+                respond(self.wfile, method, path, headers)
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1", seen
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _answer(
+    wfile: Any, status: int, body: bytes, *, content_type: str = "application/json", extra: str = ""
+) -> None:
+    wfile.write(
+        f"HTTP/1.1 {status} X\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n{extra}"
+        "Connection: close\r\n\r\n".encode()
+        + body
+    )
+
+
+def test_a_redirect_is_refused_and_the_key_never_reaches_another_origin() -> None:
+    def elsewhere(wfile, method, path, headers) -> None:
+        _answer(wfile, 200, json.dumps({"choices": [_choice("1")]}).encode())
+
+    with _raw_server(elsewhere) as (other, seen_there):
+
+        def redirect(wfile, method, path, headers) -> None:
+            _answer(wfile, 302, b"", extra=f"Location: {other}/completions\r\n")
+
+        with _raw_server(redirect) as (url, seen_here):
+            backend = OpenAIBackend(url, tiny_tokenizer(), api_key="sk-secret-123", timeout=5)
+            with pytest.raises(
+                ServerError, match=r"redirected the request \(HTTP 302\) to http://127\.0\.0\.1:\d+"
+            ):
+                backend.generate(["x"], group_size=1, max_new_tokens=1)
+    assert seen_here[0][2]["authorization"] == "Bearer sk-secret-123"  # the configured server has it
+    assert seen_there == []  # the other origin saw no request at all, so no key
+
+
+def test_the_key_stays_out_of_repr_and_messages_and_only_http_is_spoken() -> None:
+    def echo(wfile, method, path, headers) -> None:  # a server echoing the request back in its error
+        _answer(wfile, 400, json.dumps({"error": "bad", "headers": headers}).encode())
+
+    with _raw_server(echo) as (url, _):
+        backend = OpenAIBackend(url, tiny_tokenizer(), api_key="sk-secret-123", timeout=5)
+        assert "sk-secret-123" not in repr(backend)
+        with pytest.raises(ServerError, match="rejected the request: HTTP 400") as raised:
+            backend.generate(["x"], group_size=1, max_new_tokens=1)
+        assert "sk-secret-123" not in str(raised.value)
+    for bad in ("file:///etc/passwd", "ftp://host/v1", "127.0.0.1:8000/v1", "http://user:pw@host/v1"):
+        with pytest.raises(ValueError, match="base_url"):
+            OpenAIBackend(bad, tiny_tokenizer())
+
+
+def test_the_timeout_is_a_deadline_on_the_whole_request_however_slowly_the_server_sends() -> None:
+    def trickle_body(wfile, method, path, headers) -> None:
+        body = json.dumps({"choices": [_choice("1")], "padding": " " * 100}).encode()
+        wfile.write(f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\n\r\n".encode())
+        for byte in body:  # one byte every 50 ms: each read is quick, the whole takes 10 s
+            wfile.write(bytes([byte]))
+            wfile.flush()
+            time.sleep(0.05)
+
+    def trickle_headers(wfile, method, path, headers) -> None:
+        wfile.write(b"HTTP/1.1 200 OK\r\n")
+        for _ in range(200):
+            wfile.write(b"X-Slow: 1\r\n")
+            wfile.flush()
+            time.sleep(0.05)
+
+    for respond in (trickle_body, trickle_headers):
+        with _raw_server(respond) as (url, _):
+            start = time.perf_counter()
+            with pytest.raises(
+                ServerError, match=r"no answer after 1 attempt\(s\) in 1s .*no complete answer"
+            ):
+                OpenAIBackend(url, tiny_tokenizer(), timeout=1.0).generate(
+                    ["x"], group_size=1, max_new_tokens=1
+                )
+            assert time.perf_counter() - start < 3, respond.__name__
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "content_type", "message"),
+    [
+        (200, b"<html><body>502 Bad Gateway</body></html>", "text/html", r"the answer is not JSON: '<html><body>502"),
+        (200, b'[{"text": "1"}]', "application/json", r"the answer is a JSON list, not an object"),
+        (200, b'{"choices": "none"}', "application/json", r"malformed completion answer: no list of choices"),
+        (200, json.dumps({"choices": [{"text": "1", "logprobs": {"tokens": [1], "token_logprobs": [0.0]}}]}).encode(),
+         "application/json", r"logprobs are not lists of tokens"),
+        (200, json.dumps({"choices": [], "padding": "x" * 2_000_000}).encode(), "application/json", r"no list of choices: '\{"),
+    ],
+)  # fmt: skip
+def test_a_malformed_answer_is_a_server_error_with_the_url_and_a_short_excerpt(
+    status, body, content_type, message
+):
+    respond = lambda wfile, *_: _answer(wfile, status, body, content_type=content_type)  # noqa: E731
+    with _raw_server(respond) as (url, _), pytest.raises(ServerError, match=message) as raised:
+        OpenAIBackend(url, tiny_tokenizer(), timeout=5).generate(["x"], group_size=1, max_new_tokens=1)
+    assert str(raised.value).startswith(f"{url}/completions: ") and len(str(raised.value)) < 600
+
+
+def test_an_answer_over_the_size_limit_is_refused_without_reading_it_all() -> None:
+    def big(wfile, method, path, headers) -> None:
+        _answer(wfile, 200, b'{"choices": [], "padding": "' + b"x" * 3_000_000 + b'"}')
+
+    def big_chunked(wfile, method, path, headers) -> None:  # no Content-Length: the limit applies as it reads
+        wfile.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(300):
+            wfile.write(b"2710\r\n" + b"x" * 10_000 + b"\r\n")
+        wfile.write(b"0\r\n\r\n")
+
+    for respond, message in ((big, r"is 3,000,030 bytes, over max_response_bytes=1,000,000"),
+                             (big_chunked, r"over max_response_bytes=1,000,000 bytes")):  # fmt: skip
+        with _raw_server(respond) as (url, _):
+            backend = OpenAIBackend(url, tiny_tokenizer(), timeout=10, max_response_bytes=1_000_000)
+            with pytest.raises(ServerError, match=message):
+                backend.generate(["x"], group_size=1, max_new_tokens=1)

@@ -18,6 +18,7 @@ from gspo.rollout.rewards import (
     exact_answer,
     number_format,
     resolve_reward,
+    with_timeout,
 )
 
 
@@ -205,3 +206,32 @@ def test_resolve_unknown_name_lists_builtins_and_closest():
     assert "did you mean 'correct_number'?" in str(info.value)
     with pytest.raises(ImportError, match="no_such_module"):
         resolve_reward("no_such_module:f")
+
+
+def test_a_reward_too_large_for_float32_is_an_error_naming_it():
+    with pytest.raises(RewardError, match=r"'huge' returned 1e\+39 at sample 1 .*beyond float32's range"):
+        compute_rewards([("huge", lambda p, c, **_: [0.0, 1e39], 1.0)], ["p", "p"], ["a", "b"], {})
+    with pytest.raises(RewardError, match=r"weighted sum of the rewards .* overflows float32 at sample 0"):
+        compute_rewards([("big", lambda p, c, **_: [3e38], 10.0)], ["p"], ["a"], {})
+
+
+def test_a_hung_reward_function_times_out_once_without_retries_per_sample():
+    import threading
+    import time
+
+    never = threading.Event()
+    calls = []
+
+    def hangs(prompts, completions, **_):
+        calls.append(len(completions))
+        never.wait()
+
+    start = time.perf_counter()
+    with pytest.raises(RewardError, match=r"'hangs' did not return within 0\.3 s \(reward_timeout\)"):
+        compute_rewards([("hangs", with_timeout(hangs, 0.3, "hangs"), 1.0)], ["p"] * 4, ["c"] * 4, {})
+    assert time.perf_counter() - start < 3 and calls == [4]  # not retried one sample at a time
+    never.set()
+    # a function that returns in time is unchanged, errors included
+    assert with_timeout(number_format, 5.0, "fmt")(["p"], ["12"]) == [1.0]
+    with pytest.raises(RewardError, match="raised ZeroDivisionError"):
+        compute_rewards([("div", with_timeout(lambda p, c, **_: [1 / 0], 5.0, "div"), 1.0)], ["p"], ["c"], {})

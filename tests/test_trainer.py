@@ -163,10 +163,10 @@ def _cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess
 
 def test_cli_reports_config_errors_clearly(tmp_path: Path) -> None:
     unknown = _cli("train", str(TINY), "train.lrr=1", cwd=tmp_path)
-    assert unknown.returncode == 1
+    assert unknown.returncode == 3  # EXIT_CODES["config"]
     assert "unknown config key 'train.lrr'; did you mean 'lr'" in unknown.stderr
     bad = _cli("train", str(TINY), "rollout.group_size=many", cwd=tmp_path)
-    assert bad.returncode == 1
+    assert bad.returncode == 3
     assert "rollout.group_size: expected an integer, got 'many'" in bad.stderr
     assert not (tmp_path / "runs").exists()  # nothing was started
 

@@ -1,16 +1,74 @@
-"""Command line: `gspo train [CONFIG] [key=value ...] [--resume RUN_DIR]`, `gspo plot RUN_DIR`, `gspo config`."""
+"""Command line: `gspo train [CONFIG] [key=value ...] [--resume RUN_DIR [--force]]`, `gspo plot RUN_DIR`,
+`gspo config`.
+
+A user's error (a config, data, model, run folder, disk, reward function or server problem) prints one
+line naming the problem and the fix, and exits with that kind's code (`EXIT_CODES`); `--debug` shows the
+Python traceback instead. Anything else is a bug in gspo and shows its traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 
 from gspo.config import ConfigError
 
+EXIT_CODES = {
+    "bug": 1,  # an unexpected error: the traceback is shown
+    "usage": 2,  # the command line itself (argparse's code)
+    "config": 3,  # a config file, override or value
+    "input": 4,  # data, model or reward files
+    "run folder": 5,  # the run folder or its checkpoints
+    "disk": 6,  # full, read-only or unwritable storage
+    "reward": 7,  # a reward function failed, hung or returned something unusable
+    "server": 8,  # the inference server (rollout.engine=openai)
+    "package": 9,  # an optional package is missing
+    "interrupted": 130,
+}
+
+
+def _disk_message(error: OSError) -> str:
+    where = f" ({error.filename})" if error.filename else ""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"the disk is full{where}: free some space, or set output_dir to a folder on another disk"
+    if error.errno == errno.EROFS:
+        return f"the file system is read-only{where}: set output_dir to a writable folder"
+    return f"permission denied{where}: set output_dir to a folder you can write to"
+
+
+def classify(error: BaseException) -> tuple[str, str] | None:
+    """(kind, one-line message) of a user's error, or None for a bug."""
+    from gspo.models import ModelError
+    from gspo.rollout.data import DataError
+    from gspo.rollout.openai import AlignmentError, ServerError
+    from gspo.rollout.rewards import RewardError
+    from gspo.training.checkpoint import CheckpointError
+    from gspo.training.resume import RunFolderError
+
+    kinds: list[tuple[str, tuple[type[BaseException], ...]]] = [
+        ("interrupted", (KeyboardInterrupt,)),
+        ("config", (ConfigError,)),
+        ("input", (DataError, ModelError, FileNotFoundError)),
+        ("run folder", (RunFolderError, CheckpointError, FileExistsError)),
+        ("reward", (RewardError,)),
+        ("server", (ServerError, AlignmentError)),
+        ("package", (ImportError,)),
+    ]
+    disk = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+    if isinstance(error, OSError) and error.errno in disk:
+        return "disk", _disk_message(error)
+    for kind, types in kinds:
+        if isinstance(error, types):
+            message = " ".join(str(error).split()) or type(error).__name__
+            return kind, "interrupted" if kind == "interrupted" else message
+    if isinstance(error, OSError) and error.filename:  # not a directory, a directory, ... : a path problem
+        return "disk", f"{error.strerror or error}: {error.filename}"
+    return None
+
 
 def _train(args: argparse.Namespace) -> int:
-    from gspo.rollout.rewards import RewardError
     from gspo.training.trainer import train
 
     # `gspo train key=value` without a config file: the first argument is an override, not a path
@@ -24,12 +82,11 @@ def _train(args: argparse.Namespace) -> int:
             "error: --resume reads RUN_DIR/config.yaml; pass only key=value overrides with it",
             file=sys.stderr,
         )
-        return 2
-    try:
-        result = train(config, overrides=overrides, resume=args.resume)
-    except (ConfigError, FileNotFoundError, FileExistsError, ImportError, RewardError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+        return EXIT_CODES["usage"]
+    if args.force and not args.resume:
+        print("error: --force goes with --resume RUN_DIR", file=sys.stderr)
+        return EXIT_CODES["usage"]
+    result = train(config, overrides=overrides, resume=args.resume, force=args.force)
     first, last = result["eval_accuracy_first"], result["eval_accuracy_last"]
     if first is not None:
         print(f"held-out accuracy: {first:.3f} -> {last:.3f}")
@@ -54,26 +111,53 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="gspo", description="GSPO / GSPO-token / GRPO fine-tuning of language models."
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of an error"
     )
+    parser = argparse.ArgumentParser(
+        prog="gspo",
+        description="GSPO / GSPO-token / GRPO fine-tuning of language models.",
+        epilog="exit codes: " + ", ".join(f"{code} {kind}" for kind, code in EXIT_CODES.items()),
+    )
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    train = commands.add_parser("train", help="train (defaults: SmolLM2-135M-Instruct on arithmetic)")
+    train = commands.add_parser(
+        "train", parents=[common], help="train (defaults: SmolLM2-135M-Instruct on arithmetic)"
+    )
     train.add_argument("config", nargs="?", help="YAML config file (optional)")
     train.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.lr=1e-5")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint")
+    train.add_argument(
+        "--force",
+        action="store_true",
+        help="with --resume: apply config changes beyond steps, eval/checkpoint cadence and logging "
+        "(docs/reliability.md)",
+    )
     train.set_defaults(func=_train)
 
-    plot = commands.add_parser("plot", help="redraw a run's plots and summary")
+    plot = commands.add_parser("plot", parents=[common], help="redraw a run's plots and summary")
     plot.add_argument("run_dir")
     plot.set_defaults(func=_plot)
 
-    config = commands.add_parser("config", help="list every config key with its default and meaning")
+    config = commands.add_parser(
+        "config", parents=[common], help="list every config key with its default and meaning"
+    )
     config.set_defaults(func=_config)
 
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BaseException as error:
+        if args.debug or isinstance(error, SystemExit):
+            raise
+        known = classify(error)
+        if known is None:
+            raise
+        kind, message = known
+        print(f"error: {message}", file=sys.stderr)
+        return EXIT_CODES[kind]
 
 
 if __name__ == "__main__":

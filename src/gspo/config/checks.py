@@ -27,6 +27,14 @@ def validate(config: Config) -> None:
     for name, value in positive.items():
         if value < 1:
             raise ConfigError(f"{name} must be at least 1, got {value}")
+    if config.rollout.group_size < 2:
+        raise ConfigError(
+            f"rollout.group_size must be at least 2, got {config.rollout.group_size}: advantages compare "
+            "each completion with the others of its prompt's group, so with one every advantage is 0 and "
+            "nothing is learned"
+        )
+    if config.reward_timeout < 0 or config.train.warn_after_flat_steps < 0:
+        raise ConfigError("reward_timeout and train.warn_after_flat_steps must be >= 0 (0: off)")
     if config.rollout.temperature <= 0:
         raise ConfigError(f"rollout.temperature must be > 0, got {config.rollout.temperature}")
     if not 0 < config.rollout.top_p <= 1:
@@ -77,6 +85,12 @@ def validate(config: Config) -> None:
     if config.rollout.engine == "openai" and not config.rollout.server.url:
         raise ConfigError(
             'rollout.engine=openai needs rollout.server.url, the API root (e.g. "http://127.0.0.1:8000/v1")'
+        )
+    url = config.rollout.server.url
+    if url is not None and not re.match(r"https?://[^/@\s]+(/|$)", url):
+        raise ConfigError(
+            f"rollout.server.url={url!r}: give an http:// or https:// address without credentials in it "
+            '(e.g. "http://127.0.0.1:8000/v1"; the API key goes in the variable rollout.server.api_key_env)'
         )
     if config.rollout.engine == "openai" and config.rollout.temperature != 1.0:
         raise ConfigError(

@@ -12,6 +12,8 @@ import dataclasses
 import difflib
 import inspect
 import itertools
+import math
+import os
 import textwrap
 import types
 import typing
@@ -89,6 +91,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 value = float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if not math.isfinite(value):  # NaN passes every `<= 0` check
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
@@ -136,7 +140,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
-        data = yaml.safe_load(path.read_text()) or {}
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as error:
+            raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(error)}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping of config sections at the top level")
         _apply(config, data, "")
@@ -154,13 +161,31 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             try:
                 _apply(config, _nest(key, raw), "")
             except ConfigError:
+                if isinstance(error, yaml.YAMLError):
+                    raise ConfigError(
+                        f"override {override!r}: the value is not valid YAML: {_yaml_problem(error)}"
+                    ) from None
                 raise error from None
     validate(config)
     return config
 
 
+def _yaml_problem(error: Exception) -> str:
+    """A YAML error on one line: what is wrong and where."""
+    if not isinstance(error, yaml.YAMLError):
+        return f"not UTF-8 text ({error})"
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}{problem}"
+
+
 def save_config(config: Config, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    """Write the resolved config as YAML, atomically: a kill leaves the old file or the new one, whole."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(config), sort_keys=False), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def describe(cls: type = Config, indent: str = "") -> str:

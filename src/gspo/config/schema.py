@@ -166,6 +166,9 @@ class TrainConfig:
     """With old_logprobs=recompute: truncated importance sampling from the sampler to the old policy,
     each sequence's loss weighted by w_i = min(exp(mean_t (log pi_old - log pi_sampler)), cap), the
     length-normalised sequence ratio truncated at cap (e.g. 2.0). 0 disables. See docs/sampler_mismatch.md."""
+    warn_after_flat_steps: int = 10
+    """Warn (stderr and progress bar) when this many rollout batches in a row had zero reward spread in
+    every group (all advantages 0: nothing to learn), or a zero gradient norm; 0: never."""
     routing_replay: bool = False
     """Mixture-of-Experts models only: Routing Replay. The update forward passes reuse the expert choices
     recorded in the old-policy pass (gates recomputed by the current router over those experts), so the
@@ -224,6 +227,9 @@ class Config:
         default_factory=lambda: {"exact_answer": 1.0, "correct_number": 0.5, "number_format": 0.25}
     )
     """Reward functions and weights: built-in names or "file.py:function"; the first is the eval accuracy."""
+    reward_timeout: float = 600.0
+    """Seconds one call of a reward function (one rollout batch) may take; a call that hangs longer stops
+    the run with an error naming the function, after a checkpoint to resume from. 0: no limit."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Sampling of completions."""
     train: TrainConfig = field(default_factory=TrainConfig)

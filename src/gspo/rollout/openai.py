@@ -9,16 +9,19 @@ docs/rollout_servers.md describes the alignment rules, the transport and weight 
 from __future__ import annotations
 
 import contextlib
+import http.client
 import importlib.util
 import json
 import math
+import numbers
 import random
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +34,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from gspo.rollout.samplers import Rollouts, tokenize_prompts
 
 TRANSIENT_HTTP = {408, 429, 500, 502, 503, 504}
+ERROR_BODY_BYTES = 64 * 1024
+"""At most this much of an error answer is read (a short excerpt goes into the message)."""
 DEFAULT_SAMPLING = {"top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0}
 """Request fields that switch off llama.cpp's default truncations/penalties (vLLM accepts top_k/min_p too)."""
 
@@ -70,10 +75,15 @@ class OpenAIBackend:
 
     base_url: the API root, e.g. "http://127.0.0.1:8000/v1"; tokenizer: the trainer's tokenizer;
     model: the served model name (None: the server's default); max_concurrency: requests in flight;
-    timeout: seconds per request, retries included; max_retries: retries of a transient failure;
-    send_token_ids: send prompts as token ids (vLLM, SGLang) instead of text; sampling: extra request
-    fields (defaults: DEFAULT_SAMPLING); logprobs_tempered: the server's log-probs already include the
-    temperature; api_key: sent as a bearer token; weight_sync: see `sync_weights`.
+    timeout: seconds per request, retries included, a deadline on the whole exchange (a server trickling
+    bytes cannot stretch it); max_retries: retries of a transient failure; send_token_ids: send prompts as
+    token ids (vLLM, SGLang) instead of text; sampling: extra request fields (defaults: DEFAULT_SAMPLING);
+    logprobs_tempered: the server's log-probs already include the temperature; api_key: sent as a bearer
+    token, to base_url's server only (redirects are not followed; the key is kept out of repr and
+    messages); weight_sync: see `sync_weights`; max_response_bytes: a larger answer is refused.
+
+    The transport speaks plain HTTP(S) to base_url's host (no proxy) with http.client; an answer that is
+    not the JSON object of a completion is a ServerError with the URL and an excerpt.
     """
 
     base_url: str
@@ -85,19 +95,33 @@ class OpenAIBackend:
     send_token_ids: bool = False
     sampling: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_SAMPLING))
     logprobs_tempered: bool = False
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     weight_sync: WeightSync | None = None
     misaligned: Literal["raise", "resample"] = "raise"
     resampled: int = 0
     """Samples drawn again because they could not be aligned (with misaligned="resample")."""
     current: bool = False
     """An external engine: its log-probs are not the trainer's own (other kernels, dtype, quantisation)."""
+    max_response_bytes: int = 128 * 2**20
+
+    def __post_init__(self) -> None:
+        parts = urllib.parse.urlsplit(self.base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(
+                f"base_url={self.base_url!r}: only http:// and https:// server addresses are supported "
+                '(e.g. "http://127.0.0.1:8000/v1")'
+            )
+        if parts.username is not None or parts.password is not None:
+            raise ValueError(
+                "base_url holds credentials (user:password@): pass the key as api_key instead, which is "
+                "kept out of messages"
+            )
 
     # ---- transport ----------------------------------------------------------------------------------
     def post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         """POST JSON to base_url + path, retrying transient failures within `timeout` seconds."""
         url = self.base_url.rstrip("/") + path
-        headers = {"Content-Type": "application/json"}
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         data = json.dumps(payload).encode()
@@ -109,17 +133,23 @@ class OpenAIBackend:
             if remaining <= 0 or attempt > self.max_retries:
                 break
             attempt += 1
-            request = urllib.request.Request(url, data=data, headers=headers, method="POST")
             try:
-                with urllib.request.urlopen(request, timeout=remaining) as response:
-                    return json.loads(response.read())
-            except urllib.error.HTTPError as error:
-                body = error.read().decode(errors="replace")[:500]
-                if error.code not in TRANSIENT_HTTP:
-                    raise ServerError(f"{url} rejected the request: HTTP {error.code}: {body}") from None
-                last = f"HTTP {error.code}: {body}"
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as error:
-                last = f"{type(error).__name__}: {getattr(error, 'reason', error)}"
+                status, location, body = self._exchange(url, data, headers, remaining)
+            except (ConnectionError, TimeoutError, OSError, http.client.HTTPException) as error:
+                last = f"{type(error).__name__}: {self._redact(str(error))}"
+            else:
+                if 200 <= status < 300:
+                    return self._json(url, body)
+                if 300 <= status < 400:
+                    target = urllib.parse.urlsplit(urllib.parse.urljoin(url, location or ""))
+                    raise ServerError(
+                        f"{url} redirected the request (HTTP {status}) to {target.scheme}://{target.netloc}: "
+                        "redirects are not followed (the API key would go along); set the server URL to "
+                        "the address that answers"
+                    )
+                if status not in TRANSIENT_HTTP:
+                    raise ServerError(f"{url} rejected the request: HTTP {status}: {self._excerpt(body)}")
+                last = f"HTTP {status}: {self._excerpt(body)}"
             # exponential backoff with jitter, never past the deadline
             pause = min(0.25 * 2 ** (attempt - 1), 8.0) * (0.5 + random.random() / 2)
             time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
@@ -127,6 +157,75 @@ class OpenAIBackend:
             f"{url}: no answer after {attempt} attempt(s) in {self.timeout:.0f}s (last error: {last}). "
             "Is the server running at that address, and serving this model?"
         )
+
+    def _exchange(
+        self, url: str, data: bytes, headers: dict[str, str], seconds: float
+    ) -> tuple[int, str | None, bytes]:
+        """One POST: (status, Location header, body). A watchdog shuts the socket down at the deadline,
+        so no read outlives it however slowly the server sends; an answer over the size limit is refused
+        as soon as it is known to be."""
+        parts = urllib.parse.urlsplit(url)
+        kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        connection = kind(parts.hostname, parts.port, timeout=seconds)
+        expired = threading.Event()
+
+        def expire() -> None:
+            expired.set()
+            with contextlib.suppress(OSError):
+                if connection.sock is not None:
+                    connection.sock.shutdown(socket.SHUT_RDWR)
+
+        watchdog = threading.Timer(seconds, expire)
+        watchdog.daemon = True
+        watchdog.start()
+        target = parts.path + (f"?{parts.query}" if parts.query else "")
+        try:
+            connection.request("POST", target or "/", body=data, headers=headers)
+            response = connection.getresponse()
+            ok = 200 <= response.status < 300
+            limit = self.max_response_bytes if ok else ERROR_BODY_BYTES
+            declared = response.getheader("Content-Length")
+            if ok and declared is not None and declared.isdigit() and int(declared) > limit:
+                raise ServerError(
+                    f"{url}: the answer is {int(declared):,} bytes, over max_response_bytes={limit:,}"
+                )
+            chunks, size = [], 0
+            while size <= limit and (chunk := response.read(min(65536, limit + 1 - size))):
+                chunks.append(chunk)
+                size += len(chunk)
+            if ok and size > limit:
+                raise ServerError(f"{url}: the answer is over max_response_bytes={limit:,} bytes")
+            if expired.is_set():
+                raise TimeoutError(f"no complete answer within the {seconds:.1f}s left of the deadline")
+            return response.status, response.getheader("Location"), b"".join(chunks)[:limit]
+        except (OSError, http.client.HTTPException):
+            if expired.is_set():
+                raise TimeoutError(
+                    f"no complete answer within the {seconds:.1f}s left of the deadline"
+                ) from None
+            raise
+        finally:
+            watchdog.cancel()
+            connection.close()
+
+    def _redact(self, text: str) -> str:
+        return text.replace(self.api_key, "***") if self.api_key else text
+
+    def _excerpt(self, body: bytes) -> str:
+        text = " ".join(body[:2000].decode(errors="replace").split())
+        text = self._redact(text)
+        return repr(text[:200] + ("..." if len(text) > 200 else ""))
+
+    def _json(self, url: str, body: bytes) -> dict[str, Any]:
+        try:
+            answer = json.loads(body)
+        except ValueError:  # HTML error pages, truncated or binary bodies
+            raise ServerError(f"{url}: the answer is not JSON: {self._excerpt(body)}") from None
+        if not isinstance(answer, dict):
+            raise ServerError(
+                f"{url}: the answer is a JSON {type(answer).__name__}, not an object: {self._excerpt(body)}"
+            )
+        return answer
 
     # ---- sampling -----------------------------------------------------------------------------------
     def generate(
@@ -169,11 +268,10 @@ class OpenAIBackend:
                 if self.model is not None:
                     payload["model"] = self.model
                 response = self.post("/completions", payload)
-                choices = sorted(response.get("choices") or [], key=lambda c: c.get("index", 0))
-                if not choices:
-                    raise ServerError(f"{self.base_url}: a completion response had no choices: {response}")
+                choices = self._choices(response)
                 if not self.send_token_ids and len(choices) == 1:
-                    self._check_prompt(j, prompt_ids[j], response.get("usage") or {})
+                    usage = response.get("usage")
+                    self._check_prompt(j, prompt_ids[j], usage if isinstance(usage, dict) else {})
                 attempt += 1
                 for choice in choices[: group_size - len(out)]:
                     try:
@@ -195,6 +293,36 @@ class OpenAIBackend:
                 rollouts.truncated.append(truncated)
                 rollouts.completions.append(text)
         return rollouts
+
+    def _choices(self, response: dict[str, Any]) -> list[dict[str, Any]]:
+        """The response's choices in index order, each checked to have the shape `_align` reads."""
+        url = self.base_url.rstrip("/") + "/completions"
+
+        def malformed(what: str, value: Any) -> ServerError:
+            excerpt = self._excerpt(json.dumps(value, default=str).encode())
+            return ServerError(f"{url}: malformed completion answer: {what}: {excerpt}")
+
+        choices = response.get("choices")
+        if not isinstance(choices, list) or not choices:
+            raise malformed("no list of choices", response)
+        for choice in choices:
+            if not isinstance(choice, dict) or not isinstance(choice.get("index", 0), int):
+                raise malformed("a choice is not an object with an integer index", choice)
+            if not isinstance(choice.get("text") or "", str):
+                raise malformed("a choice's text is not a string", choice)
+            logprobs = choice.get("logprobs")
+            if logprobs is None:
+                continue  # reported by _align
+            if not isinstance(logprobs, dict) or not all(
+                _list_of(logprobs.get(key), kind)
+                for key, kind in (("tokens", str), ("token_logprobs", "number"), ("text_offset", int))
+            ):
+                raise malformed("a choice's logprobs are not lists of tokens, numbers and offsets", choice)
+            tokens = logprobs.get("tokens")
+            bad = [t for t in tokens or () if t.startswith("token_id:") and not t[9:].isdigit()]
+            if bad:
+                raise malformed(f"token {bad[0]!r} is no token id", choice)
+        return sorted(choices, key=lambda c: c.get("index", 0))
 
     def _check_prompt(self, j: int, prompt_ids: list[int], usage: dict[str, Any]) -> None:
         counted = usage.get("prompt_tokens")
@@ -271,6 +399,17 @@ class OpenAIBackend:
         """Hand the trainer's current weights to the server (no-op without a `weight_sync`)."""
         if self.weight_sync is not None:
             self.weight_sync(model, tokenizer, step)
+
+
+def _list_of(value: Any, kind: type | str) -> bool:
+    """None, or a list of `kind` (a "number" is a real or None: servers send null for unknown log-probs)."""
+    if value is None:
+        return True
+    if kind == "number":
+        return isinstance(value, list) and all(
+            v is None or (isinstance(v, numbers.Real) and not isinstance(v, bool)) for v in value
+        )
+    return isinstance(value, list) and all(isinstance(v, kind) and not isinstance(v, bool) for v in value)
 
 
 # ---- a local llama.cpp server (tests, benchmarks) ----------------------------------------------------------

@@ -2,7 +2,10 @@
 
 A reward function takes ``(prompts, completions, **fields)`` (lists aligned with one another; every
 ``Example.fields`` key arrives as a keyword list) and returns one float per completion. Functions accept
-``**_`` so that fields meant for other functions pass through.
+``**_`` so that fields meant for other functions pass through. A function may carry a
+``validate_example(fields)`` attribute raising ValueError for an example it cannot score (``correct_number``:
+an answer that is not a number); the trainer calls it on every example at start-up. ``with_timeout`` gives
+each call a deadline (the trainer's ``reward_timeout``).
 
 Numbers in completions (``correct_number``, ``number_format``) are decimal: an optional ``-``, digits, an
 optional fraction (``3.5``; ``.5`` and ``3.`` are not fractions), and thousands written either plainly
@@ -15,12 +18,14 @@ exactly with :class:`decimal.Decimal`, so ``"12.0"`` equals ``12``. Scientific n
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import importlib.util
 import math
 import numbers
 import re
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from decimal import Decimal
 from pathlib import Path
@@ -37,6 +42,7 @@ __all__ = [
     "exact_answer",
     "number_format",
     "resolve_reward",
+    "with_timeout",
 ]
 
 RewardFunction = Callable[..., list[float]]
@@ -46,6 +52,7 @@ _NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?"
 # misread as 5 (it is not read at all).
 _NUMBER_IN_TEXT = re.compile(rf"(?<![\d.]){_NUMBER}")
 _BARE_NUMBER = re.compile(rf"{_NUMBER}\.?")
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 class RewardError(RuntimeError):
@@ -90,6 +97,22 @@ def correct_number(prompts: list[str], completions: list[str], *, answer: list[A
     return rewards
 
 
+def _check_number_answer(fields: dict[str, Any]) -> None:
+    if "answer" not in fields:
+        raise ValueError("no field 'answer'")
+    _answer_value(fields["answer"])
+
+
+def _check_has_answer(fields: dict[str, Any]) -> None:
+    if "answer" not in fields:
+        raise ValueError("no field 'answer'")
+
+
+# Checked on every example at start-up (a reward function may carry its own `validate_example`): a bad
+# answer is found before training, not when its row is first drawn.
+correct_number.validate_example = _check_number_answer  # type: ignore[attr-defined]
+
+
 def exact_answer(prompts: list[str], completions: list[str], *, answer: list[Any], **_: Any) -> list[float]:
     """1.0 where the completion, stripped of whitespace and one trailing period, is the answer; else 0.0.
 
@@ -129,6 +152,8 @@ def digit_fraction(prompts: list[str], completions: list[str], **_: Any) -> list
     return out
 
 
+exact_answer.validate_example = _check_has_answer  # type: ignore[attr-defined]
+
 BUILTIN_REWARDS: dict[str, RewardFunction] = {
     "correct_number": correct_number,
     "exact_answer": exact_answer,
@@ -146,6 +171,8 @@ def _call_one(
 ) -> list[float]:
     try:
         return function(prompts, completions, **fields)
+    except RewardError:  # a timeout: calling it again per sample would only hang again
+        raise
     except Exception as batch_error:
         # The batch call does not say which sample broke it: retry one sample at a time to find out.
         for index in range(len(completions)):
@@ -180,6 +207,12 @@ def _check_values(name: str, values: Any, completions: list[str]) -> list[float]
             raise RewardError(
                 f"reward function {name!r} returned {value!r} at sample {index} "
                 f"(completion {_excerpt(completions[index])}); rewards must be finite numbers"
+            )
+        if abs(value) > _FLOAT32_MAX:
+            raise RewardError(
+                f"reward function {name!r} returned {value!r} at sample {index} "
+                f"(completion {_excerpt(completions[index])}), beyond float32's range (about 3.4e38), "
+                "in which rewards are combined; return smaller values"
             )
     return [float(value) for value in values]
 
@@ -222,7 +255,49 @@ def compute_rewards(
         rewards = torch.tensor(values, dtype=torch.float32)
         per_function[name] = rewards
         total += float(weight) * rewards
+    if not torch.isfinite(total).all():
+        raise RewardError(
+            f"the weighted sum of the rewards {names} overflows float32 at sample "
+            f"{int((~torch.isfinite(total)).nonzero()[0])}: lower the weights or the rewards"
+        )
     return total, per_function
+
+
+def with_timeout(function: RewardFunction, seconds: float, name: str) -> RewardFunction:
+    """``function`` with a deadline of ``seconds`` per call (0: none): a call still running then raises
+    RewardError.
+
+    Python cannot stop a running function from outside, so each call runs in a daemon thread that is
+    abandoned at the deadline: it ends with the process (the run stops with the error, after a
+    checkpoint). A function that needs the main thread (signal handlers) needs ``seconds=0``.
+    """
+    if not seconds:
+        return function
+
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        outcome: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                outcome["value"] = function(*args, **kwargs)
+            except BaseException as error:  # handed to the caller's thread
+                outcome["error"] = error
+
+        thread = threading.Thread(target=target, name=f"gspo-reward-{name}", daemon=True)
+        thread.start()
+        thread.join(seconds)
+        if thread.is_alive():
+            raise RewardError(
+                f"reward function {name!r} did not return within {seconds:g} s (reward_timeout): it may "
+                "hang (a network call, a subprocess, an endless loop); fix it, or raise reward_timeout "
+                "if it needs longer"
+            )
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
+
+    return call
 
 
 def resolve_reward(name_or_path: str) -> RewardFunction:

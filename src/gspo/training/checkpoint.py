@@ -1,15 +1,23 @@
 """Resumable checkpoints: model (or LoRA adapter), optimizer, scheduler, RNG states, step, data position.
 
-Layout: RUN_DIR/checkpoints/step_000010/{model/, trainer_state.pt} and RUN_DIR/checkpoints/latest
-(the name of the newest complete checkpoint). A checkpoint is written into a temporary folder and renamed
-into place, and `latest` is replaced atomically after that, so a SIGKILL at any moment leaves the previous
-checkpoint intact and `latest` pointing at a complete one.
+Layout: RUN_DIR/checkpoints/step_000010/{model/, trainer_state.pt, config.yaml} and RUN_DIR/checkpoints/latest
+(the name of the newest complete checkpoint). A checkpoint is written into a temporary folder, synced, and
+renamed into place; `latest` is replaced atomically after that. A re-save of an existing step moves the
+complete copy aside (``.old_step_...``) and only deletes it once the new copy is in place, so a SIGKILL at
+any moment leaves a complete checkpoint that `latest_checkpoint` finds (docs/reliability.md).
+
+The training state holds tensors and plain data only (numpy's and Python's RNG states are converted), and
+is read back with ``torch.load(weights_only=True)``: a planted pickle is refused, never executed.
 """
 
 from __future__ import annotations
 
+import errno
+import io
 import os
+import pickle
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -17,13 +25,35 @@ from typing import Any
 import numpy as np
 import torch
 
+from gspo.config import Config, save_config
 from gspo.models import save_model
+
+LATEST = "latest"
+STATE_FILE = "trainer_state.pt"
+CONFIG_FILE = "config.yaml"
+_NAME = re.compile(r"step_\d{6,}")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be trusted or read: altered, corrupt, or not written by gspo."""
 
 
 def rng_state() -> dict[str, Any]:
-    """Every RNG a run draws from: torch (CPU, and this process's current GPU once CUDA is in use; each
-    torchrun rank saves its own), Python, numpy."""
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """Every RNG a run draws from, as tensors and plain data: torch (CPU, and this process's current GPU
+    once CUDA is in use; each torchrun rank saves its own), Python, numpy."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": {"version": version, "internal": list(internal), "gauss_next": gauss},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -31,48 +61,145 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    python = state["python"]
+    random.setstate((python["version"], tuple(python["internal"]), python["gauss_next"]))
+    numpy = state["numpy"]
+    keys = numpy["keys"].numpy().astype(np.uint32)
+    np.random.set_state((numpy["kind"], keys, numpy["pos"], numpy["has_gauss"], numpy["cached_gaussian"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])  # the current GPU: the trainer selects it first
 
 
+def _sync(path: Path) -> None:
+    """fsync a file or folder, so that a rename after it never exposes unwritten data (power loss)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_tree(root: Path) -> None:
+    for folder, _, files in os.walk(root):
+        for name in files:
+            _sync(Path(folder) / name)
+        _sync(Path(folder))
+
+
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
     os.replace(tmp, path)
 
 
+def _disk_full(root: Path) -> bool:
+    try:
+        return shutil.disk_usage(root).free < 16 * 2**20
+    except OSError:
+        return False
+
+
 def save_checkpoint(
-    run_dir: str | Path, step: int, *, model: Any, tokenizer: Any, state: dict[str, Any], keep: int = 1
+    run_dir: str | Path,
+    step: int,
+    *,
+    model: Any,
+    tokenizer: Any,
+    state: dict[str, Any],
+    keep: int = 1,
+    config: Config | None = None,
 ) -> Path:
-    """Write checkpoint `step` (model + `state`, a dict of picklable trainer state) and prune old ones."""
+    """Write checkpoint `step` (model, `state`: tensors and plain data, and the run's resolved `config`),
+    then prune all but the newest `keep` ones."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:06d}"
-    tmp = root / f".tmp_step_{step:06d}"
+    name = f"step_{step:06d}"
+    final, tmp, aside = root / name, root / f".tmp_{name}", root / f".old_{name}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_model(model, tokenizer, tmp / "model")
-    torch.save({**state, "step": step}, tmp / "trainer_state.pt")
-    shutil.rmtree(final, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        save_model(model, tokenizer, tmp / "model")
+        buffer = io.BytesIO()
+        torch.save({**state, "step": step}, buffer)
+        (tmp / STATE_FILE).write_bytes(buffer.getbuffer())
+        if config is not None:
+            save_config(config, tmp / CONFIG_FILE)
+        _sync_tree(tmp)
+    except Exception as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        # torch and safetensors report a full disk as a bare "write failed": say what it is
+        if not (isinstance(error, OSError) and error.errno) and _disk_full(root):
+            raise OSError(errno.ENOSPC, f"No space left on device ({error})", str(root)) from error
+        raise
+    if final.exists():  # a re-save: keep the complete copy until the new one is in place
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
     os.replace(tmp, final)
-    _atomic_write(root / "latest", final.name)
-    complete = sorted(p for p in root.glob("step_*") if p.is_dir())
-    for old in complete[:-keep]:
+    _sync(root)
+    _atomic_write(root / LATEST, name)
+    complete = sorted((p for p in root.iterdir() if _NAME.fullmatch(p.name) and p.is_dir()), key=_step_of)
+    leftovers = [p for p in root.iterdir() if p.name.startswith((".tmp_", ".old_")) and p.is_dir()]
+    for old in [*complete[:-keep], *leftovers]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
+def _step_of(path: Path) -> int:
+    return int(path.name.removeprefix("step_"))
+
+
+def is_complete(checkpoint: Path) -> bool:
+    """The training state and the model's (or LoRA adapter's) config and safetensors weights are there."""
+    model = checkpoint / "model"
+    weights = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")
+    return (
+        (checkpoint / STATE_FILE).is_file()
+        and ((model / "config.json").is_file() or (model / "adapter_config.json").is_file())
+        and any((model / w).is_file() for w in weights)
+    )
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint of a run, or None."""
-    pointer = Path(run_dir) / "checkpoints" / "latest"
-    if not pointer.is_file():
-        return None
-    path = pointer.parent / pointer.read_text().strip()
-    return path if (path / "trainer_state.pt").is_file() else None
+    """The newest complete checkpoint of a run, or None.
+
+    The one `latest` names (or its copy moved aside by an interrupted re-save); without a `latest`, or when
+    it names a checkpoint that is gone, the newest complete ``step_*`` folder. A `latest` that holds
+    anything but a checkpoint name (``step_NNNNNN``) is refused: it was altered.
+    """
+    root = Path(run_dir) / "checkpoints"
+    pointer = root / LATEST
+    candidates: list[Path] = []
+    if pointer.is_file():
+        name = pointer.read_text().strip()
+        if not _NAME.fullmatch(name):
+            raise CheckpointError(
+                f"{pointer} holds {name[:80]!r}, not a checkpoint name (step_NNNNNN): it was altered; "
+                f"write the name of a folder in {root} into it, or delete it to use the newest one"
+            )
+        candidates += [root / name, root / f".old_{name}"]
+    if root.is_dir():
+        candidates += sorted(
+            (p for p in root.iterdir() if _NAME.fullmatch(p.name)), key=_step_of, reverse=True
+        )
+    return next((p for p in candidates if p.is_dir() and is_complete(p)), None)
 
 
 def load_trainer_state(checkpoint: str | Path) -> dict[str, Any]:
-    # the state holds RNG tuples and numpy arrays besides tensors: our own file, so full unpickling is safe
-    return torch.load(Path(checkpoint) / "trainer_state.pt", weights_only=False)
+    """A checkpoint's training state: tensors and plain data only (``weights_only=True``), never code."""
+    path = Path(checkpoint) / STATE_FILE
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(
+            f"{path} holds more than tensors and plain data (a pickled object), so it is not loaded: "
+            "gspo never writes such a file; it was altered, or written by a gspo older than its "
+            f"safe-checkpoint format (start a new run from {Path(checkpoint) / 'model'} instead) "
+            f"[{str(error).splitlines()[0][:200]}]"
+        ) from None
+    except (RuntimeError, EOFError) as error:
+        raise CheckpointError(
+            f"{path} cannot be read, it is truncated or corrupt ({str(error).splitlines()[0][:200]})"
+        ) from error

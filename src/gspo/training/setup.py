@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import math
 import os
+import shutil
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime
@@ -22,11 +24,20 @@ from gspo.models import add_lora, is_lora, load_model
 from gspo.parallel.collectives import broadcast_object
 from gspo.parallel.group import is_main
 from gspo.parallel.wrap import compute_dtype, full_parameters, wrap_model
-from gspo.rollout.data import TASKS, Example, arithmetic_task, load_examples, split_eval
+from gspo.rollout.data import (
+    TASKS,
+    DataError,
+    Example,
+    arithmetic_task,
+    format_prompt,
+    load_examples,
+    split_eval,
+)
 from gspo.rollout.openai import OpenAIBackend
-from gspo.rollout.rewards import RewardFunction, resolve_reward
-from gspo.rollout.samplers import HFSampler, Sampler
-from gspo.training.checkpoint import latest_checkpoint
+from gspo.rollout.rewards import RewardFunction, resolve_reward, with_timeout
+from gspo.rollout.samplers import HFSampler, Sampler, tokenize_prompts
+from gspo.training.checkpoint import CheckpointError, latest_checkpoint
+from gspo.training.resume import RUN_FILES, RUN_MARKER, RunFolderError, check_resume_config
 
 
 def build_examples(config: Config) -> tuple[list[Example], list[Example]]:
@@ -65,9 +76,71 @@ def resolve_rewards(
     weights = dict(config.rewards)
     for name in custom:
         weights.setdefault(name, 1.0)
-    return [
-        (name, custom[name] if name in custom else resolve_reward(name), w) for name, w in weights.items()
-    ]
+    resolved = []
+    for name, weight in weights.items():
+        try:
+            function = custom[name] if name in custom else resolve_reward(name)
+        except (ValueError, TypeError, ImportError, FileNotFoundError) as error:  # unknown name, no file, ...
+            raise ConfigError(f"rewards.{name}: {error}") from error
+        except Exception as error:  # the reward file itself fails when imported
+            raise ConfigError(
+                f"rewards.{name}: importing it raised {type(error).__name__}: {error}"
+            ) from error
+        resolved.append((name, with_timeout(function, config.reward_timeout, name), weight))
+    return resolved
+
+
+def check_examples(rewards: list[tuple[str, RewardFunction, float]], examples: list[Example]) -> None:
+    """Every example has the fields each reward function needs (its keyword-only parameters without a
+    default) and passes the function's own `validate_example`, if any: found at start-up, not when the
+    row is first drawn."""
+    for name, function, _ in rewards:
+        try:
+            parameters = inspect.signature(function).parameters.values()
+        except (TypeError, ValueError):  # some callables have no signature to read
+            parameters = []
+        needed = [p.name for p in parameters if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+        validate = getattr(function, "validate_example", None)
+        for index, example in enumerate(examples):
+            where = example.source or f"example {index} ({example.prompt[:60]!r})"
+            missing = [field for field in needed if field not in example.fields]
+            if missing:
+                raise DataError(
+                    f"{where}: reward {name!r} needs the field(s) {missing}, and the example has "
+                    f"{sorted(example.fields)} (set task.answer_fields)"
+                )
+            if validate is not None:
+                try:
+                    validate(example.fields)
+                except ValueError as error:
+                    raise DataError(f"{where}: {error}, which reward {name!r} cannot use") from None
+
+
+def check_prompt_lengths(
+    config: Config, tokenizer: Any, model: torch.nn.Module, train: list[Example], held_out: list[Example]
+) -> None:
+    """Every prompt (with the chat template) plus the completion length fits the model's context."""
+    context = getattr(model.config, "max_position_embeddings", None)
+    if not context:
+        return
+    for examples, budget, key in (
+        (train, config.rollout.max_new_tokens, "rollout.max_new_tokens"),
+        (held_out, config.eval.max_new_tokens, "eval.max_new_tokens"),
+    ):
+        prompts = [
+            format_prompt(tokenizer, ex.prompt, system_prompt=config.task.system_prompt) for ex in examples
+        ]
+        lengths = [len(ids) for ids in tokenize_prompts(tokenizer, prompts)] if prompts else []
+        too_long = [i for i, n in enumerate(lengths) if n + budget > context]
+        if too_long:
+            i = too_long[0]
+            where = examples[i].source or f"example {examples[i].prompt[:60]!r}"
+            others = f" ({len(too_long) - 1} more prompts are too long)" if len(too_long) > 1 else ""
+            raise DataError(
+                f"{where}: the prompt is {lengths[i]} tokens with the chat template, + {key}={budget} = "
+                f"{lengths[i] + budget} > the model's context of {context} tokens{others}: shorten or drop "
+                f"it, or lower {key}"
+            )
 
 
 def lr_schedule(config: Config, total_updates: int) -> Callable[[int], float]:
@@ -85,26 +158,72 @@ def lr_schedule(config: Config, total_updates: int) -> Callable[[int], float]:
     return factor
 
 
-def setup_run_dir(config: Config, resume: str | Path | None) -> tuple[Path, Path | None]:
-    """The run folder and, when resuming, its latest checkpoint; a new folder must hold no run yet."""
+def setup_run_dir(
+    config: Config, resume: str | Path | None, *, force: bool = False
+) -> tuple[Path, Path | None]:
+    """The run folder and, when resuming, its latest checkpoint (the config checked against the one it
+    was trained with: gspo.training.resume).
+
+    A new run needs an empty or new folder, or one of gspo's own runs stopped before its first
+    checkpoint (which restarts from scratch); resuming such a run restarts it the same way.
+    """
     if resume is not None:
         run_dir = Path(resume)
         checkpoint = latest_checkpoint(run_dir)
-        if checkpoint is None:
-            raise FileNotFoundError(
-                f"no complete checkpoint in {run_dir}/checkpoints: start a new run instead"
+        if checkpoint is not None:
+            check_resume_config(checkpoint, config, force=force)
+            return run_dir, checkpoint
+        if not (run_dir / RUN_MARKER).is_file():
+            raise RunFolderError(
+                f"{run_dir} holds no gspo run to resume (no checkpoint in {run_dir / 'checkpoints'}): "
+                "start a new run instead"
             )
-        return run_dir, checkpoint
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    # rank 0's name: the ranks' clocks may straddle a second
-    run_dir = Path(broadcast_object(config.output_dir or f"runs/{config.train.objective}-{stamp}"))
-    if latest_checkpoint(run_dir) is not None:
-        raise FileExistsError(
-            f"{run_dir} already holds a run: continue it with `gspo train --resume {run_dir}` or choose another output_dir"
-        )
+    else:
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        # rank 0's name: the ranks' clocks may straddle a second
+        run_dir = Path(broadcast_object(config.output_dir or f"runs/{config.train.objective}-{stamp}"))
+        # rank 0 decides, before anyone writes: the others would see its first files
+        refusal = broadcast_object(_new_run_refusal(run_dir) if is_main() else None)
+        if refusal is not None:
+            raise RunFolderError(refusal)
     if is_main():
-        run_dir.mkdir(parents=True, exist_ok=True)
+        _start_fresh(run_dir)
     return run_dir, None
+
+
+def _new_run_refusal(run_dir: Path) -> str | None:
+    if run_dir.exists() and not run_dir.is_dir():
+        return f"output_dir={str(run_dir)!r} is a file, not a folder: choose another output_dir"
+    try:
+        latest = latest_checkpoint(run_dir)
+    except CheckpointError as error:
+        return str(error)
+    if latest is not None:
+        return (
+            f"{run_dir} already holds a run: continue it with `gspo train --resume {run_dir}` or choose "
+            "another output_dir"
+        )
+    if run_dir.is_dir() and any(run_dir.iterdir()) and not (run_dir / RUN_MARKER).is_file():
+        found = sorted(p.name for p in run_dir.iterdir())
+        return (
+            f"{run_dir} is not empty and is not a gspo run (it holds {found[:5]}"
+            f"{' ...' if len(found) > 5 else ''}): choose a new or empty output_dir; gspo overwrites "
+            "nothing it did not write"
+        )
+    return None
+
+
+def _start_fresh(run_dir: Path) -> None:
+    """Create the run folder with its marker; a gspo run stopped before its first checkpoint loses the
+    files it wrote, so that the new run's metrics start clean."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for name in RUN_FILES:
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+    (run_dir / RUN_MARKER).write_text("a gspo run folder: gspo train writes here, --resume continues it\n")
 
 
 def setup_model(config: Config, checkpoint: Path | None) -> tuple[Any, Any]:

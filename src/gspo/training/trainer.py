@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import sys
 import time
 import warnings
 from collections.abc import Mapping
@@ -42,27 +43,18 @@ from gspo.parallel.group import (
     shutdown,
     world_size,
 )
-from gspo.parallel.state import (
-    load_optimizer_state,
-    optimizer_state,
-    rank_states,
-    resume_rank_state,
-    savable_model,
-)
+from gspo.parallel.state import optimizer_state, rank_states, savable_model
 from gspo.rollout.data import Example, PromptStream, batch_fields, format_prompt
 from gspo.rollout.rewards import RewardError, RewardFunction, compute_rewards
 from gspo.rollout.samplers import HFSampler, Sampler
 from gspo.rollout.trajectories import TrajectoryGroup, trajectory_samples
-from gspo.training.checkpoint import (
-    latest_checkpoint,
-    load_trainer_state,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-)
+from gspo.training.checkpoint import latest_checkpoint, load_trainer_state, rng_state, save_checkpoint
 from gspo.training.metrics import MetricsLogger, SilentLogger
+from gspo.training.resume import restore_state, resume_config
 from gspo.training.setup import (
     build_examples,
+    check_examples,
+    check_prompt_lengths,
     choose_layout,
     generating,
     resolve_old_logprobs,
@@ -72,12 +64,14 @@ from gspo.training.setup import (
     setup_run_dir,
     setup_sampler,
 )
+from gspo.training.stalls import StallWatch
 
 
 class Trainer:
     """A run: its config and folder, the policy, the sampler, the prompt stream, the step counter, the logger.
 
     ``sampler``: a `Sampler` of your own (e.g. an OpenAIBackend with weight sync) instead of rollout.engine's.
+    ``force``: resume even when ``config`` changes keys the checkpoint was trained with (gspo.training.resume).
     """
 
     def __init__(
@@ -87,13 +81,16 @@ class Trainer:
         reward_functions: Mapping[str, RewardFunction] | None = None,
         resume: str | Path | None = None,
         sampler: Sampler | None = None,
+        force: bool = False,
     ) -> None:
         self.config = config
         self.device = resolve_device(config.device)
         init_from_env(config.distributed, self.device)  # under torchrun: join the process group
         self.rewards = resolve_rewards(config, reward_functions)
         self.train_examples, self.eval_examples = build_examples(config)
-        self.run_dir, checkpoint = setup_run_dir(config, resume)
+        check_examples(self.rewards, self.train_examples + self.eval_examples)
+        self.run_dir, checkpoint = setup_run_dir(config, resume, force=force)
+        self.resumed = checkpoint is not None
         if is_main():
             save_config(config, self.run_dir / "config.yaml")
 
@@ -103,6 +100,7 @@ class Trainer:
         np.random.seed(config.seed)
         model, self.tokenizer = setup_model(config, checkpoint)
         model = model.to(self.device)
+        check_prompt_lengths(config, self.tokenizer, model, self.train_examples, self.eval_examples)
         layout = choose_layout(config, model, self.tokenizer.pad_token_id)  # the plain model, before wrapping
         self.policy = setup_policy(config, model, self.device, resumed=checkpoint is not None)
         validate_setup(config, num_processes=world_size(), is_moe=self.policy.moe)
@@ -117,13 +115,7 @@ class Trainer:
         self.stream = PromptStream(self.train_examples, config.rollout.prompts_per_step, seed=config.seed)
         self.step = 0
         if checkpoint is not None:
-            state = load_trainer_state(checkpoint)
-            load_optimizer_state(self.policy.model, self.policy.optimizer, state["optimizer"])
-            self.policy.scheduler.load_state_dict(state["scheduler"])
-            mine = resume_rank_state(state)  # this rank's RNG streams and data position
-            self.stream.load_state_dict(mine["stream"])
-            set_rng_state(mine["rng"])
-            self.step = state["step"]
+            self.step = restore_state(checkpoint, self.policy, self.stream, config)
         if is_main():
             self.logger = MetricsLogger(
                 self.run_dir, tensorboard=config.tensorboard, resume_step=self.step if checkpoint else None
@@ -276,16 +268,17 @@ class Trainer:
         if is_main():
             save_checkpoint(
                 self.run_dir, self.step, model=model, tokenizer=self.tokenizer, state=state,
-                keep=self.config.checkpoint.keep,
+                keep=self.config.checkpoint.keep, config=self.config,
             )  # fmt: skip
         barrier()  # complete before any rank goes on
         return latest_checkpoint(self.run_dir)
 
     def run(self) -> dict[str, Any]:
         cfg = self.config
-        if self.step == 0:
+        if self.step == 0 and not self.resumed:  # a resumed step-0 checkpoint has both already
             self._log_eval()
             self.checkpoint()  # step 0: a resumable point exists before any update
+        stalls = StallWatch(cfg.train.warn_after_flat_steps, cfg.rollout.prompts_per_step)
         show = cfg.progress and is_main()
         bar = tqdm(total=cfg.train.steps, initial=self.step, disable=not show, desc="gspo", unit="step")
         while self.step < cfg.train.steps:
@@ -299,11 +292,14 @@ class Trainer:
                     self.checkpoint(rng=start_rng, stream=start_stream)
                 raise
             self.logger.log(self.step, metrics)
+            for warning in stalls.update(self.step, metrics):
+                if is_main():
+                    tqdm.write(f"warning: {warning}", file=sys.stderr)
             bar.update(1)
             bar.set_postfix(
                 reward=f"{metrics['reward_mean']:.3f}", clip=f"{metrics.get('clip_frac_token', 0.0):.3f}",
                 gen=f"{metrics['time_rollout']:.1f}s", old=f"{metrics['time_old_logprobs']:.1f}s",
-                upd=f"{metrics['time_update']:.1f}s",
+                upd=f"{metrics['time_update']:.1f}s", **stalls.postfix(),
             )  # fmt: skip
             last = self.step == cfg.train.steps
             if last or (cfg.eval.every and self.step % cfg.eval.every == 0):
@@ -352,17 +348,21 @@ def train(
     overrides: list[str] | tuple[str, ...] = (),
     reward_functions: Mapping[str, RewardFunction] | None = None,
     resume: str | Path | None = None,
+    force: bool = False,
 ) -> dict[str, Any]:
     """Run GSPO training; returns the run folder and the first/last eval accuracy.
+
+    ``resume``: continue that run folder (its config.yaml plus ``overrides``; ``force`` allows changes
+    beyond gspo.training.resume.RESUMABLE).
 
     >>> from gspo import train, load_config
     >>> result = train(load_config("configs/tiny.yaml"), reward_functions={"mine": my_reward})  # doctest: +SKIP
     """
     if resume is not None:
-        config = load_config(Path(resume) / "config.yaml", overrides)
+        config = resume_config(resume, overrides)
     elif config is None or isinstance(config, (str, Path)):
         config = load_config(config, overrides)
     try:
-        return Trainer(config, reward_functions=reward_functions, resume=resume).run()
+        return Trainer(config, reward_functions=reward_functions, resume=resume, force=force).run()
     finally:
         shutdown()  # only if the Trainer created the process group

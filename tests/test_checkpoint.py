@@ -1,0 +1,245 @@
+"""Checkpoints survive a SIGKILL at every phase of a save, and load nothing but tensors and plain data.
+
+The kill test runs the tiny config in processes forked from one that imported gspo once (tests/forkrun.py),
+each killing itself at one phase of one checkpoint save; every kill must leave a latest checkpoint equal,
+bit for bit, to the uninterrupted run's at that step, and the resumed run must end equal to it.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from gspo.config import load_config, save_config
+from gspo.models import tiny_model, tiny_tokenizer
+from gspo.training.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_trainer_state,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from gspo.training.metrics import read_metrics
+from gspo.training.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def forkserver(tmp_path_factory) -> Iterator[Callable[..., int]]:
+    """run(log, argv=... | code=..., kill=None) -> the child's exit status (-9: killed)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
+    server = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "forkrun.py")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        env=env, text=True, cwd=tmp_path_factory.mktemp("forkrun"),
+    )  # fmt: skip
+
+    def run(log: Path, *, argv: list[str] | None = None, code: str | None = None, kill=None) -> int:
+        job = {"log": str(log), "kill": kill, **({"argv": argv} if argv is not None else {"code": code})}
+        server.stdin.write(json.dumps(job) + "\n")
+        server.stdin.flush()
+        line = server.stdout.readline()
+        assert line, f"the fork server died; see {log}"
+        return json.loads(line)["returncode"]
+
+    yield run
+    server.stdin.close()
+    server.wait(timeout=60)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def _same_checkpoint(a: Path, b: Path) -> bool:
+    wa, wb = load_file(a / "model" / "model.safetensors"), load_file(b / "model" / "model.safetensors")
+    return _same(wa, wb) and _same(load_trainer_state(a), load_trainer_state(b))
+
+
+def _lines(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("time_")} for r in read_metrics(run_dir)]
+
+
+def test_a_run_killed_at_every_phase_of_a_checkpoint_save_resumes_to_the_uninterrupted_run(
+    tmp_path: Path, forkserver
+) -> None:
+    common = [str(TINY), "train.steps=2", "checkpoint.every=1", "checkpoint.keep=3", "eval.every=0",
+              "tensorboard=false", "task.num_eval=4"]  # fmt: skip
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    assert forkserver(tmp_path / "ref.log", argv=["train", *common, f"output_dir={ref}"]) == 0
+    # Each kill continues the same run: a fresh start, then `--resume`s, and a last resume that finishes it.
+    kills = [
+        ("step_000000", "before_rename", None),  # no checkpoint yet: --resume starts the run again
+        ("step_000000", "after_rename", 0),  # no `latest` yet: the complete folder is found
+        ("step_000001", "mid_write", 0),
+        ("step_000001", "before_rename", 0),
+        ("step_000001", "after_pointer", 1),
+        ("step_000002", "after_rename", 1),  # `latest` still names step 1, a complete step 2 lies beside
+        (
+            "step_000002",
+            "after_aside",
+            1,
+        ),  # so the resumed run re-saves step 2: a kill with the old copy aside
+    ]
+    for i, (name, phase, step) in enumerate(kills):
+        argv = ["train", *common, f"output_dir={run}"] if i == 0 else ["train", "--resume", str(run)]
+        log = tmp_path / f"kill{i}.log"
+        code = forkserver(log, argv=argv, kill={"phase": phase, "name": name})
+        assert code == -9, f"{phase} of {name} was not reached: {log.read_text()[-2000:]}"
+        latest = latest_checkpoint(run)
+        if step is None:
+            assert latest is None
+        else:
+            assert load_trainer_state(latest)["step"] == step, (phase, name)
+            assert _same_checkpoint(latest, ref / "checkpoints" / f"step_{step:06d}"), (phase, name)
+    log = tmp_path / "resumed.log"
+    assert forkserver(log, argv=["train", "--resume", str(run)]) == 0, log.read_text()[-2000:]
+    for step in (0, 1, 2):
+        name = f"step_{step:06d}"
+        assert _same_checkpoint(run / "checkpoints" / name, ref / "checkpoints" / name), name
+    assert _lines(run) == _lines(ref)  # no line lost or written twice
+    assert len({(r["step"], r["kind"]) for r in _lines(run)}) == len(_lines(run))
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == sorted(
+        p.name for p in (ref / "checkpoints").iterdir()
+    )  # no temporary or moved-aside folder left
+
+
+RESAVE = """
+from gspo.models import tiny_model, tiny_tokenizer
+from gspo.training.checkpoint import save_checkpoint
+tokenizer = tiny_tokenizer()
+model = tiny_model("llama", len(tokenizer), seed=1)
+save_checkpoint({run!r}, 1, model=model, tokenizer=tokenizer, state={{"copy": 2}}, keep=2)
+"""
+
+
+@pytest.mark.parametrize(
+    "phase", ["mid_write", "before_rename", "after_aside", "after_rename", "after_pointer"]
+)
+def test_a_kill_while_re_saving_a_step_leaves_one_complete_copy(tmp_path: Path, forkserver, phase) -> None:
+    tokenizer = tiny_tokenizer()
+    run = tmp_path / "run"
+    save_checkpoint(
+        run, 0, model=tiny_model("llama", len(tokenizer), 0), tokenizer=tokenizer, state={"copy": 0}
+    )
+    save_checkpoint(
+        run, 1, model=tiny_model("llama", len(tokenizer), 0), tokenizer=tokenizer, state={"copy": 1}
+    )
+    log = tmp_path / "resave.log"
+    code = forkserver(log, code=RESAVE.format(run=str(run)), kill={"phase": phase, "name": "step_000001"})
+    assert code == -9, log.read_text()[-2000:]
+    latest = latest_checkpoint(run)
+    state = load_trainer_state(latest)
+    assert state["step"] == 1
+    # the old copy until the new one is renamed into place, the new one from then on
+    assert state["copy"] == (2 if phase in ("after_rename", "after_pointer") else 1)
+    weights = load_file(latest / "model" / "model.safetensors")
+    seed = 1 if state["copy"] == 2 else 0
+    expected = tiny_model("llama", len(tokenizer), seed).state_dict()
+    assert all(torch.equal(weights[k], expected[k]) for k in weights)
+
+
+class Planted:
+    """Unpickling this runs a shell command: what an attacker would put into trainer_state.pt."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _planted_run(tmp_path: Path) -> tuple[Path, Path]:
+    """A run folder made by someone else: a valid config and model, and a trainer_state.pt with a payload."""
+    run = tmp_path / "theirs"
+    tokenizer = tiny_tokenizer()
+    save_checkpoint(run, 1, model=tiny_model("llama", len(tokenizer), 0), tokenizer=tokenizer, state={})
+    save_config(load_config(TINY, [f"output_dir={run}", "tensorboard=false"]), run / "config.yaml")
+    marker = tmp_path / "pwned"
+    torch.save({"step": 1, "optimizer": Planted(marker)}, latest_checkpoint(run) / "trainer_state.pt")
+    return run, marker
+
+
+def test_a_planted_pickle_in_a_checkpoint_is_refused_and_never_executed(tmp_path: Path) -> None:
+    run, marker = _planted_run(tmp_path)
+    with pytest.raises(CheckpointError, match="pickled object"):
+        load_trainer_state(latest_checkpoint(run))
+    with pytest.raises(CheckpointError, match="pickled object"):
+        Trainer(load_config(run / "config.yaml"), resume=run)
+    assert not marker.exists()
+
+
+def test_latest_may_only_name_a_checkpoint_folder_of_the_run(tmp_path: Path) -> None:
+    tokenizer = tiny_tokenizer()
+    elsewhere = tmp_path / "elsewhere"
+    save_checkpoint(elsewhere, 3, model=tiny_model("llama", len(tokenizer), 0), tokenizer=tokenizer, state={})
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    for planted in ("../../elsewhere/checkpoints/step_000003", "/etc", "step_000003/../../x"):
+        (run / "checkpoints" / "latest").write_text(planted)
+        with pytest.raises(CheckpointError, match="not a checkpoint name"):
+            latest_checkpoint(run)
+
+
+def test_a_checkpoint_without_its_model_files_is_not_complete(tmp_path: Path) -> None:
+    tokenizer = tiny_tokenizer()
+    run = tmp_path / "run"
+    for step in (1, 2):
+        save_checkpoint(run, step, model=tiny_model("llama", len(tokenizer), 0), tokenizer=tokenizer,
+                        state={}, keep=2)  # fmt: skip
+    (run / "checkpoints" / "step_000002" / "model" / "model.safetensors").unlink()
+    assert latest_checkpoint(run) == run / "checkpoints" / "step_000001"  # the newest complete one
+    (run / "checkpoints" / "step_000001" / "model" / "config.json").unlink()
+    assert latest_checkpoint(run) is None
+
+
+def test_rng_states_are_saved_as_plain_data_and_restored_exactly(tmp_path: Path) -> None:
+    random.seed(3)
+    np.random.seed(4)
+    torch.manual_seed(5)
+    np.random.standard_normal()  # numpy caches the second gaussian of a pair: its state says so
+    state = rng_state()
+    torch.save(state, tmp_path / "rng.pt")
+    expected = (random.random(), np.random.standard_normal(), torch.rand(1))
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert (random.random(), np.random.standard_normal(), torch.rand(1)) == expected
+
+
+def test_a_full_disk_during_a_checkpoint_says_so(tmp_path: Path, monkeypatch) -> None:
+    import shutil
+
+    import gspo.training.checkpoint as checkpoint
+
+    def failing_save(model, tokenizer, directory) -> None:
+        raise RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 4096 vs 1024")
+
+    monkeypatch.setattr(checkpoint, "save_model", failing_save)
+    monkeypatch.setattr(
+        checkpoint.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 0)
+    )
+    with pytest.raises(OSError) as raised:
+        save_checkpoint(tmp_path / "run", 0, model=None, tokenizer=None, state={})
+    assert raised.value.errno == errno.ENOSPC
+    assert not list((tmp_path / "run" / "checkpoints").iterdir())  # the partial folder is gone

@@ -1,0 +1,116 @@
+"""Resume refuses silent config changes (and applies forced ones for real), logs no line twice, and a new run
+never takes over a folder that is not one of gspo's runs."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+import gspo.config.loading
+from gspo.config import ConfigError, load_config, save_config
+from gspo.training.checkpoint import latest_checkpoint, load_trainer_state
+from gspo.training.metrics import read_metrics
+from gspo.training.resume import RunFolderError, resume_config
+from gspo.training.trainer import Trainer, train
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+COMMON = ["tensorboard=false", "train.steps=1", "task.num_eval=4", "eval.every=0"]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A tiny run trained for one step (checkpoints at steps 0 and 1)."""
+    run = tmp_path_factory.mktemp("finished") / "run"
+    train(load_config(TINY, [f"output_dir={run}", *COMMON]))
+    return run
+
+
+def _copy(run: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    return copy
+
+
+def test_resume_refuses_changes_to_what_the_run_computes_naming_each_key(finished_run, tmp_path) -> None:
+    run = _copy(finished_run, tmp_path)
+    before = (run / "config.yaml").read_text()
+    with pytest.raises(ConfigError, match=r"train\.lr: 0\.001 -> 0\.5.*--force"):
+        train(resume=run, overrides=["train.lr=0.5"])
+    with pytest.raises(ConfigError, match=r"rollout\.group_size: 4 -> 8; train\.objective: 'gspo' -> 'grpo'"):
+        train(resume=run, overrides=["rollout.group_size=8", "train.objective=grpo"])
+    assert (run / "config.yaml").read_text() == before  # a refused resume writes nothing
+    (run / "config.yaml").write_text("")  # an emptied config would resume with every default
+    with pytest.raises(ConfigError, match=r"model\.tiny: 'llama' -> None"):
+        train(resume=run)
+
+
+def test_resume_takes_a_longer_run_and_new_cadences(finished_run, tmp_path) -> None:
+    run = _copy(finished_run, tmp_path)
+    train(resume=run, overrides=["train.steps=2", "eval.every=1", "checkpoint.keep=2", "progress=false"])
+    assert load_trainer_state(latest_checkpoint(run))["step"] == 2
+    assert load_config(run / "config.yaml").train.steps == 2
+    assert load_config(latest_checkpoint(run) / "config.yaml").train.steps == 2  # stored with the checkpoint
+
+
+def test_a_forced_resume_applies_the_change_to_the_optimizer_and_the_schedule(finished_run, tmp_path) -> None:
+    run = _copy(finished_run, tmp_path)
+    config = resume_config(run, ["train.lr=0.5", "train.weight_decay=0.1", "train.steps=3"])
+    trainer = Trainer(config, resume=run, force=True)
+    group = trainer.policy.optimizer.param_groups[0]
+    assert group["lr"] == 0.5 and group["initial_lr"] == 0.5 and group["weight_decay"] == 0.1
+    assert trainer.policy.scheduler.base_lrs == [0.5]
+    assert trainer.policy.scheduler.get_last_lr() == [0.5]
+    assert load_config(run / "config.yaml").train.lr == 0.5
+    with pytest.raises(ConfigError, match=r"task\.num_train.*cannot change on resume, even with --force"):
+        Trainer(resume_config(run, ["task.num_train=50"]), resume=run, force=True)
+
+
+def test_a_run_resumed_at_step_0_logs_its_step_0_evaluation_once(tmp_path: Path) -> None:
+    config = load_config(TINY, [f"output_dir={tmp_path / 'run'}", *COMMON])
+    first = Trainer(config)
+    first._log_eval()  # what run() does before any update; a kill after this checkpoint
+    first.checkpoint()
+    first.logger.close()
+    Trainer(resume_config(first.run_dir), resume=first.run_dir).run()
+    evals = [r["step"] for r in read_metrics(first.run_dir) if r["kind"] == "eval"]
+    assert evals == [0, 1]
+
+
+def test_a_folder_that_is_not_a_gspo_run_is_refused_and_left_untouched(tmp_path: Path) -> None:
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    files = {"config.yaml": "my: notes\n", "summary.md": "# my results\n", "metrics.jsonl": '{"step": 5}\n'}
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    with pytest.raises(RunFolderError, match=r"is not empty and is not a gspo run"):
+        Trainer(load_config(TINY, [f"output_dir={folder}", *COMMON]))
+    with pytest.raises(RunFolderError, match="holds no gspo run to resume"):
+        train(load_config(TINY, COMMON), resume=folder)
+    assert {p.name: p.read_text() for p in folder.iterdir()} == files
+
+
+def test_a_gspo_run_stopped_before_its_first_checkpoint_starts_again_cleanly(tmp_path: Path) -> None:
+    config = load_config(TINY, [f"output_dir={tmp_path / 'run'}", *COMMON])
+    stopped = Trainer(config)  # killed during its step-0 evaluation: a metrics line, no checkpoint
+    stopped.logger.log(0, {"accuracy": 0.5}, kind="eval")
+    stopped.logger.close()
+    Trainer(config).run()
+    evals = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 1] and evals[0]["accuracy"] != 0.5
+
+
+def test_config_yaml_is_replaced_atomically(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "config.yaml"
+    save_config(load_config(TINY), path)
+    before = path.read_text()
+
+    def killed(*args) -> None:
+        raise KeyboardInterrupt  # stopped between writing the new text and putting it in place
+
+    monkeypatch.setattr(gspo.config.loading.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        save_config(load_config(TINY, ["train.lr=0.5"]), path)
+    assert path.read_text() == before

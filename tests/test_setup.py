@@ -1,0 +1,83 @@
+"""Start-up guards: data the run could not use is refused before training, naming the row; a reward function
+that hangs stops the run; unknown reward names are config errors."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from gspo.config import ConfigError, load_config
+from gspo.rollout.data import DataError
+from gspo.rollout.rewards import RewardError
+from gspo.training.checkpoint import latest_checkpoint, load_trainer_state
+from gspo.training.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+
+
+def _config(tmp_path: Path, *overrides: str):
+    return load_config(TINY, [f"output_dir={tmp_path / 'run'}", "tensorboard=false", *overrides])
+
+
+def _file_task(path: Path) -> list[str]:
+    return ["task.name=file", f"task.data_path={path}", "task.num_eval=1"]
+
+
+def test_a_prompt_longer_than_the_context_is_refused_at_start_naming_the_row(tmp_path: Path) -> None:
+    data = tmp_path / "data.jsonl"
+    rows = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(6)]
+    rows[3]["prompt"] = "x" * 600  # the tiny model has 512 positions
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(
+        DataError, match=r"data\.jsonl row 4: the prompt is 6\d\d tokens .* > the model's context of 512"
+    ):
+        Trainer(_config(tmp_path, *_file_task(data)))
+
+
+def test_an_answer_a_reward_cannot_use_is_refused_at_start_naming_the_row(tmp_path: Path) -> None:
+    data = tmp_path / "data.csv"
+    data.write_text(
+        "prompt,answer\nWhat is 1 + 1?,2\nWhat is 2 + 2?,4\nWhat is 3 + 3?,six\nWhat is 1 + 4?,5\n"
+    )
+    with pytest.raises(
+        DataError, match=r"data\.csv row 3: answer 'six' is not a number, which reward 'correct_number'"
+    ):
+        Trainer(_config(tmp_path, *_file_task(data)))
+    # a field a reward needs that the data does not have
+    data.write_text("prompt,solution\nWhat is 1 + 1?,2\nWhat is 2 + 2?,4\n")
+    overrides = [*_file_task(data), "task.answer_fields=[solution]"]
+    with pytest.raises(DataError, match=r"row 1: reward 'correct_number' needs the field\(s\) \['answer'\]"):
+        Trainer(_config(tmp_path, *overrides))
+    assert not (tmp_path / "run").exists()  # refused before the run folder was made
+
+
+def test_an_unknown_reward_name_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(
+        ConfigError, match=r"rewards\.exact_anwser: unknown reward .*did you mean 'exact_answer'"
+    ):
+        Trainer(_config(tmp_path, "rewards={exact_anwser: 1.0}"))
+
+
+def test_a_hung_reward_function_stops_the_run_with_a_checkpoint_to_resume(tmp_path: Path) -> None:
+    never = threading.Event()
+    calls = {"n": 0}
+
+    def hangs_in_step_1(prompts, completions, **_):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the step-0 evaluation, then step 1's rollout
+            never.wait()
+        return [0.0] * len(completions)
+
+    config = _config(tmp_path, "rewards={hangs: 1.0}", "reward_timeout=1", "eval.every=0")
+    trainer = Trainer(config, reward_functions={"hangs": hangs_in_step_1})
+    start = time.perf_counter()
+    with pytest.raises(RewardError, match=r"'hangs' did not return within 1 s"):
+        trainer.run()
+    never.set()
+    assert time.perf_counter() - start < 30
+    assert load_trainer_state(latest_checkpoint(trainer.run_dir))["step"] == 0
