@@ -164,3 +164,21 @@ def test_kernel_choice(monkeypatch):
         hidden, weight, _, targets, _ = head_inputs()
         with pytest.raises(RuntimeError, match="logprob_kernel=torch"):
             token_logprobs(hidden, weight, targets, kernel="triton")
+
+
+def test_update_spec_selects_the_kernel_for_a_shared_prefix_micro_batch():
+    """The learner's `score` passes UpdateSpec.logprob_kernel down: both kernels, one micro-batch."""
+    from gspo.core.layout import Sequence, make_micro_batches
+    from gspo.learning.policy import UpdateSpec, score
+
+    model = tiny_model("llama", vocab_size=V, seed=1).to(DEVICE)
+    prompt = [5, 6, 7]
+    sequences = [Sequence(prompt, [8, 9, 10, 11], [True] * 4), Sequence(prompt, [12, 13], [True] * 2)]
+    (mb,) = make_micro_batches(
+        sequences, layout="shared_prefix", pack_length=64, micro_batch_tokens=256, pad_id=0
+    )
+    mb = mb.to(DEVICE)
+    with torch.no_grad():
+        values = [score(model, mb, UpdateSpec(logprob_kernel=k)) for k in ("torch", "triton")]
+    assert values[0].abs().sum() > 0
+    torch.testing.assert_close(values[0], values[1], **FP32)
