@@ -1,20 +1,18 @@
 """gspo.core.triton_logprobs against the naive full-logits computation and the torch path: values, gradients.
 
-Without a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set here before triton is
-imported), so CI checks the same kernel code a GPU compiles. Skipped when triton is not installed.
+Without a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, which tests/conftest.py sets
+before anything imports triton), so CI checks the same kernel code a GPU compiles. Skipped when triton is
+not installed.
 """
 
 from __future__ import annotations
 
 import os
 
-import torch
-
-if not torch.cuda.is_available():  # on a GPU the kernels compile; elsewhere they are interpreted
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
