@@ -373,9 +373,10 @@ SYSTEMS = {"trl": ("trl", "datasets"), "liger": ("liger_kernel",)}
 
 
 def measure(
-    make: Callable[[], Callable[[int], None]], setup: Setup, warmup: int, repeats: int
+    make: Callable[[], Callable[[int], None]], setup: Setup, warmup: int, repeats: int, profile: bool = False
 ) -> dict[str, Any]:
-    """Median seconds of `repeats` phases after `warmup` ones, and the peak memory (CUDA)."""
+    """Median seconds of `repeats` phases after `warmup` ones, and the peak memory (CUDA); with `profile`,
+    one more phase under torch.profiler, whose top operators by device time are printed."""
     device = setup.device
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -391,6 +392,15 @@ def measure(
         sync(device)
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    if profile:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            phase(repeats)
+            sync(device)
+        sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=15), flush=True)
     return {"seconds": statistics.median(times), "peak_gib": peak}
 
 
@@ -413,7 +423,7 @@ def row_for(name: str, spec: ModelSpec, length: int, batch: Batch, setup: Setup,
         return run_liger(model, batch, setup)
 
     try:
-        result = measure(make, setup, args.warmup, args.repeats)
+        result = measure(make, setup, args.warmup, args.repeats, profile=args.profile and system == "gspo")
     except torch.cuda.OutOfMemoryError:
         return {**base, "note": "out of memory"}
     except Exception as error:  # one system failing must not lose the others' figures
@@ -556,6 +566,7 @@ def main() -> None:
     parser.add_argument("--head", action="store_true", help="also the log-prob + loss path alone")
     parser.add_argument("--budget-s", type=float, default=math.inf, help="start no new row after this")
     parser.add_argument("--out", help="append every row to this JSON-lines file as it completes")
+    parser.add_argument("--profile", action="store_true", help="print gspo's top operators per row")
     args = parser.parse_args()
 
     device = torch.device(args.device)
