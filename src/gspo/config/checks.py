@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 
 from gspo.config.schema import Config, ConfigError
@@ -82,6 +83,11 @@ def validate(config: Config) -> None:
         )
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", config.device):
         raise ConfigError(f'device must be "auto", "cpu", "cuda" or "cuda:N", got {config.device!r}')
+    if config.train.logprob_kernel == "triton" and importlib.util.find_spec("triton") is None:
+        raise ConfigError(
+            "train.logprob_kernel=triton needs triton (`pip install triton`; CUDA builds of torch bring it): "
+            "install it or set train.logprob_kernel=auto"
+        )
     if config.rollout.engine == "openai" and not config.rollout.server.url:
         raise ConfigError(
             'rollout.engine=openai needs rollout.server.url, the API root (e.g. "http://127.0.0.1:8000/v1")'

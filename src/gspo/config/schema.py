@@ -152,6 +152,10 @@ class TrainConfig:
     """Longest packed row in tokens (bounds the quadratic attention cost of a row)."""
     logprob_chunk_size: int = 1024
     """Tokens per chunk through the LM head (memory bound of the log-prob computation)."""
+    logprob_kernel: Literal["auto", "torch", "triton"] = "auto"
+    """Who computes the LM head's passes over each chunk's logits (the same fp32 function either way):
+    "torch" ops, or "triton" kernels (CUDA GPUs; `pip install triton`, which CUDA builds of torch bring);
+    "auto": triton on a CUDA GPU when it is installed, else torch. See docs/gpu.md."""
     mixed_precision: Literal["auto", "bf16", "none"] = "auto"
     """"bf16": bf16 compute (autocast; under FSDP2 its MixedPrecisionPolicy) for generation, old-policy,
     reference and update passes, with fp32 master weights, optimizer state, gradient reduction and

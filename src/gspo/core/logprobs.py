@@ -4,12 +4,13 @@
 (N,) log-probs (and the last chunk's block), the backward recomputes each chunk's softmax. Logits are
 divided by the sampling temperature; bf16/fp16 inputs are computed in fp32. ``causal_lm_logprobs`` runs a
 transformers causal LM to its final hidden states and scores only the positions asked for. Design and
-benchmark: docs/logprobs.md.
+benchmark: docs/logprobs.md; the Triton kernels of ``kernel="triton"``: gspo.core.triton_logprobs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 
 import torch
 from torch import Tensor, nn
@@ -29,6 +30,19 @@ DEFAULT_CHUNK_SIZE = 1024
 # silently compute log-probs of a different distribution.
 _LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0}
 
+KERNELS = ("auto", "torch", "triton")
+"""Who computes the passes over each chunk's logits: torch ops, or Triton kernels (gspo.core.triton_logprobs);
+"auto": Triton on CUDA tensors when it is installed, torch otherwise."""
+
+
+def resolve_kernel(kernel: str, device: torch.device) -> str:
+    """``kernel`` with "auto" resolved for tensors on ``device``."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown log-prob kernel {kernel!r}; choose one of {KERNELS}")
+    if kernel != "auto":
+        return kernel
+    return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") is not None else "torch"
+
 
 def token_logprobs(
     hidden: Tensor,
@@ -38,6 +52,7 @@ def token_logprobs(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     temperature: float = 1.0,
     lm_head_bias: Tensor | None = None,
+    kernel: str = "torch",
 ) -> Tensor:
     """log pi(target) for each row of ``hidden``, without materialising the (N, V) logits.
 
@@ -52,6 +67,8 @@ def token_logprobs(
             the forward to the backward when grads are needed, plus (V, H) fp32 for the weight's gradient.
         temperature: sampling temperature (> 0) the rollouts were drawn with.
         lm_head_bias: optional (V,) bias of the head.
+        kernel: "torch", "triton" (gspo.core.triton_logprobs: the same function, same chunks) or "auto"
+            (see ``KERNELS``).
 
     Returns:
         (N,) float32 log-probs.
@@ -62,6 +79,18 @@ def token_logprobs(
     )
     # fp32 throughout, also under autocast: mixed precision stops at the head
     with torch.autocast(hidden.device.type, enabled=False):
+        if resolve_kernel(kernel, hidden.device) == "triton":
+            from gspo.core.triton_logprobs import triton_token_logprobs  # needs triton: imported on use
+
+            return triton_token_logprobs(
+                hidden,
+                weight,
+                targets,
+                chunk_size=chunk_size,
+                temperature=temperature,
+                lm_head_bias=lm_head_bias,
+                needs_grad=needs_grad,
+            )
         if needs_grad:
             return _ChunkedTokenLogprobs.apply(hidden, weight, lm_head_bias, targets, chunk_size, temperature)
         return _forward_chunks(hidden, weight, lm_head_bias, targets, chunk_size, temperature)[0]
@@ -251,6 +280,7 @@ def causal_lm_logprobs(
     branch_ids: Tensor | None = None,
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    kernel: str = "torch",
 ) -> Tensor:
     """out[b, t] = log pi(input_ids[b, t] | input_ids[b, :t]) from a transformers causal LM, chunked.
 
@@ -281,6 +311,7 @@ def causal_lm_logprobs(
         branch_ids: (B, T) long for shared-prefix rows (0 on a tree's prompt, b on its b-th completion).
         temperature: the sampling temperature; logits are divided by it before the softmax.
         chunk_size: tokens per head chunk (see ``token_logprobs``).
+        kernel: who computes the head's passes (see ``token_logprobs``).
 
     Returns:
         (B, T) float32 log-probs, exactly 0 where not scored.
@@ -330,6 +361,7 @@ def causal_lm_logprobs(
         chunk_size=chunk_size,
         temperature=temperature,
         lm_head_bias=head.bias,
+        kernel=kernel,
     )
     dense = torch.zeros(batch * seq_len, dtype=torch.float32, device=input_ids.device)
     return dense.index_put((flat_pos,), values).view(batch, seq_len)

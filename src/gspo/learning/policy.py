@@ -35,6 +35,8 @@ class UpdateSpec:
     pad_id: int = 0
     temperature: float = 1.0
     chunk_size: int = 1024
+    logprob_kernel: str = "auto"
+    """gspo.core.logprobs.KERNELS: "auto" (Triton on CUDA when installed), "torch" or "triton"."""
     max_grad_norm: float = 1.0
     old_logprobs: str = "recompute"
     """"recompute" (a forward pass before the updates) or "sampler" (the sampler's own log-probs)."""
@@ -62,6 +64,7 @@ class UpdateSpec:
             pad_id=pad_id,
             temperature=config.rollout.temperature,
             chunk_size=train.logprob_chunk_size,
+            logprob_kernel=train.logprob_kernel,
             max_grad_norm=train.max_grad_norm,
             old_logprobs=old_logprobs or train.old_logprobs,
             sampler_is_cap=train.sampler_is_cap,
@@ -124,6 +127,7 @@ def score(model: nn.Module, mb: MicroBatch, spec: UpdateSpec) -> torch.Tensor:
         logprob_mask=mb.logprob_mask,
         temperature=spec.temperature,
         chunk_size=spec.chunk_size,
+        kernel=spec.logprob_kernel,
         **layout,
     )
     return logp.reshape(-1)

@@ -252,7 +252,11 @@ def choose_layout(config: Config, model: torch.nn.Module, pad_id: int) -> str:
         return mode
     vocab = model.get_input_embeddings().num_embeddings
     device = next(model.parameters()).device
-    spec = UpdateSpec(temperature=config.rollout.temperature, chunk_size=config.train.logprob_chunk_size)
+    spec = UpdateSpec(
+        temperature=config.rollout.temperature,
+        chunk_size=config.train.logprob_chunk_size,
+        logprob_kernel=config.train.logprob_kernel,
+    )
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     candidates = ["shared_prefix", "packed"] if supports_segments(base.get_decoder()) else ["packed"]
     for layout in candidates:
