@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from gspo.config import Config, ConfigError
+from gspo.config import Config, ConfigError, ModelConfig
 from gspo.core.layout import packing_is_exact
 from gspo.learning.policy import Policy, UpdateSpec, score
-from gspo.models import add_lora, is_lora, load_model
+from gspo.models import add_lora, default_model_file, is_lora, load_model
 from gspo.parallel.collectives import broadcast_object
 from gspo.parallel.group import is_main
 from gspo.parallel.wrap import compute_dtype, full_parameters, wrap_model
@@ -122,6 +122,25 @@ def setup_model(config: Config, checkpoint: Path | None) -> tuple[Any, Any]:
         else:
             model = add_lora(model, config.lora)
     return model, tokenizer
+
+
+def load_checkpoint_policy(config: Config, checkpoint: Path) -> tuple[Any, Any]:
+    """A saved policy as one plain model (LoRA adapters merged into the base weights) and its tokenizer;
+    `config` is the run's own (its model and LoRA settings)."""
+    model, tokenizer = setup_model(config, checkpoint)
+    if is_lora(model):
+        model = model.merge_and_unload()
+    model.eval()
+    return model, tokenizer
+
+
+def source_gguf(config: ModelConfig) -> Path | None:
+    """The GGUF file a run's model was loaded from (model.path, or the embedded model), or None."""
+    if config.tiny is not None:
+        return None
+    if config.path is None:
+        return default_model_file()
+    return Path(config.path) if Path(config.path).suffix == ".gguf" else None
 
 
 def choose_packing(config: Config, model: torch.nn.Module, pad_id: int) -> bool:
