@@ -12,8 +12,8 @@ Metadata: with a source GGUF (the model a run started from), every key is carrie
 template included, except the file type, which names the new quantisation. Otherwise the hyperparameters come
 from the HF config and the vocabulary from the HF tokenizer: byte-level BPE (GPT-2, SmolLM, Llama 3, Qwen)
 as llama.cpp's "gpt2" model with its merges, and gspo's tiny character tokenizer as single-byte tokens.
-The pre-tokenizer is then llama.cpp's "default"; for models whose pre-tokenizer differs, convert the exported
-HF directory with llama.cpp's own convert_hf_to_gguf.py.
+Pre-tokenizers other than GPT-2's and SmolLM's (digits split first) are refused: convert the exported HF
+directory with llama.cpp's own convert_hf_to_gguf.py, which knows more of them.
 """
 
 from __future__ import annotations
@@ -106,9 +106,8 @@ def _encode(array: np.ndarray, quant: str) -> tuple[np.ndarray, Any]:
 
 def _file_type(quant: str) -> int:
     gguf = _gguf()
-    return {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16}.get(
-        quant, gguf.LlamaFileType[f"MOSTLY_{quant.upper()}"]
-    )
+    names = {"f32": "ALL_F32", "f16": "MOSTLY_F16"}
+    return gguf.LlamaFileType[names.get(quant, f"MOSTLY_{quant.upper()}")]
 
 
 def _copy_metadata(writer: Any, source: Path) -> None:
@@ -191,7 +190,7 @@ def _vocabulary(writer: Any, tokenizer: Any, vocab_size: int) -> None:
             tokens.append(token if byte_level else "".join(alphabet[b] for b in token.encode()))
             types.append(gguf.TokenType.NORMAL)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_pre(_pre_tokenizer(backend.get("pre_tokenizer"), byte_level))
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     with (
@@ -202,8 +201,30 @@ def _vocabulary(writer: Any, tokenizer: Any, vocab_size: int) -> None:
         if not byte_level:
             special.merges = ["\u0100 \u0100"]  # llama.cpp requires the key: a merge of byte 0, never in text
         special.add_to_gguf(writer, quiet=True)
-    if not byte_level:
-        writer.add_add_bos_token(False)
+    bos = tokenizer.bos_token_id
+    ids = tokenizer("a").input_ids
+    writer.add_add_bos_token(bos is not None and len(ids) > 0 and ids[0] == bos)
+
+
+def _pre_tokenizer(pre: dict[str, Any] | None, byte_level: bool) -> str:
+    """llama.cpp's name of the HF pre-tokenizer (its split regex): GPT-2's byte-level split, or digits split
+    one by one first (SmolLM, StarCoder). Others are refused rather than tokenised differently."""
+    if not byte_level:  # single characters: any split gives the same tokens
+        return "gpt-2"
+    steps = pre.get("pretokenizers", []) if pre and pre["type"] == "Sequence" else [pre]
+    kinds = [(step or {}).get("type") for step in steps]
+    if kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
+        return "gpt-2"
+    if (
+        kinds == ["Digits", "ByteLevel"]
+        and steps[0].get("individual_digits")
+        and steps[1].get("use_regex", True)
+    ):
+        return "smollm"
+    raise NotImplementedError(
+        f"GGUF export knows the GPT-2 and SmolLM pre-tokenizers, not this one ({kinds}): export the Hugging "
+        "Face directory and convert it with llama.cpp's convert_hf_to_gguf.py, which recognises more"
+    )
 
 
 def write_gguf(

@@ -8,10 +8,13 @@ docs/rollout_servers.md describes the alignment rules, the transport and weight 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import copy
 import importlib.util
 import json
 import math
+import os
 import random
 import socket
 import subprocess
@@ -273,7 +276,86 @@ class OpenAIBackend:
             self.weight_sync(model, tokenizer, step)
 
 
-# ---- a local llama.cpp server (tests, benchmarks) ----------------------------------------------------------
+# ---- a local llama.cpp server, and its weight sync -------------------------------------------------------------
+class LlamaCppServer:
+    """llama-cpp-python's OpenAI-compatible server of a GGUF file on 127.0.0.1, restartable on a new file at
+    the same URL (`restart`); `url` is the base URL. Stopped by `close()`, on leaving a `with`, or at exit.
+
+    Needs `pip install 'gspo[server]'` (llama-cpp-python; on CPUs where its native build crashes with
+    "Illegal instruction", build it with CMAKE_ARGS="-DGGML_NATIVE=OFF"). Raises RuntimeError with the
+    server's output when it is missing or does not come up within `startup_timeout` seconds. The server runs
+    with OMP_WAIT_POLICY=PASSIVE: llama.cpp's spinning OpenMP workers stall badly on a CPU shared with the
+    trainer.
+    """
+
+    def __init__(
+        self,
+        model_file: str | Path,
+        *,
+        n_ctx: int = 2048,
+        threads: int = 1,
+        startup_timeout: float = 120.0,
+        nice: int = 0,
+    ) -> None:
+        if importlib.util.find_spec("llama_cpp") is None:
+            raise RuntimeError(
+                "llama-cpp-python is not installed: CMAKE_ARGS=\"-DGGML_NATIVE=OFF\" pip install 'gspo[server]'"
+            )
+        with socket.socket() as probe:  # a free port
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.n_ctx, self.threads, self.startup_timeout, self.nice = n_ctx, threads, startup_timeout, nice
+        self.process: subprocess.Popen | None = None
+        self.restarts = 0
+        atexit.register(self.close)
+        self._start(model_file)
+
+    def _start(self, model_file: str | Path) -> None:
+        command = [
+            sys.executable, "-m", "llama_cpp.server", "--model", str(model_file), "--host", "127.0.0.1",
+            "--port", str(self.port), "--n_ctx", str(self.n_ctx), "--n_threads", str(self.threads),
+            "--n_threads_batch", str(self.threads), "--logits_all", "true", "--interrupt_requests", "false",
+            "--verbose", "false",
+        ]  # fmt: skip
+        if self.nice:
+            command = ["nice", "-n", str(self.nice), *command]
+        # the server's output goes to a file, not a pipe: a full pipe would block the server
+        self._log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed in close(), with the process)
+        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+        self.process = subprocess.Popen(
+            command, stdout=self._log, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        try:
+            _wait_until_up(self.process, self._log, self.url, self.startup_timeout)
+        except RuntimeError:
+            self.close()
+            raise
+
+    def restart(self, model_file: str | Path) -> None:
+        """Serve `model_file` instead, at the same URL (the old process is stopped first)."""
+        self.close()
+        self._start(model_file)
+        self.restarts += 1
+
+    def close(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+            self.process = None
+            self._log.close()
+
+    def __enter__(self) -> LlamaCppServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 @contextlib.contextmanager
 def llama_cpp_server(
     model_file: str | Path,
@@ -283,41 +365,46 @@ def llama_cpp_server(
     startup_timeout: float = 120.0,
     nice: int = 0,
 ) -> Iterator[str]:
-    """Serve a GGUF file with llama-cpp-python's OpenAI-compatible server on 127.0.0.1; yields the base URL.
+    """Serve a GGUF file with a `LlamaCppServer` for the duration of a `with`; yields the base URL."""
+    with LlamaCppServer(
+        model_file, n_ctx=n_ctx, threads=threads, startup_timeout=startup_timeout, nice=nice
+    ) as server:
+        yield server.url
 
-    Needs `pip install 'gspo[server]'` (llama-cpp-python; on CPUs where its native build crashes with
-    "Illegal instruction", build it with CMAKE_ARGS="-DGGML_NATIVE=OFF"). Raises RuntimeError with the
-    server's output when it is missing or does not come up within `startup_timeout` seconds.
+
+@dataclass
+class GGUFReload:
+    """Weight sync for a `LlamaCppServer`: every `every` steps, write the policy as a GGUF file of weight type
+    `quant` to `directory`/policy.gguf (LoRA merged into a copy) and restart the server on it.
+
+    source: the GGUF the run started from, whose metadata and tokenizer are carried over (None: built from
+    the model's config and tokenizer; gspo.models.gguf_export). Between syncs the server samples from
+    weights up to `every - 1` steps old: the trainer recomputes the old-policy log-probs, and
+    `train.sampler_is_cap` corrects for the gap. docs/llama_cpp_sync.md measures the cost of a sync.
     """
-    if importlib.util.find_spec("llama_cpp") is None:
-        raise RuntimeError(
-            "llama-cpp-python is not installed: CMAKE_ARGS=\"-DGGML_NATIVE=OFF\" pip install 'gspo[server]'"
+
+    server: LlamaCppServer
+    directory: str | Path
+    every: int = 1
+    quant: str = "f16"
+    source: str | Path | None = None
+    seconds: list[float] = field(default_factory=list)
+    """Wall time of each sync (export + restart)."""
+
+    def __call__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, step: int) -> None:
+        if step % self.every:
+            return
+        from gspo.models import is_lora
+        from gspo.models.gguf_export import write_gguf
+
+        start = time.perf_counter()
+        if is_lora(model):
+            model = copy.deepcopy(model).merge_and_unload()  # the trainer keeps its adapters
+        path = write_gguf(
+            model, tokenizer, Path(self.directory) / "policy.gguf", quant=self.quant, source=self.source
         )
-    with socket.socket() as probe:  # a free port
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [
-        sys.executable, "-m", "llama_cpp.server", "--model", str(model_file), "--host", "127.0.0.1",
-        "--port", str(port), "--n_ctx", str(n_ctx), "--n_threads", str(threads),
-        "--n_threads_batch", str(threads), "--logits_all", "true", "--interrupt_requests", "false",
-        "--verbose", "false",
-    ]  # fmt: skip
-    if nice:
-        command = ["nice", "-n", str(nice), *command]
-    # the server's output goes to a file, not a pipe: a full pipe would block the server
-    with tempfile.TemporaryFile(mode="w+") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
-        url = f"http://127.0.0.1:{port}/v1"
-        try:
-            _wait_until_up(process, log, url, startup_timeout)
-            yield url
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        self.server.restart(path)
+        self.seconds.append(time.perf_counter() - start)
 
 
 def _wait_until_up(process: subprocess.Popen, log: Any, url: str, timeout: float) -> None:
