@@ -151,13 +151,15 @@ def test_gspo_export_gguf_of_a_tiny_run_runs_in_llama_cpp(tmp_path: Path) -> Non
 
 
 # ---- the embedded model: the acceptance test of `gspo export` --------------------------------------------------
-GGUF_TOLERANCE = {"f16": (0.05, 0.5), "q8_0": (0.5, 2.0)}
+GGUF_TOLERANCE = {"f16": (0.01, 0.05), "q8_0": (0.25, 1.0)}
 """Per quantisation: (mean, max) |log p_llama.cpp - log p_trainer| over the greedy completion tokens.
 
 f16 rounds each weight to 11 significant bits (relative 2^-11) and llama.cpp rounds activations to f16 before
 its f16 matmuls; q8_0 rounds weights (and llama.cpp the activations) to 8 bits per 32-value block, an error of
 up to 1/254 of each block's largest value, which adds up over SmolLM2's 30 layers. The trainer's reference
-is the fp32 model (the embedded Q4_1 weights de-quantised): the export re-rounds those values."""
+is the fp32 model (the embedded Q4_1 weights de-quantised): the export re-rounds those values. Measured on
+the 40 held-out problems' greedy completion tokens: f16 mean 0.0016, max 0.010; the bounds leave ~5x room.
+q8_0 on the prompt tokens (less likely, so larger errors): mean 0.11, max 0.45."""
 
 
 @pytest.fixture(scope="module")
@@ -199,6 +201,7 @@ def test_vocabulary_built_from_the_hf_tokenizer_equals_the_source_ggufs(smollm2_
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # minutes on a CPU shared with other jobs (llama.cpp's threads stall there)
 @needs_llama_cpp
 @pytest.mark.parametrize("quant", ["f16", "q8_0"])
 def test_exported_gguf_in_llama_cpp_matches_the_trainer(smollm2_run, quant: str) -> None:
