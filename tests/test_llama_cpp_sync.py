@@ -77,3 +77,34 @@ def test_gguf_reload_makes_the_server_sample_from_the_updated_policy(tmp_path: P
         initial.load_state_dict(before)
         assert _gap(initial.eval(), rollouts) > 1e-2  # ... which are not the initial ones
     trainer.logger.close()
+
+
+def test_gspo_train_with_the_llama_cpp_engine_syncs_every_n_steps(tmp_path: Path) -> None:
+    """rollout.engine=llama_cpp: the server starts on the exported policy and restarts every sync_every steps;
+    the sampler-vs-trainer log-prob gap is ~0 right after a sync and grows on the step that samples stale weights."""
+    from gspo.training.metrics import read_metrics
+    from gspo.training.trainer import Trainer
+
+    config = load_config(
+        ROOT / "configs" / "tiny.yaml",
+        [
+            f"output_dir={tmp_path / 'run'}", "tensorboard=false", "train.lr=0.01", "eval.every=0", "train.steps=3",
+            "rollout.engine=llama_cpp", "rollout.server.sync_every=2", "rollout.server.gguf_quant=f32",
+            "checkpoint.every=0",
+        ],
+    )  # fmt: skip
+    trainer = Trainer(config)
+    sync = trainer.sampler.weight_sync
+    try:
+        trainer.run()
+        assert len(sync.seconds) == 1 and sync.server.restarts == 1  # after step 2 only
+    finally:
+        sync.server.close()
+    gap = {
+        r["step"]: r["sampler_logprob_abs_diff"]
+        for r in read_metrics(tmp_path / "run")
+        if r["kind"] == "train"
+    }
+    assert gap[1] < 1e-3 and gap[3] < 1e-3  # sampled from the current weights (initial; synced after step 2)
+    assert gap[2] > 10 * max(gap[1], gap[3])  # sampled from weights one update old
+    assert (tmp_path / "run" / "llama_cpp" / "policy.gguf").is_file()

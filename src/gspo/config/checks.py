@@ -23,6 +23,7 @@ def validate(config: Config) -> None:
         "checkpoint.keep": config.checkpoint.keep,
         "rollout.generation_batch_size": config.rollout.generation_batch_size,
         "rollout.server.concurrency": config.rollout.server.concurrency,
+        "rollout.server.sync_every": config.rollout.server.sync_every,
     }
     for name, value in positive.items():
         if value < 1:
@@ -78,9 +79,9 @@ def validate(config: Config) -> None:
         raise ConfigError(
             'rollout.engine=openai needs rollout.server.url, the API root (e.g. "http://127.0.0.1:8000/v1")'
         )
-    if config.rollout.engine == "openai" and config.rollout.temperature != 1.0:
+    if config.rollout.engine in ("openai", "llama_cpp") and config.rollout.temperature != 1.0:
         raise ConfigError(
-            f"rollout.temperature={config.rollout.temperature} with rollout.engine=openai: servers report "
+            f"rollout.temperature={config.rollout.temperature} with rollout.engine={config.rollout.engine}: servers report "
             "log-probs of the untempered distribution; sample at rollout.temperature=1.0"
         )
 

@@ -394,17 +394,26 @@ class GGUFReload:
     def __call__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, step: int) -> None:
         if step % self.every:
             return
-        from gspo.models import is_lora
-        from gspo.models.gguf_export import write_gguf
-
         start = time.perf_counter()
-        if is_lora(model):
-            model = copy.deepcopy(model).merge_and_unload()  # the trainer keeps its adapters
-        path = write_gguf(
-            model, tokenizer, Path(self.directory) / "policy.gguf", quant=self.quant, source=self.source
-        )
+        path = export_policy(model, tokenizer, Path(self.directory) / "policy.gguf", self.quant, self.source)
         self.server.restart(path)
         self.seconds.append(time.perf_counter() - start)
+
+
+def export_policy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    path: Path,
+    quant: str,
+    source: str | Path | None,
+) -> Path:
+    """The policy as a GGUF file for llama.cpp; LoRA adapters are merged into a copy (the trainer keeps its own)."""
+    from gspo.models import is_lora
+    from gspo.models.gguf_export import write_gguf
+
+    if is_lora(model):
+        model = copy.deepcopy(model).merge_and_unload()
+    return write_gguf(model, tokenizer, path, quant=quant, source=source)
 
 
 def _wait_until_up(process: subprocess.Popen, log: Any, url: str, timeout: float) -> None:

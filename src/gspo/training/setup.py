@@ -19,10 +19,10 @@ from gspo.core.layout import packing_is_exact
 from gspo.learning.policy import Policy, UpdateSpec, score
 from gspo.models import add_lora, default_model_file, is_lora, load_model
 from gspo.parallel.collectives import broadcast_object
-from gspo.parallel.group import is_main
+from gspo.parallel.group import is_main, world_size
 from gspo.parallel.wrap import compute_dtype, full_parameters, wrap_model
 from gspo.rollout.data import TASKS, Example, arithmetic_task, load_examples, split_eval
-from gspo.rollout.openai import OpenAIBackend
+from gspo.rollout.openai import GGUFReload, LlamaCppServer, OpenAIBackend, export_policy
 from gspo.rollout.rewards import RewardFunction, resolve_reward
 from gspo.rollout.samplers import HFSampler, Sampler
 from gspo.training.checkpoint import latest_checkpoint
@@ -187,13 +187,31 @@ def setup_policy(config: Config, model: torch.nn.Module, device: torch.device, *
     return Policy(model, optimizer, scheduler, scorer=scorer, reference=reference, compute_dtype=dtype)
 
 
-def setup_sampler(config: Config, policy: Policy, tokenizer: Any) -> Sampler:
-    """rollout.engine: the trainer's own model, or an OpenAI-compatible server."""
+def setup_sampler(config: Config, policy: Policy, tokenizer: Any, run_dir: Path) -> Sampler:
+    """rollout.engine: the trainer's own model, an OpenAI-compatible server, or a llama.cpp server of ours."""
     if config.rollout.engine == "hf":
         return HFSampler(
             policy.model, tokenizer, config.rollout.generation_batch_size, lambda: generating(policy)
         )
     server = config.rollout.server
+    if config.rollout.engine == "llama_cpp":
+        if world_size() > 1:
+            raise ConfigError(
+                "rollout.engine=llama_cpp runs in one process: use rollout.engine=hf under torchrun"
+            )
+        source, directory = source_gguf(config.model), run_dir / "llama_cpp"
+        first = export_policy(policy.model, tokenizer, directory / "policy.gguf", server.gguf_quant, source)
+        llama = LlamaCppServer(first, threads=torch.get_num_threads(), startup_timeout=server.timeout)
+        sync = GGUFReload(llama, directory, every=server.sync_every, quant=server.gguf_quant, source=source)
+        # llama-cpp-python reports a sampled control token as "": drawn again rather than ending the run
+        return OpenAIBackend(
+            llama.url,
+            tokenizer,
+            max_concurrency=1,
+            timeout=server.timeout,
+            weight_sync=sync,
+            misaligned="resample",
+        )
     warnings.warn(
         f"rollout.engine=openai: {server.url} samples from its own weights, which gspo train does not update; "
         "its rollouts drift off-policy as training goes on, and the old-policy log-probs are recomputed "

@@ -101,7 +101,7 @@ class Trainer:
         validate_setup(config, num_processes=world_size(), is_moe=self.policy.moe)
         if world_size() > 1:
             seed_rank(config.seed)  # each rank samples its own completions
-        self.sampler = sampler or setup_sampler(config, self.policy, self.tokenizer)
+        self.sampler = sampler or setup_sampler(config, self.policy, self.tokenizer, self.run_dir)
         old_logprobs = config.train.old_logprobs
         self.spec = UpdateSpec.from_config(
             config, packed=packed, pad_id=self.tokenizer.pad_token_id, old_logprobs=old_logprobs
