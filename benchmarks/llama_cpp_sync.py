@@ -56,7 +56,8 @@ def main() -> None:
     n = args.prompts * args.group_size
     print(
         f"# {args.prompts} prompts x {args.group_size} = {n} completions per rollout batch; torch threads "
-        f"{torch.get_num_threads()}, llama.cpp threads {args.threads}"
+        f"{torch.get_num_threads()}, llama.cpp threads {args.threads}",
+        flush=True,
     )
     rows = []
     with tempfile.TemporaryDirectory() as work:

@@ -324,8 +324,9 @@ class LlamaCppServer:
         self._log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed in close(), with the process)
         env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
         self.process = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, text=True, env=env
-        )
+            command, stdout=self._log, stderr=subprocess.STDOUT, text=True, env=env,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )  # fmt: skip
         try:
             _wait_until_up(self.process, self._log, self.url, self.startup_timeout)
         except RuntimeError:
@@ -414,6 +415,15 @@ def export_policy(
     if is_lora(model):
         model = copy.deepcopy(model).merge_and_unload()
     return write_gguf(model, tokenizer, path, quant=quant, source=source)
+
+
+def _die_with_parent() -> None:
+    """In the server's process before exec (Linux): SIGTERM it when its parent dies, even by SIGKILL,
+    so that a killed run leaves no server behind (prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
 
 
 def _wait_until_up(process: subprocess.Popen, log: Any, url: str, timeout: float) -> None:
