@@ -193,13 +193,14 @@ def _vocabulary(writer: Any, tokenizer: Any, vocab_size: int) -> None:
     writer.add_tokenizer_pre(_pre_tokenizer(backend.get("pre_tokenizer"), byte_level))
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    with (
-        tempfile.TemporaryDirectory() as saved
-    ):  # SpecialVocab reads merges, special ids, template from files
+    # SpecialVocab reads the merges, special token ids and chat template from the saved files
+    with tempfile.TemporaryDirectory() as saved:
         tokenizer.save_pretrained(saved)
         special = gguf.SpecialVocab(saved, load_merges=byte_level, n_vocab=vocab_size)
         if not byte_level:
-            special.merges = ["\u0100 \u0100"]  # llama.cpp requires the key: a merge of byte 0, never in text
+            # llama.cpp requires merges (and gguf writes no empty array): one of byte 0, never in text.
+            # transformers cannot rebuild a tokenizer from such a file, llama.cpp can.
+            special.merges = ["\u0100 \u0100"]
         special.add_to_gguf(writer, quiet=True)
     bos = tokenizer.bos_token_id
     ids = tokenizer("a").input_ids
