@@ -128,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         "--samples", type=int, metavar="K", help="K samples per problem: pass@k and mean@K (default: greedy)"
     )
     evaluate.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of --samples")
-    evaluate.add_argument("--output", help="the JSON report (default: RUN_DIR/evals/step_N.json, else ./)")
+    evaluate.add_argument(
+        "--output", help="the JSON report (default: RUN_DIR/evals/step_N.json, else ./eval_report.json)"
+    )
     evaluate.set_defaults(func=_eval)
 
     export = commands.add_parser("export", help="a run's checkpoint as a Hugging Face directory or GGUF file")

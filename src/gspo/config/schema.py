@@ -95,7 +95,7 @@ class RolloutConfig:
     llama-cpp-python server that gspo starts on the policy exported as GGUF and restarts on a fresh export
     every `rollout.server.sync_every` steps (slower than "hf" on CPUs: docs/llama_cpp_sync.md)."""
     server: ServerConfig = field(default_factory=ServerConfig)
-    """The server of rollout.engine=openai."""
+    """The server of rollout.engine=openai (and the sync of rollout.engine=llama_cpp)."""
     prompts_per_step: int = 8
     """Prompts sampled per rollout batch."""
     group_size: int = 8
