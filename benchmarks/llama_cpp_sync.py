@@ -11,6 +11,9 @@ the other special tokens are barred in both engines, so both do the same work. C
     HF_HUB_OFFLINE=1 python benchmarks/llama_cpp_sync.py [--tokens 4 64 256] [--prompts 8 --group-size 8]
         [--quant f16 q8_0] [--threads 2]
 
+On a CPU shared with other jobs, use --threads 1: both engines' OpenMP workers spin-wait at every barrier
+and stall when the cores are oversubscribed.
+
 Prints a markdown table (docs/llama_cpp_sync.md holds the measured one).
 """
 
@@ -40,8 +43,11 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--quant", nargs="+", default=["f16"])
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="llama.cpp threads")
+    parser.add_argument(
+        "--threads", type=int, default=torch.get_num_threads(), help="torch's and llama.cpp's"
+    )
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)  # both engines get the same cores
 
     config = load_config(None)
     model, tokenizer = load_model(config.model)
@@ -93,7 +99,7 @@ def main() -> None:
                     )
     hf = {tokens: t["hf"] for q, tokens, t in rows if "hf" in t}
     print(
-        "\n| new tokens | in-process (fp32) | llama.cpp | generation | sync (export + restart) | sync every step | sync every 4 steps |"
+        "\n| new tokens | in-process (fp32) | llama.cpp | generation (mean length; tok/s) | sync (export + restart) | sync every step | sync every 4 steps |"
     )
     print("|---|---|---|---|---|---|---|")
     for quant, tokens, t in rows:

@@ -151,15 +151,16 @@ def test_gspo_export_gguf_of_a_tiny_run_runs_in_llama_cpp(tmp_path: Path) -> Non
 
 
 # ---- the embedded model: the acceptance test of `gspo export` --------------------------------------------------
-GGUF_TOLERANCE = {"f16": (0.01, 0.05), "q8_0": (0.25, 1.0)}
+GGUF_TOLERANCE = {"f16": (0.01, 0.05), "q8_0": (0.1, 0.6)}
 """Per quantisation: (mean, max) |log p_llama.cpp - log p_trainer| over the greedy completion tokens.
 
 f16 rounds each weight to 11 significant bits (relative 2^-11) and llama.cpp rounds activations to f16 before
 its f16 matmuls; q8_0 rounds weights (and llama.cpp the activations) to 8 bits per 32-value block, an error of
 up to 1/254 of each block's largest value, which adds up over SmolLM2's 30 layers. The trainer's reference
 is the fp32 model (the embedded Q4_1 weights de-quantised): the export re-rounds those values. Measured on
-the 40 held-out problems' greedy completion tokens: f16 mean 0.0016, max 0.010; the bounds leave ~5x room.
-q8_0 on the prompt tokens (less likely, so larger errors): mean 0.11, max 0.45."""
+the 40 held-out problems' greedy completion tokens: f16 mean 0.0016, max 0.010 (40/40 greedy completions
+equal); q8_0 mean 0.029, max 0.28 (35/40 equal, the 5 others near-ties with trainer margins 0.018-0.19). The
+bounds leave 2-6x room."""
 
 
 @pytest.fixture(scope="module")
