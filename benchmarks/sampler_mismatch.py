@@ -34,7 +34,8 @@ from gspo.core.logprobs import causal_lm_logprobs
 from gspo.core.mismatch import SEQUENCE_CLIP, TOKEN_CLIP
 from gspo.models import default_model_file, load_model
 from gspo.rollout.data import arithmetic_task, format_prompt
-from gspo.rollout.openai import OpenAIBackend, llama_cpp_server
+from gspo.rollout.llama_cpp import llama_cpp_server
+from gspo.rollout.openai import OpenAIBackend
 
 
 def describe(log_ratio: torch.Tensor) -> dict[str, float]:

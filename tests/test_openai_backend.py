@@ -22,7 +22,8 @@ from gspo.core.layout import Sequence, make_micro_batches
 from gspo.core.logprobs import causal_lm_logprobs
 from gspo.models import tiny_tokenizer
 from gspo.rollout.data import format_prompt
-from gspo.rollout.openai import AlignmentError, OpenAIBackend, ServerError, llama_cpp_server
+from gspo.rollout.llama_cpp import llama_cpp_server
+from gspo.rollout.openai import AlignmentError, OpenAIBackend, ServerError
 from gspo.rollout.trajectories import groups_from_rollouts, tokenize_trajectory
 
 Reply = tuple[int, dict[str, Any]]
@@ -245,7 +246,9 @@ def test_real_server_logprobs_match_the_trainers_recomputation(engine) -> None:
         Sequence(p, c, [True] * len(c))
         for p, c in zip(rollouts.prompt_ids, rollouts.completion_ids, strict=True)
     ]
-    (mb,) = make_micro_batches(sequences, layout="padded", pack_length=1024, micro_batch_tokens=10_000, pad_id=0)
+    (mb,) = make_micro_batches(
+        sequences, layout="padded", pack_length=1024, micro_batch_tokens=10_000, pad_id=0
+    )
     with torch.no_grad():
         logp = causal_lm_logprobs(
             model,

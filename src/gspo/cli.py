@@ -1,5 +1,5 @@
-"""Command line: `gspo train [CONFIG] [key=value ...] [--resume RUN_DIR [--force]]`, `gspo plot RUN_DIR`,
-`gspo config`.
+"""Command line: `gspo train [CONFIG] [key=value ...] [--resume RUN_DIR [--force]]`, `gspo eval [TARGET]
+[CONFIG] [key=value ...]`, `gspo export RUN_DIR --format hf|gguf`, `gspo plot RUN_DIR`, `gspo config`.
 
 A user's error (a config, data, model, run folder, disk, reward function or server problem) prints one
 line naming the problem and the fix, and exits with that kind's code (`EXIT_CODES`); `--debug` shows the
@@ -94,6 +94,53 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from gspo.rollout.rewards import RewardError
+    from gspo.training.evaluation import default_report_path, evaluate_target, summary_line, write_report
+
+    # the positionals in any order: key=value overrides, a .yaml config, and at most one target
+    target, config, overrides = None, None, []
+    for arg in args.args:
+        if "=" in arg and not os.path.exists(arg):
+            overrides.append(arg)
+        elif arg.endswith((".yaml", ".yml")) and os.path.isfile(arg):
+            config = arg
+        elif target is None:
+            target = arg
+        else:
+            print(f"error: two targets, {target!r} and {arg!r}: evaluate one at a time", file=sys.stderr)
+            return 2
+    try:
+        result, header = evaluate_target(
+            target, config, overrides, step=args.step, data=args.data, samples=args.samples,
+            temperature=args.temperature,
+        )  # fmt: skip
+    except (ConfigError, FileNotFoundError, ImportError, RewardError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    path = write_report(result, header, args.output or default_report_path(header, args.samples))
+    print(summary_line(result, header))
+    print(f"report: {path}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from gspo.training.export import export_run
+
+    if args.format == "hf" and args.quant is not None:
+        print("error: --quant applies to --format gguf only", file=sys.stderr)
+        return 2
+    try:
+        path = export_run(
+            args.run_dir, format=args.format, quant=args.quant or "f16", step=args.step, output=args.output
+        )
+    except (ConfigError, FileNotFoundError, ImportError, NotImplementedError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
 def _plot(args: argparse.Namespace) -> int:
     from gspo.training.plots import plot_run, write_summary
 
@@ -137,6 +184,37 @@ def main(argv: list[str] | None = None) -> int:
     )
     train.set_defaults(func=_train)
 
+    evaluate = commands.add_parser(
+        "eval",
+        parents=[common],
+        help="evaluate a run's checkpoint, a model directory, a .gguf file or the embedded model",
+        description="TARGET: a run folder (its latest checkpoint, or --step N), a model directory, a .gguf "
+        "file, or nothing (the config's model: by default the embedded SmolLM2). The task, rewards and "
+        "eval.* settings come from CONFIG (default: the run's config.yaml) and key=value overrides. Writes a "
+        "JSON report with every problem's completions and prints one summary line.",
+    )
+    evaluate.add_argument("args", nargs="*", metavar="TARGET | CONFIG | key=value")
+    evaluate.add_argument("--step", type=int, help="a run folder's checkpoint of this step (default: latest)")
+    evaluate.add_argument("--data", help="evaluate every row of this JSONL/CSV/datasets file (task.* fields)")
+    evaluate.add_argument(
+        "--samples", type=int, metavar="K", help="K samples per problem: pass@k and mean@K (default: greedy)"
+    )
+    evaluate.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of --samples")
+    evaluate.add_argument(
+        "--output", help="the JSON report (default: RUN_DIR/evals/step_N.json, else ./eval_report.json)"
+    )
+    evaluate.set_defaults(func=_eval)
+
+    export = commands.add_parser(
+        "export", parents=[common], help="a run's checkpoint as a Hugging Face directory or GGUF file"
+    )
+    export.add_argument("run_dir")
+    export.add_argument("--format", choices=["hf", "gguf"], required=True)
+    export.add_argument("--quant", help="GGUF weight type: f16 (default), q8_0, bf16, f32, q4_0, q4_1, ...")
+    export.add_argument("--step", type=int, help="the checkpoint of this step (default: the latest)")
+    export.add_argument("--output", help="default: RUN_DIR/export/step_N-hf/ or step_N-QUANT.gguf")
+    export.set_defaults(func=_export)
+
     plot = commands.add_parser("plot", parents=[common], help="redraw a run's plots and summary")
     plot.add_argument("run_dir")
     plot.set_defaults(func=_plot)
@@ -146,7 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     config.set_defaults(func=_config)
 
-    args = parser.parse_args(argv)
+    # `gspo eval RUN --samples 4 key=value`: positionals after an option come back as extras
+    args, extras = parser.parse_known_args(argv)
+    if extras and (args.command != "eval" or any(x.startswith("-") for x in extras)):
+        parser.error(f"unrecognized arguments: {' '.join(extras)}")
+    if extras:
+        args.args = [*args.args, *extras]
     try:
         return args.func(args)
     except BaseException as error:

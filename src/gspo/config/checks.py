@@ -24,6 +24,7 @@ def validate(config: Config) -> None:
         "checkpoint.keep": config.checkpoint.keep,
         "rollout.generation_batch_size": config.rollout.generation_batch_size,
         "rollout.server.concurrency": config.rollout.server.concurrency,
+        "rollout.server.sync_every": config.rollout.server.sync_every,
     }
     for name, value in positive.items():
         if value < 1:
@@ -98,9 +99,9 @@ def validate(config: Config) -> None:
             f"rollout.server.url={url!r}: give an http:// or https:// address without credentials in it "
             '(e.g. "http://127.0.0.1:8000/v1"; the API key goes in the variable rollout.server.api_key_env)'
         )
-    if config.rollout.engine == "openai" and config.rollout.temperature != 1.0:
+    if config.rollout.engine in ("openai", "llama_cpp") and config.rollout.temperature != 1.0:
         raise ConfigError(
-            f"rollout.temperature={config.rollout.temperature} with rollout.engine=openai: servers report "
+            f"rollout.temperature={config.rollout.temperature} with rollout.engine={config.rollout.engine}: servers report "
             "log-probs of the untempered distribution; sample at rollout.temperature=1.0"
         )
 

@@ -79,16 +79,23 @@ class ServerConfig:
     """Send prompts as token ids (vLLM, SGLang) instead of text (llama.cpp)."""
     api_key_env: str = "OPENAI_API_KEY"
     """The environment variable holding the API key, if any (the key itself is never written to a file)."""
+    sync_every: int = 1
+    """rollout.engine=llama_cpp: export the policy and restart the server every this many steps (between
+    syncs the server's samples are up to sync_every - 1 steps off-policy)."""
+    gguf_quant: str = "f16"
+    """rollout.engine=llama_cpp: the exported weights' type (f16, q8_0, bf16, f32, ...; gspo export --quant)."""
 
 
 @dataclass
 class RolloutConfig:
-    engine: Literal["hf", "openai"] = "hf"
+    engine: Literal["hf", "openai", "llama_cpp"] = "hf"
     """Who samples the completions: "hf", the trainer's own model in this process (transformers
     `generate`); "openai", an OpenAI-compatible server (`rollout.server`), whose weights `gspo train` does
-    not update: its samples are off-policy, the old-policy log-probs are recomputed."""
+    not update: its samples are off-policy, the old-policy log-probs are recomputed; "llama_cpp", a local
+    llama-cpp-python server that gspo starts on the policy exported as GGUF and restarts on a fresh export
+    every `rollout.server.sync_every` steps (slower than "hf" on CPUs: docs/llama_cpp_sync.md)."""
     server: ServerConfig = field(default_factory=ServerConfig)
-    """The server of rollout.engine=openai."""
+    """The server of rollout.engine=openai (and the sync of rollout.engine=llama_cpp)."""
     prompts_per_step: int = 8
     """Prompts sampled per rollout batch."""
     group_size: int = 8

@@ -10,20 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import http.client
-import importlib.util
 import json
 import math
 import numbers
 import random
 import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -410,70 +406,3 @@ def _list_of(value: Any, kind: type | str) -> bool:
             v is None or (isinstance(v, numbers.Real) and not isinstance(v, bool)) for v in value
         )
     return isinstance(value, list) and all(isinstance(v, kind) and not isinstance(v, bool) for v in value)
-
-
-# ---- a local llama.cpp server (tests, benchmarks) ----------------------------------------------------------
-@contextlib.contextmanager
-def llama_cpp_server(
-    model_file: str | Path,
-    *,
-    n_ctx: int = 2048,
-    threads: int = 1,
-    startup_timeout: float = 120.0,
-    nice: int = 0,
-) -> Iterator[str]:
-    """Serve a GGUF file with llama-cpp-python's OpenAI-compatible server on 127.0.0.1; yields the base URL.
-
-    Needs `pip install 'gspo[server]'` (llama-cpp-python; on CPUs where its native build crashes with
-    "Illegal instruction", build it with CMAKE_ARGS="-DGGML_NATIVE=OFF"). Raises RuntimeError with the
-    server's output when it is missing or does not come up within `startup_timeout` seconds.
-    """
-    if importlib.util.find_spec("llama_cpp") is None:
-        raise RuntimeError(
-            "llama-cpp-python is not installed: CMAKE_ARGS=\"-DGGML_NATIVE=OFF\" pip install 'gspo[server]'"
-        )
-    with socket.socket() as probe:  # a free port
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [
-        sys.executable, "-m", "llama_cpp.server", "--model", str(model_file), "--host", "127.0.0.1",
-        "--port", str(port), "--n_ctx", str(n_ctx), "--n_threads", str(threads),
-        "--n_threads_batch", str(threads), "--logits_all", "true", "--interrupt_requests", "false",
-        "--verbose", "false",
-    ]  # fmt: skip
-    if nice:
-        command = ["nice", "-n", str(nice), *command]
-    # the server's output goes to a file, not a pipe: a full pipe would block the server
-    with tempfile.TemporaryFile(mode="w+") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
-        url = f"http://127.0.0.1:{port}/v1"
-        try:
-            _wait_until_up(process, log, url, startup_timeout)
-            yield url
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-
-def _wait_until_up(process: subprocess.Popen, log: Any, url: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if process.poll() is not None:
-            log.seek(0)
-            output = log.read()
-            raise RuntimeError(
-                f"llama-cpp-python's server exited with {process.returncode}:\n{output[-2000:]}"
-            )
-        try:
-            with urllib.request.urlopen(f"{url}/models", timeout=5):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"llama-cpp-python's server did not answer on {url} within {timeout:.0f}s"
-                ) from None
-            time.sleep(0.5)

@@ -187,6 +187,28 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return next((p for p in candidates if p.is_dir() and is_complete(p)), None)
 
 
+def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
+    """A run's checkpoint of `step` (None: the latest); the error lists the steps on disk."""
+    root = Path(run_dir) / "checkpoints"
+    if step is None:
+        found = latest_checkpoint(run_dir)
+    else:
+        found = root / f"step_{step:06d}"
+        found = found if (found / "trainer_state.pt").is_file() else None
+    if found is None:
+        steps = sorted(int(p.name.removeprefix("step_")) for p in root.glob("step_*") if p.is_dir())
+        raise FileNotFoundError(
+            f"{run_dir}: no complete checkpoint {'' if step is None else f'of step {step} '}(steps on disk: "
+            f"{steps or 'none'}; checkpoint.keep sets how many a run keeps)"
+        )
+    return found
+
+
+def checkpoint_step(checkpoint: str | Path) -> int:
+    """The step of a checkpoint folder, from its name (step_000040 -> 40)."""
+    return int(Path(checkpoint).name.removeprefix("step_"))
+
+
 def load_trainer_state(checkpoint: str | Path) -> dict[str, Any]:
     """A checkpoint's training state: tensors and plain data only (``weights_only=True``), never code."""
     path = Path(checkpoint) / STATE_FILE

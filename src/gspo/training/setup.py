@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-from gspo.config import Config, ConfigError
+from gspo.config import Config, ConfigError, ModelConfig
 from gspo.core.attention import supports_segments
 from gspo.core.layout import layout_is_exact
 from gspo.learning.policy import Policy, UpdateSpec, score
-from gspo.models import add_lora, is_lora, load_model
+from gspo.models import add_lora, default_model_file, is_lora, load_model
 from gspo.parallel.collectives import broadcast_object
-from gspo.parallel.group import is_main
+from gspo.parallel.group import is_main, world_size
 from gspo.parallel.wrap import compute_dtype, full_parameters, wrap_model
 from gspo.rollout.data import (
     TASKS,
@@ -33,6 +33,7 @@ from gspo.rollout.data import (
     load_examples,
     split_eval,
 )
+from gspo.rollout.llama_cpp import GGUFReload, LlamaCppServer, export_policy
 from gspo.rollout.openai import OpenAIBackend
 from gspo.rollout.rewards import RewardFunction, resolve_reward, with_timeout
 from gspo.rollout.samplers import HFSampler, Sampler, tokenize_prompts
@@ -244,6 +245,25 @@ def setup_model(config: Config, checkpoint: Path | None) -> tuple[Any, Any]:
     return model, tokenizer
 
 
+def load_checkpoint_policy(config: Config, checkpoint: Path) -> tuple[Any, Any]:
+    """A saved policy as one plain model (LoRA adapters merged into the base weights) and its tokenizer;
+    `config` is the run's own (its model and LoRA settings)."""
+    model, tokenizer = setup_model(config, checkpoint)
+    if is_lora(model):
+        model = model.merge_and_unload()
+    model.eval()
+    return model, tokenizer
+
+
+def source_gguf(config: ModelConfig) -> Path | None:
+    """The GGUF file a run's model was loaded from (model.path, or the embedded model), or None."""
+    if config.tiny is not None:
+        return None
+    if config.path is None:
+        return default_model_file()
+    return Path(config.path) if Path(config.path).suffix == ".gguf" else None
+
+
 def choose_layout(config: Config, model: torch.nn.Module, pad_id: int) -> str:
     """train.packing, with "auto" resolved: the first of shared_prefix, packed, padded that a probe shows
     exact for this model (its log-probs equal to the padded layout's), with a one-line notice on fallback."""
@@ -308,13 +328,31 @@ def setup_policy(config: Config, model: torch.nn.Module, device: torch.device, *
     return Policy(model, optimizer, scheduler, scorer=scorer, reference=reference, compute_dtype=dtype)
 
 
-def setup_sampler(config: Config, policy: Policy, tokenizer: Any) -> Sampler:
-    """rollout.engine: the trainer's own model, or an OpenAI-compatible server."""
+def setup_sampler(config: Config, policy: Policy, tokenizer: Any, run_dir: Path) -> Sampler:
+    """rollout.engine: the trainer's own model, an OpenAI-compatible server, or a llama.cpp server of ours."""
     if config.rollout.engine == "hf":
         return HFSampler(
             policy.model, tokenizer, config.rollout.generation_batch_size, lambda: generating(policy)
         )
     server = config.rollout.server
+    if config.rollout.engine == "llama_cpp":
+        if world_size() > 1:
+            raise ConfigError(
+                "rollout.engine=llama_cpp runs in one process: use rollout.engine=hf under torchrun"
+            )
+        source, directory = source_gguf(config.model), run_dir / "llama_cpp"
+        first = export_policy(policy.model, tokenizer, directory / "policy.gguf", server.gguf_quant, source)
+        llama = LlamaCppServer(first, threads=torch.get_num_threads(), startup_timeout=server.timeout)
+        sync = GGUFReload(llama, directory, every=server.sync_every, quant=server.gguf_quant, source=source)
+        # llama-cpp-python reports a sampled control token as "": drawn again rather than ending the run
+        return OpenAIBackend(
+            llama.url,
+            tokenizer,
+            max_concurrency=1,
+            timeout=server.timeout,
+            weight_sync=sync,
+            misaligned="resample",
+        )
     warnings.warn(
         f"rollout.engine=openai: {server.url} samples from its own weights, which gspo train does not update; "
         "its rollouts drift off-policy as training goes on, and the old-policy log-probs are recomputed "

@@ -27,8 +27,6 @@ from gspo.learning.learner import learn
 from gspo.learning.policy import UpdateSpec
 from gspo.parallel.collectives import (
     all_gather_cat,
-    all_gather_list,
-    all_gather_varlen,
     all_reduce_sum,
     raise_together,
 )
@@ -36,7 +34,6 @@ from gspo.parallel.group import (
     barrier,
     init_from_env,
     is_main,
-    rank,
     rank_slice,
     resolve_device,
     seed_rank,
@@ -48,6 +45,7 @@ from gspo.rollout.data import Example, PromptStream, batch_fields, format_prompt
 from gspo.rollout.rewards import RewardError, RewardFunction, compute_rewards
 from gspo.rollout.samplers import HFSampler, Sampler
 from gspo.rollout.trajectories import TrajectoryGroup, trajectory_samples
+from gspo.training import evaluation
 from gspo.training.checkpoint import latest_checkpoint, load_trainer_state, rng_state, save_checkpoint
 from gspo.training.metrics import MetricsLogger, SilentLogger
 from gspo.training.resume import restore_state, resume_config
@@ -106,7 +104,7 @@ class Trainer:
         validate_setup(config, num_processes=world_size(), is_moe=self.policy.moe)
         if world_size() > 1:
             seed_rank(config.seed)  # each rank samples its own completions
-        self.sampler = sampler or setup_sampler(config, self.policy, self.tokenizer)
+        self.sampler = sampler or setup_sampler(config, self.policy, self.tokenizer, self.run_dir)
         old_logprobs = resolve_old_logprobs(config, self.sampler)
         self.spec = UpdateSpec.from_config(
             config, layout=layout, pad_id=self.tokenizer.pad_token_id, old_logprobs=old_logprobs
@@ -231,27 +229,14 @@ class Trainer:
 
     # ---- evaluation ---------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
-        """Greedy completions on the held-out split; accuracy = mean of the first reward function."""
-        examples = self.eval_examples[rank() :: world_size()]  # this rank's share
-        prompts = self.prompts(examples)
+        """Greedy completions on the held-out split, scored by the run's rewards (gspo.training.evaluation)."""
         sampler = HFSampler(
             self.policy.model, self.tokenizer, self.config.eval.batch_size, lambda: generating(self.policy)
         )
-        rollouts = sampler.generate(
-            prompts, group_size=1, max_new_tokens=self.config.eval.max_new_tokens, greedy=True
-        )
-        total, per_function = compute_rewards(
-            self.rewards, prompts, rollouts.completions, batch_fields(examples)
-        )
-        total = all_gather_varlen(total)
-        per_function = {name: all_gather_varlen(v) for name, v in per_function.items()}
-        lengths = all_gather_list([len(c) for c in rollouts.completion_ids])
-        first = self.rewards[0][0]
-        return {
-            "accuracy": float(per_function[first].mean()),
-            "reward_mean": float(total.mean()),
-            "completion_len_mean": sum(lengths) / len(lengths),
-        }
+        return evaluation.evaluate(
+            sampler, self.eval_examples, self.rewards, max_new_tokens=self.config.eval.max_new_tokens,
+            system_prompt=self.config.task.system_prompt,
+        ).metrics  # fmt: skip
 
     # ---- the loop -----------------------------------------------------------------------------------
     def checkpoint(self, rng: dict[str, Any] | None = None, stream: dict[str, Any] | None = None) -> Path:
