@@ -189,7 +189,7 @@ def test_reduced_paper_experiment_writes_its_report(tmp_path: Path) -> None:
         sys.executable, str(ROOT / "scripts" / "reproduce_paper.py"), "--reduced",
         "--runs-dir", str(tmp_path / "runs"), "--report-dir", str(tmp_path / "report"),
     ]  # fmt: skip
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     report = (tmp_path / "report" / "paper_reproduction.md").read_text()
     assert report.count("Verdict: **") >= 5
