@@ -73,7 +73,7 @@ def _clipped_surrogate(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: flo
 def _soft_gate(ratio: Tensor, adv: Tensor, tau_pos: float, tau_neg: float):
     """-f(ratio) A with f(x) = sigmoid(tau (x - 1)) 4 / tau, tau = tau_pos if A > 0 else tau_neg; and where
     the gate keeps less than half the gradient weight, f'(x) = sech^2(tau (x - 1) / 2) < 1/2."""
-    tau = torch.where(adv > 0, tau_pos, tau_neg)
+    tau = torch.where(adv > 0, ratio.new_tensor(tau_pos), ratio.new_tensor(tau_neg))  # ratio's dtype
     x = tau * (ratio - 1)
     gated = 4 * torch.sigmoid(x.detach()) * torch.sigmoid(-x.detach()) < GATE_HALF  # f'(ratio)
     return -torch.sigmoid(x) * (4 / tau) * adv, gated & (ratio < 1), gated & (ratio > 1)
@@ -86,14 +86,15 @@ def exp_clamped(x: Tensor) -> Tensor:
 def _sequence_advantages(s: Stream, name: str) -> Tensor:
     if s.adv_seq is None:
         raise ValueError(
-            f"{name} takes one advantage per sequence; for per-token ones use gspo_token, grpo, sapo or cispo"
+            f"{name} takes one advantage per sequence; use objective gspo_token for per-token ones (or grpo, "
+            "sapo, cispo)"
         )
     return s.adv_seq
 
 
 def _gspo(s: Stream, p: Mapping[str, float]) -> Terms:
     """GSPO, Eq. 5-7: s_i = exp((1/|y_i|) sum_t log r_t); L_i = -min(s_i A_i, clip(s_i) A_i)."""
-    adv = _sequence_advantages(s, "GSPO")
+    adv = _sequence_advantages(s, "gspo")
     seq_ratio = exp_clamped(s.seq_log_ratio)  # (S,)
     return Terms("sequence", *_clipped_surrogate(seq_ratio, adv, p["eps_low"], p["eps_high"]), seq_ratio)
 
@@ -117,7 +118,7 @@ def _gmpo(s: Stream, p: Mapping[str, float]) -> Terms:
     g_i = exp((1/|y_i|) sum_t m_t);  L_i = -A_i g_i   (S,)
     A token whose log-ratio is clipped (A > 0 above eps_high, A < 0 below -eps_low) gives no gradient.
     """
-    adv = _sequence_advantages(s, "GMPO")
+    adv = _sequence_advantages(s, "gmpo")
     high = (s.adv_token > 0) & (s.log_ratio > p["eps_high"])  # (N,)
     low = (s.adv_token < 0) & (s.log_ratio < -p["eps_low"])
     clipped = s.log_ratio.detach().clamp(-p["eps_low"], p["eps_high"])
@@ -137,7 +138,7 @@ def _sapo(s: Stream, p: Mapping[str, float]) -> Terms:
 
 def _sapo_seq(s: Stream, p: Mapping[str, float]) -> Terms:
     """SAPO at sequence level (GSPO's ratio under SAPO's gate): L_i = -f(s_i) A_i."""
-    adv = _sequence_advantages(s, "SAPO (sapo_seq)")
+    adv = _sequence_advantages(s, "sapo_seq")
     seq_ratio = exp_clamped(s.seq_log_ratio)  # (S,)
     return Terms("sequence", *_soft_gate(seq_ratio, adv, p["tau_pos"], p["tau_neg"]), seq_ratio)
 
