@@ -362,10 +362,15 @@ class LoadMonitor(threading.Thread):
     def sentence(self) -> str:
         self.samples.append(os.getloadavg()[0])
         mean_load = sum(self.samples) / len(self.samples)
+        cores = os.cpu_count() or 1
+        busy = (
+            f"above the {cores} cores, so other processes shared the CPU and the wall time is longer than on an "
+            "idle machine"
+            if mean_load > cores
+            else "the machine was otherwise about idle"
+        )
         return (f"The machine's 1-minute load average, sampled every {self.every:.0f} s, averaged {mean_load:.1f} "
-                f"(max {max(self.samples):.1f}) on {os.cpu_count()} cores: above the {os.cpu_count()} this run's "
-                "workers could use, other processes shared the CPU and the wall time is longer than on an idle "
-                "machine. ")  # fmt: skip
+                f"(max {max(self.samples):.1f}) on {cores} cores: {busy}. ")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
