@@ -304,6 +304,12 @@ def write_report(report_dir: Path, bake: Bakeoff, table: dict, rates: dict, scor
         "|---|---|---|---|",
     ]
     lines += [f"| {m} | {metric} | **{v}** | {e} |" for m, metric, v, e in verdicts(table)]
+    fell = [LABELS[m] for m in methods
+            if paper.mean(table[m]["accuracy_end"]) < paper.mean(table[m]["accuracy_start"]) - 0.02]  # fmt: skip
+    if fell:
+        lines += ["", f"Held-out accuracy ended below its start ({paper.mean(table['gspo']['accuracy_start']):.2f}) "
+                  f"for {', '.join(fell)}: at this budget the runs raise the training reward but not (yet) the "
+                  "held-out accuracy, so the verdicts compare early training, not converged policies."]  # fmt: skip
     lines += ["", "## Numbers (mean ± std over seeds; per-step metrics averaged over all steps)", "",
               "| metric | " + " | ".join(f"{LABELS[m]} (lr {rates[m]:g})" for m in methods) + " |",
               "|---|" + "---|" * len(methods)]  # fmt: skip
@@ -336,8 +342,13 @@ def write_report(report_dir: Path, bake: Bakeoff, table: dict, rates: dict, scor
         "",
         "## Cost",
         "",
-        f"{timing['total_seconds'] / 60:.1f} minutes wall for the whole command, cold start {sft['seconds']:.0f} s "
-        f"(or earlier); {timing['runs']} training runs ({timing['steps_trained']} rollout batches trained in this "
+        f"Command: `{timing['command']}`. {timing['total_seconds'] / 60:.1f} minutes wall for the whole command; "
+        + (
+            f"the cold start ({sft['seconds']:.0f} s) was made by an earlier invocation and reused"
+            if timing["cold_start_reused"]
+            else f"cold start {sft['seconds']:.0f} s"
+        )
+        + f"; {timing['runs']} training runs ({timing['steps_trained']} rollout batches trained in this "
         f"invocation): {timing['wall_per_step']:.2f} s wall and {timing['cpu_per_step']:.2f} s CPU per rollout "
         "batch and worker, evaluations and checkpoints included. Wall above CPU time means the machine was busy.",
         "",
@@ -388,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     args.runs_dir.mkdir(parents=True, exist_ok=True)
     args.report_dir.mkdir(parents=True, exist_ok=True)
     base = load_config(None, [*paper.base_overrides(bake.task), "seed=0"])
+    reused = (args.runs_dir / "cold_start" / "cold_start.json").is_file()
     sft = paper.cold_start(bake.task, args.runs_dir, base)
     print(f"cold start: {sft['steps']} SFT steps, held-out {sft['eval_accuracy']:.2f}", flush=True)
     threads = max(1, torch.get_num_threads() // args.workers)
@@ -417,7 +429,9 @@ def main(argv: list[str] | None = None) -> int:
         "total_seconds": time.perf_counter() - t0, "workers": args.workers, "threads": threads,
         "reduced": args.reduced, "steps_trained": trained, "runs": len(done),
         "note": load.sentence() + (f"{args.note.strip()} " if args.note.strip() else ""),
-        "cpu_seconds": sum(r["cpu"] for r in done),
+        "cpu_seconds": sum(r["cpu"] for r in done), "cold_start_reused": reused,
+        "command": f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')} python scripts/bakeoff.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "wall_per_step": sum(r["wall"] for r in done) / max(1, trained),
         "cpu_per_step": sum(r["cpu"] for r in done) / max(1, trained),
     }  # fmt: skip
