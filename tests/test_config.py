@@ -70,7 +70,10 @@ def test_resolved_config_round_trips(tmp_path: Path) -> None:
         ("train.lrr=1e-5", "unknown config key 'train.lrr'; did you mean 'lr'"),
         ("trian.lr=1e-5", "unknown config key 'trian'; did you mean 'train'"),
         ("train.lr=fast", "train.lr: expected a number, got 'fast'"),
-        ("train.objective=ppo", "train.objective: 'ppo' is not one of 'gspo', 'gspo_token', 'grpo'"),
+        (
+            "train.objective=ppo",
+            "train.objective: 'ppo' is not one of 'gspo', 'gspo_token', 'grpo', 'gmpo', 'sapo', 'sapo_seq', 'cispo'",
+        ),
         ("rollout.group_size=2.5", "rollout.group_size: expected an integer, got 2.5"),
         ("rollout.group_size=0", "rollout.group_size must be at least 1, got 0"),
         ("train.eps_low=1.5", "train.eps_low must be < 1"),
@@ -93,6 +96,58 @@ def test_bad_input_names_the_field(override: str, message: str) -> None:
     with pytest.raises(ConfigError) as error:
         load_config(None, [override])
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train.objective=sapo", "train.eps_low=0.2"], "train.eps_low is a clip range, but train.objective=sapo"),
+        (["train.sapo_tau_pos=2"], "train.sapo_tau_pos is SAPO's gate temperature; train.objective=gspo does not"),
+        (["train.objective=sapo", "train.sapo_tau_neg=0"], "train.sapo_tau_neg must be > 0"),
+        (["train.objective=cispo", "train.eps_low=1.5"], "train.eps_low must be <= 1 for cispo"),
+        (
+            ["train.objective=gspo", "train.sampler_correction=token_truncate"],
+            "use train.sampler_correction=sequence_truncate",
+        ),
+        (
+            ["train.sampler_correction=sequence_mask", "train.old_logprobs=sampler"],
+            "needs train.old_logprobs=recompute",
+        ),
+        (["train.sampler_correction_max=3"], "set train.sampler_correction too"),
+        (
+            ["train.sampler_correction=token_mask", "train.objective=grpo", "train.sampler_correction_min=2",
+             "train.sampler_correction_max=1"],
+            "train.sampler_correction_min=2.0 exceeds train.sampler_correction_max=1.0",
+        ),
+        (["train.opsm_delta=-1"], "train.opsm_delta must be >= 0"),
+        (["train.sampler_is_cap=2"], "unknown config key 'train.sampler_is_cap'"),
+    ],
+)  # fmt: skip
+def test_wrong_objective_and_correction_combinations_name_the_fix(overrides, message) -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(None, overrides)
+    assert message in str(error.value)
+
+
+def test_objective_recipes_load_and_defaults_stay_in_one_place() -> None:
+    from gspo.config.checks import SEQUENCE_OBJECTIVES
+    from gspo.core import surrogates
+    from gspo.learning.policy import UpdateSpec
+
+    assert SEQUENCE_OBJECTIVES == surrogates.SEQUENCE_OBJECTIVES
+    gmpo = load_config(None, ["train.objective=gmpo", "train.eps_low=1.5"])  # log space: any eps_low
+    assert UpdateSpec.from_config(gmpo, layout="padded", pad_id=0).eps_low == 1.5
+    dr_grpo = load_config(
+        None,
+        ["train.objective=grpo", "train.aggregation=seq-mean-token-sum-norm", "train.advantage_scale=none"],
+    )
+    spec = UpdateSpec.from_config(dr_grpo, layout="padded", pad_id=0)
+    assert (
+        spec.max_new_tokens == dr_grpo.rollout.max_new_tokens and spec.eps_low is None
+    )  # paper default later
+    masked = load_config(None, ["train.sampler_correction=sequence_mask", "train.sampler_correction_max=3"])
+    spec = UpdateSpec.from_config(masked, layout="padded", pad_id=0)
+    assert spec.correction == "sequence_mask" and spec.correction_bounds == (0.5, 3.0)  # C_min: the default
 
 
 def test_minibatches_must_fit_the_rollout_batch() -> None:

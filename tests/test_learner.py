@@ -284,3 +284,46 @@ def test_reduce_metrics_reads_tensors_back_with_one_sync(monkeypatch):
     items = [{f"k{i}": torch.tensor(float(i + j)) for i in range(5)} for j in range(4)]
     assert reduce_metrics(items) == {f"k{i}": i + 1.5 for i in range(5)}
     assert calls == [torch.Size([20])]
+
+
+@pytest.mark.parametrize(
+    ("objective", "correction", "opsm_delta"),
+    [("gmpo", None, None), ("sapo", "token_mask", None), ("sapo_seq", "sequence_truncate", 0.0),
+     ("cispo", "token_truncate", None), ("gspo", "sequence_mask", 0.5)],
+)  # fmt: skip
+def test_every_objective_and_correction_trains_through_the_learner(objective, correction, opsm_delta):
+    batch = _batch()
+    g = torch.Generator().manual_seed(3)  # the sampler's log-probs: some known, a few missing
+    batch.sampler_logprobs = [
+        [float("nan") if torch.rand((), generator=g) < 0.2 else -2.0 - float(torch.rand((), generator=g))
+         for _ in s.completion_ids]
+        for s in batch.sequences
+    ]  # fmt: skip
+    spec = UpdateSpec(
+        objective=objective, minibatches=2, old_logprobs="recompute", correction=correction,
+        correction_bounds=None if correction is None else (0.0, 50.0), opsm_delta=opsm_delta,
+    )  # fmt: skip
+    policy = _policy()
+    before = _params(policy)
+    metrics = learn(policy, spec, batch, seed=3)
+    assert not torch.equal(before, _params(policy))
+    assert all(math.isfinite(v) for v in metrics.values())
+    if correction is not None:
+        assert 0 <= metrics["sampler_is_masked_frac_token"] <= 1 and metrics["sampler_is_weight_mean"] > 0
+    if opsm_delta is not None:
+        assert 0 <= metrics["opsm_masked_frac_seq"] <= 1
+
+
+def test_dr_grpo_normaliser_is_the_sequences_times_the_longest_completion():
+    """seq-mean-token-sum-norm divides the token sums by B x max_new_tokens: with SGD the update is exactly the
+    seq-mean-token-sum update (over B) divided by max_new_tokens."""
+    updates = {}
+    for aggregation, k in [("seq-mean-token-sum", 1), ("seq-mean-token-sum-norm", 8)]:
+        policy = _policy(sgd=True)
+        before = _params(policy)
+        spec = UpdateSpec(
+            objective="grpo", minibatches=1, aggregation=aggregation, max_new_tokens=k, max_grad_norm=0
+        )
+        learn(policy, spec, _batch(), seed=2)
+        updates[aggregation] = _params(policy) - before
+    torch.testing.assert_close(updates["seq-mean-token-sum-norm"] * 8, updates["seq-mean-token-sum"])

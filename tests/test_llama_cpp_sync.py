@@ -28,7 +28,9 @@ def _logprobs(model, rollouts) -> list[torch.Tensor]:
         Sequence(p, c, [True] * len(c))
         for p, c in zip(rollouts.prompt_ids, rollouts.completion_ids, strict=True)
     ]
-    (mb,) = make_micro_batches(sequences, layout="padded", pack_length=1024, micro_batch_tokens=10_000, pad_id=0)
+    (mb,) = make_micro_batches(
+        sequences, layout="padded", pack_length=1024, micro_batch_tokens=10_000, pad_id=0
+    )
     with torch.no_grad():
         logp = causal_lm_logprobs(
             model, mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,

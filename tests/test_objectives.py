@@ -8,12 +8,33 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gspo.core.objectives import AGGREGATIONS, PAPER_CLIP, policy_loss
+from gspo.core.objectives import AGGREGATIONS, PAPER_CLIP, PAPER_DEFAULTS, policy_loss
 from gspo.core.objectives import OBJECTIVES as KINDS
+from gspo.core.surrogates import SEQUENCE_OBJECTIVES
+
+NORM_TOKENS = 7
+"""The constant of aggregation seq-mean-token-sum-norm (Dr. GRPO) in these tests: normalizer = B x 7."""
+
+
+def knobs(kind, eps_low=None, eps_high=None, **kwargs):
+    """A test's clip range as the objective's knobs: SAPO has temperatures instead (tighter range, sharper gate)."""
+    if kind in ("sapo", "sapo_seq"):
+        if eps_low is not None:
+            kwargs |= {"tau_pos": 0.2 / eps_high, "tau_neg": 0.3 / eps_low}
+    else:
+        kwargs |= {"eps_low": eps_low, "eps_high": eps_high}
+    return kwargs
+
+
+def _with_normalizer(kwargs, num_sequences):
+    if kwargs.get("aggregation") == "seq-mean-token-sum-norm" and kwargs.get("normalizer") is None:
+        kwargs = {**kwargs, "normalizer": num_sequences * NORM_TOKENS}
+    return kwargs
 
 
 def _padded(kind):
     def loss(logp, old_logp, advantages, mask, **kwargs):
+        kwargs = _with_normalizer(knobs(kind, **kwargs), mask.shape[0])
         return policy_loss(kind, logp, old_logp, advantages, mask, **kwargs)
 
     return loss
@@ -21,6 +42,7 @@ def _padded(kind):
 
 def _packed(kind):
     def loss(logp, old_logp, advantages, segment_ids, num_segments, **kwargs):
+        kwargs = _with_normalizer(knobs(kind, **kwargs), num_segments)
         return policy_loss(
             kind, logp, old_logp, advantages, segment_ids=segment_ids, num_segments=num_segments, **kwargs
         )
@@ -71,8 +93,9 @@ def make_batch(seed, B=4, T=6, spread=0.3, per_token_adv=False, dtype=torch.floa
     return logp.to(dtype).requires_grad_(), old.to(dtype), adv.to(dtype), mask, ref.to(dtype)
 
 
-def naive_loss(kind, logp, old, adv, mask, eps_low, eps_high, aggregation, ref=None, beta=0.0):
-    """The paper's formulas, one sequence at a time, with min() and clamp() as written."""
+def naive_loss(kind, logp, old, adv, mask, eps_low, eps_high, aggregation, ref=None, beta=0.0, *, tau=None,
+               sampler=None, correction=None, bounds=(None, None), opsm_delta=None):  # fmt: skip
+    """The papers' formulas, one sequence at a time, with min() and clamp() as written; tau = SAPO's (pos, neg)."""
     B = logp.shape[0]
     terms, weights, total_tokens = [], [], 0
     for i in range(B):
@@ -84,19 +107,53 @@ def naive_loss(kind, logp, old, adv, mask, eps_low, eps_high, aggregation, ref=N
         lp, olp = logp[i, idx], old[i, idx]
         a = adv[i, idx] if adv.dim() == 2 else adv[i].expand(n)
         log_s = (lp - olp).mean()
-        if kind == "gspo":
-            ratio = torch.exp(log_s).expand(n)
-        elif kind == "gspo_token":
-            ratio = torch.exp(log_s.detach() + lp - lp.detach())
+        if (
+            kind == "gmpo"
+        ):  # m_t = sgn(A) min(sgn(A) l_t, sgn(A) clip(l_t, -eps_low, eps_high)) (verl's geo_mean)
+            sgn, l = torch.sign(a), lp - olp
+            m = sgn * torch.minimum(sgn * l, sgn * torch.clamp(l, -eps_low, eps_high))
+            tok = (-a * torch.exp(m.mean()))[:1].expand(n)  # one term per sequence, on each of its tokens
+        elif kind in ("sapo", "sapo_seq"):
+            r = torch.exp(lp - olp) if kind == "sapo" else torch.exp(log_s).expand(n)
+            t = torch.where(a > 0, tau[0], tau[1])
+            tok = -torch.sigmoid(t * (r - 1)) * 4 / t * a
+        elif kind == "cispo":
+            r = torch.exp(lp - olp)
+            tok = -torch.clamp(r.detach(), 1 - eps_low, 1 + eps_high) * a * lp
         else:
-            ratio = torch.exp(lp - olp)
-        tok = -torch.minimum(ratio * a, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * a)
+            if kind == "gspo":
+                ratio = torch.exp(log_s).expand(n)
+            elif kind == "gspo_token":
+                ratio = torch.exp(log_s.detach() + lp - lp.detach())
+            else:
+                ratio = torch.exp(lp - olp)
+            tok = -torch.minimum(ratio * a, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * a)
+        if sampler is not None:
+            s = sampler[i, idx]
+            log_rho = torch.where(torch.isnan(s), 0.0, olp - s)
+            if correction is not None:
+                rho = (
+                    torch.exp(log_rho.mean()).expand(n)
+                    if correction.startswith("sequence")
+                    else torch.exp(log_rho)
+                )
+                lo, hi = bounds
+                if correction.endswith("truncate"):
+                    w = rho.clamp(min=lo, max=hi)
+                else:
+                    w = torch.where((rho < (lo or 0.0)) | (rho > (hi or math.inf)), 0.0, rho)
+                tok = tok * w
+            if opsm_delta is not None:
+                kl = torch.where(torch.isnan(s), olp, s) - lp.detach()
+                tok = tok * torch.where((a < 0) & (kl.mean() > opsm_delta), 0.0, 1.0)
         if ref is not None:
             d = ref[i, idx] - lp
             tok = tok + beta * (torch.exp(d) - d - 1)
         terms.append(tok.sum())
         weights.append(1.0 / n if aggregation == "seq-mean-token-mean" else 1.0)
     total = sum(w * t for w, t in zip(terms, weights, strict=True)) if terms else logp.sum() * 0
+    if aggregation == "seq-mean-token-sum-norm":
+        return total / (B * NORM_TOKENS)
     return total / (max(total_tokens, 1) if aggregation == "token-mean" else B)
 
 
@@ -200,6 +257,141 @@ def test_gspo_token_hand_values_per_token_advantages():
     assert m["num_seq_nonzero_adv"].item() == 1
 
 
+def test_gmpo_hand_values_clip_in_log_space_then_geometric_mean():
+    # sequence 0 (A = +1): log r = 0.5 (clipped to 0.4), 0.1;  sequence 1 (A = -2): -0.6 (clipped to -0.4), 0.3
+    log_r = torch.tensor([[0.5, 0.1], [-0.6, 0.3]], dtype=torch.float64)
+    logp = log_r.clone().requires_grad_()
+    old, adv, mask = (
+        torch.zeros(2, 2, dtype=torch.float64),
+        torch.tensor([1.0, -2.0]),
+        torch.ones(2, 2).bool(),
+    )
+    loss, m = OBJECTIVES["gmpo"](logp, old, adv, mask)  # paper default: [-0.4, 0.4]
+    g0, g1 = math.exp((0.4 + 0.1) / 2), math.exp((-0.4 + 0.3) / 2)
+    assert loss.item() == pytest.approx((-1 * g0 + 2 * g1) / 2, abs=1e-12)
+    # dL/dlogp_t = -A_i g_i / |y_i| / B on unclipped tokens, 0 on clipped ones
+    grad = torch.tensor([[0.0, -g0 / 2], [0.0, 2 * g1 / 2]], dtype=torch.float64) / 2
+    torch.testing.assert_close(grad_of(loss, logp), grad)
+    assert m["clip_frac_token"].item() == pytest.approx(0.5)
+    assert m["clip_frac_token_high"].item() == pytest.approx(0.25)
+    assert m["clip_frac_token_low"].item() == pytest.approx(0.25)
+    assert m["clip_frac_seq"].item() == pytest.approx(0.5)
+
+
+def test_sapo_hand_values_soft_gate():
+    sig = torch.sigmoid
+    # row 0 (A = +1, tau 1.0): r = 1 (gate value 2, weight 1), r = 4 (weight 4 s(3) s(-3) = 0.18 < 1/2: gated)
+    # row 1 (A = -1, tau 1.05): r = 0.5 (weight 0.93: not gated)
+    r = torch.tensor([[1.0, 4.0], [0.5, 1.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True], [True, False]])
+    logp = torch.log(r).requires_grad_()
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    loss, m = OBJECTIVES["sapo"](logp, torch.zeros(2, 2, dtype=torch.float64), adv, mask)
+    t = torch.tensor(3.0, dtype=torch.float64)
+    x1 = torch.tensor(1.05 * (0.5 - 1), dtype=torch.float64)
+    f = [2.0, float(sig(t) * 4), float(sig(x1) * 4 / 1.05)]
+    assert loss.item() == pytest.approx(((-f[0] - f[1]) / 2 + f[2]) / 2, abs=1e-12)
+    # dL/dlogp_t = -A f'(r) r, f'(r) = 4 s(x) s(-x), x = tau (r - 1)
+    w = [1.0, float(4 * sig(t) * sig(-t)) * 4, float(4 * sig(x1) * sig(-x1)) * 0.5]
+    grad = torch.tensor([[-w[0] / 2, -w[1] / 2], [w[2], 0.0]], dtype=torch.float64) / 2
+    torch.testing.assert_close(grad_of(loss, logp), grad)
+    assert m["clip_frac_token_high"].item() == pytest.approx(1 / 3) and m["clip_frac_token_low"].item() == 0
+    # the sequence level gates s_i = exp(mean log r) instead: row 0 has s = 2, weight 4 s(1) s(-1) = 0.79
+    seq_loss, m = OBJECTIVES["sapo_seq"](logp, torch.zeros(2, 2, dtype=torch.float64), adv, mask)
+    f_seq = [float(sig(torch.tensor(1.0, dtype=torch.float64)) * 4), float(sig(x1) * 4 / 1.05)]
+    assert seq_loss.item() == pytest.approx((-f_seq[0] + f_seq[1]) / 2, abs=1e-12)
+    assert m["clip_frac_seq"].item() == 0.0
+
+
+def test_cispo_hand_values_truncated_tokens_keep_their_gradient():
+    r = torch.tensor([[1.1, 6.0, 0.5]], dtype=torch.float64)
+    old = torch.full((1, 3), -1.0, dtype=torch.float64)
+    logp = (old + torch.log(r)).requires_grad_()
+    loss, m = OBJECTIVES["cispo"](logp, old, torch.tensor([2.0]), torch.ones(1, 3).bool())  # weight in [0, 5]
+    w = torch.tensor([[1.1, 5.0, 0.5]], dtype=torch.float64)
+    assert loss.item() == pytest.approx(float(-(w * 2 * logp.detach()).sum() / 3), abs=1e-12)
+    torch.testing.assert_close(grad_of(loss, logp), -w * 2 / 3)  # -sg[w] A: no token loses its gradient
+    assert m["clip_frac_token_high"].item() == pytest.approx(1 / 3) and m["clip_frac_token_low"].item() == 0
+
+
+def test_dr_grpo_and_luspo_aggregations_by_hand():
+    # Dr. GRPO: token sums over B x a constant; LUSPO: GSPO's L_i times |y_i|, over B
+    r = torch.tensor([[1.1, 1.0, 1.0], [0.9, 1.0, 1.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    logp, adv = torch.log(r).requires_grad_(), torch.tensor([1.0, -1.0], dtype=torch.float64)
+    old = torch.zeros(2, 3, dtype=torch.float64)
+    loss, _ = grpo_loss(logp, old, adv, mask, aggregation="seq-mean-token-sum-norm", normalizer=2 * 10)
+    assert loss.item() == pytest.approx((-(1.1 + 1 + 1) + 0.9) / 20, abs=1e-12)
+    with pytest.raises(ValueError, match=r"Dr\. GRPO.*pass normalizer"):
+        policy_loss("grpo", logp, old, adv, mask, aggregation="seq-mean-token-sum-norm")
+    loss, _ = gspo_loss(logp, old, adv, mask, aggregation="seq-mean-token-sum", eps_low=1.0, eps_high=1.0)
+    s0, s1 = 1.1 ** (1 / 3), 0.9
+    assert loss.item() == pytest.approx((3 * -s0 + 1 * s1) / 2, abs=1e-12)
+
+
+def test_corrections_hand_values():
+    # one on-policy GRPO sequence (A = 1, L_t = -1) and rho_t = pi_old / pi_sampler = 3, 0.25
+    logp = torch.zeros(1, 2, dtype=torch.float64, requires_grad=True)
+    sampler = torch.log(torch.tensor([[1 / 3, 4.0]], dtype=torch.float64))
+    args = (logp, logp.detach(), torch.tensor([1.0], dtype=torch.float64), torch.ones(1, 2).bool())
+    rho_seq = math.sqrt(0.75)  # exp(mean log rho_t)
+    for correction, weights, truncated, masked in [
+        ("token_truncate", [2.0, 0.25], 0.5, 0.0),  # default (none, 2)
+        ("token_mask", [3.0, 0.0], 0.0, 0.5),  # default [0.5, 5]
+        ("sequence_truncate", [rho_seq] * 2, 0.0, 0.0),
+        ("sequence_mask", [rho_seq] * 2, 0.0, 0.0),
+    ]:
+        loss, m = grpo_loss(*args, sampler_logp=sampler, correction=correction)
+        assert loss.item() == pytest.approx(-sum(weights) / 2, abs=1e-12), correction
+        torch.testing.assert_close(grad_of(loss, logp), -torch.tensor([weights], dtype=torch.float64) / 2)
+        assert m["sampler_is_truncated_frac_token"].item() == pytest.approx(truncated)
+        assert m["sampler_is_masked_frac_token"].item() == pytest.approx(masked)
+        assert m["sampler_is_weight_mean"].item() == pytest.approx(sum(weights) / 2)
+    loss, m = grpo_loss(*args, sampler_logp=sampler, correction="sequence_mask", correction_bounds=(0.9, 2.0))
+    assert loss.item() == 0.0 and m["sampler_is_masked_frac_seq"].item() == 1.0  # 0.866 < 0.9: dropped
+    # a NaN sampler log-prob is unknown: ratio 1
+    loss, _ = grpo_loss(*args, sampler_logp=torch.tensor([[float("nan"), 0.0]]), correction="token_truncate")
+    assert loss.item() == pytest.approx(-1.0)
+
+
+def test_opsm_drops_negative_sequences_that_drifted_from_the_sampler():
+    # KL_i = mean_t (log pi_sampler - log pi_theta) = 1 for both sequences; only A < 0 is dropped
+    logp = torch.full((2, 2), -1.0, dtype=torch.float64, requires_grad=True)
+    sampler = torch.zeros(2, 2, dtype=torch.float64)
+    adv, mask = torch.tensor([1.0, -1.0], dtype=torch.float64), torch.ones(2, 2).bool()
+    for delta, dropped in [(0.5, True), (1.5, False)]:
+        loss, m = grpo_loss(logp, logp.detach(), adv, mask, sampler_logp=sampler, opsm_delta=delta)
+        expected = -1.0 / 2 if dropped else 0.0  # sequence 0: -1; sequence 1: +1 unless dropped
+        assert loss.item() == pytest.approx(expected), delta
+        assert m["opsm_masked_frac_seq"].item() == (0.5 if dropped else 0.0)
+        assert (grad_of(loss, logp)[1] == 0).all() == dropped
+    # without sampler log-probs OPSM measures against old_logp (old_logprobs="sampler": the sampler's)
+    loss, m = gspo_loss(logp, sampler, adv, mask, opsm_delta=0.5)
+    assert m["opsm_masked_frac_seq"].item() == 0.5
+
+
+def test_correction_errors_name_the_fix():
+    logp, old, adv, mask, _ = make_batch(15, B=2, T=3)
+    with pytest.raises(ValueError, match="use sequence_mask"):
+        policy_loss("gspo", logp, old, adv, mask, sampler_logp=old, correction="token_mask")
+    with pytest.raises(ValueError, match="needs sampler_logp"):
+        policy_loss("grpo", logp, old, adv, mask, correction="token_mask")
+    with pytest.raises(ValueError, match="unknown correction 'icepop'"):
+        policy_loss("grpo", logp, old, adv, mask, sampler_logp=old, correction="icepop")
+    with pytest.raises(ValueError, match="0 <= C_min <= C_max"):
+        policy_loss(
+            "grpo", logp, old, adv, mask, sampler_logp=old, correction="token_mask", correction_bounds=(2, 1)
+        )
+    with pytest.raises(ValueError, match="correction_bounds without a correction"):
+        policy_loss("grpo", logp, old, adv, mask, correction_bounds=(0.5, 2))
+    with pytest.raises(ValueError, match="tau_pos is not a knob of grpo"):
+        policy_loss("grpo", logp, old, adv, mask, tau_pos=1.0)
+    with pytest.raises(ValueError, match="eps_low is not a knob of sapo; its knobs are tau_pos, tau_neg"):
+        policy_loss("sapo", logp, old, adv, mask, eps_low=0.2)
+    with pytest.raises(ValueError, match="gmpo takes one advantage per sequence"):
+        policy_loss("gmpo", logp, old, torch.ones(2, 3), mask)
+
+
 def test_kl_hand_value():
     logp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
     ref = torch.tensor([[-1.5, -1.0]], dtype=torch.float64)
@@ -227,14 +419,53 @@ def test_kl_hand_value():
     per_token_adv=st.booleans(),
 )
 def test_matches_naive_loop(kind, aggregation, seed, B, T, eps, with_kl, per_token_adv):
-    per_token_adv = per_token_adv and kind != "gspo"
+    per_token_adv = per_token_adv and kind not in SEQUENCE_OBJECTIVES
     logp, old, adv, mask, ref = make_batch(seed, B, T, per_token_adv=per_token_adv, dtype=torch.float64)
     ref = ref if with_kl else None
     kwargs = dict(eps_low=eps[0], eps_high=eps[1], aggregation=aggregation, ref_logp=ref, beta=0.1)
     loss, _ = OBJECTIVES[kind](logp, old, adv, mask, **kwargs)
-    expected = naive_loss(kind, logp, old, adv, mask, eps[0], eps[1], aggregation, ref, 0.1)
+    tau = (0.2 / eps[1], 0.3 / eps[0])  # knobs(): SAPO's temperatures for this clip range
+    expected = naive_loss(kind, logp, old, adv, mask, eps[0], eps[1], aggregation, ref, 0.1, tau=tau)
     torch.testing.assert_close(loss, expected)
     torch.testing.assert_close(grad_of(loss, logp), grad_of(expected, logp))
+
+
+@FAST
+@given(
+    kind=st.sampled_from(KINDS),
+    correction=st.sampled_from([None, "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]),
+    bounds=st.sampled_from([None, (0.9, 1.1), (None, 1.05), (0.97, None)]),
+    opsm_delta=st.sampled_from([None, 0.0, 0.05]),
+    aggregation=st.sampled_from(AGGREGATIONS),
+    seed=st.integers(0, 10_000),
+    unknown=st.booleans(),
+)
+def test_corrections_match_naive_loop(kind, correction, bounds, opsm_delta, aggregation, seed, unknown):
+    if kind in SEQUENCE_OBJECTIVES and correction is not None and correction.startswith("token"):
+        correction = correction.replace("token", "sequence")  # the only level a sequence objective takes
+    if correction is None:
+        bounds = None
+    logp, old, adv, mask, _ = make_batch(seed, B=5, T=6, spread=0.1, dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed + 1)
+    sampler = old + 0.1 * torch.randn(old.shape, generator=g, dtype=torch.float64)
+    if unknown:  # tokens the sampler reported no log-prob for: ratio 1
+        sampler = torch.where(torch.rand(old.shape, generator=g) < 0.3, float("nan"), sampler)
+    kwargs = dict(aggregation=aggregation, sampler_logp=sampler, correction=correction, opsm_delta=opsm_delta)
+    loss, m = OBJECTIVES[kind](logp, old, adv, mask, correction_bounds=bounds, **kwargs)
+    default = PAPER_DEFAULTS[kind]
+    if correction is not None and bounds is None:
+        from gspo.core.corrections import CORRECTION_BOUNDS
+
+        bounds = CORRECTION_BOUNDS[correction]
+    expected = naive_loss(
+        kind, logp, old, adv, mask, default.get("eps_low"), default.get("eps_high"), aggregation,
+        tau=(default.get("tau_pos"), default.get("tau_neg")), sampler=sampler, correction=correction,
+        bounds=bounds or (None, None), opsm_delta=opsm_delta,
+    )  # fmt: skip
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(grad_of(loss, logp), grad_of(expected, logp))
+    if correction is not None:
+        assert 0 <= m["sampler_is_masked_frac_token"] <= 1 and m["sampler_is_weight_mean"] > 0
 
 
 # ---------------------------------------------------------------- identities
@@ -255,27 +486,48 @@ def test_gspo_token_equals_gspo_with_sequence_advantages(aggregation, seed, broa
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_on_policy_gspo_gradient_equals_grpo(seed):
+def test_on_policy_every_objective_has_grpos_gradient(seed):
     logp, _, adv, mask, _ = make_batch(seed, B=6, T=8)
     old = logp.detach()  # on-policy: ratios are 1 in value, not in gradient
-    loss_gspo, _ = gspo_loss(logp, old, adv, mask)
     loss_grpo, _ = grpo_loss(logp, old, adv, mask)
-    torch.testing.assert_close(loss_gspo, loss_grpo)
-    torch.testing.assert_close(grad_of(loss_gspo, logp), grad_of(loss_grpo, logp))
-    assert grad_of(loss_gspo, logp).abs().sum() > 0
+    assert grad_of(loss_grpo, logp).abs().sum() > 0
+    for kind in KINDS:  # clip, geometric mean, soft gate (f'(1) = 1) and CISPO's weight 1: -A_i / |y_i| / B
+        loss, _ = OBJECTIVES[kind](logp, old, adv, mask)
+        torch.testing.assert_close(grad_of(loss, logp), grad_of(loss_grpo, logp), msg=kind)
+        if kind in ("gspo", "gspo_token", "gmpo"):  # the same value too: -mean_i A_i
+            torch.testing.assert_close(loss, loss_grpo)
 
 
 @pytest.mark.parametrize(
-    ("kind", "per_token_adv"), [("gspo", False), ("gspo_token", False), ("gspo_token", True), ("grpo", True)]
+    ("kind", "per_token_adv", "correction"),
+    [(kind, False, None) for kind in KINDS]
+    + [(kind, True, None) for kind in KINDS if kind not in SEQUENCE_OBJECTIVES]
+    + [("gspo", False, "sequence_mask"), ("gmpo", False, "sequence_truncate"), ("grpo", True, "token_mask")]
+    + [("cispo", False, "token_truncate"), ("sapo", True, "sequence_mask")],
 )
-def test_packed_equals_padded(kind, per_token_adv):
+def test_packed_equals_padded(kind, per_token_adv, correction):
     logp, old, adv, mask, ref = make_batch(3, B=5, T=7, spread=0.2, per_token_adv=per_token_adv, empty_row=2)
+    sampler = old + 0.1 * torch.randn(old.shape, generator=torch.Generator().manual_seed(1), dtype=old.dtype)
+    p_sampler = to_packed(logp, sampler, adv, mask, ref)[1]
     kwargs = dict(eps_low=0.05, eps_high=0.08, ref_logp=ref, beta=0.1)
+    if correction is not None:
+        kwargs |= dict(correction=correction, correction_bounds=(0.95, 1.05), opsm_delta=0.02)
     for aggregation in AGGREGATIONS:
-        loss, m = OBJECTIVES[kind](logp, old, adv, mask, aggregation=aggregation, **kwargs)
+        loss, m = OBJECTIVES[kind](
+            logp,
+            old,
+            adv,
+            mask,
+            aggregation=aggregation,
+            sampler_logp=sampler if correction else None,
+            **kwargs,
+        )
         p_logp, p_old, p_adv, seg, p_ref = to_packed(logp, old, adv, mask, ref)
         kwargs["ref_logp"] = p_ref
-        p_loss, p_m = PACKED_OBJECTIVES[kind](p_logp, p_old, p_adv, seg, 5, aggregation=aggregation, **kwargs)
+        p_loss, p_m = PACKED_OBJECTIVES[kind](
+            p_logp, p_old, p_adv, seg, 5, aggregation=aggregation, sampler_logp=p_sampler if correction else None,
+            **kwargs,
+        )  # fmt: skip
         kwargs["ref_logp"] = ref
         torch.testing.assert_close(p_loss, loss)
         assert p_m.keys() == m.keys()
@@ -304,21 +556,25 @@ def test_padding_gets_exactly_zero_gradient_even_with_nan(kind):
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_minibatch_accumulation_equals_full_batch(kind, aggregation):
     logp, old, adv, mask, ref = make_batch(5, B=6, T=7, spread=0.05, dtype=torch.float64)
+    sampler = old + 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(2), dtype=old.dtype)
+    correction = "sequence_truncate" if kind in SEQUENCE_OBJECTIVES else "token_mask"
     kwargs = dict(eps_low=0.02, eps_high=0.03, aggregation=aggregation, ref_logp=ref, beta=0.1)
-    full, _ = OBJECTIVES[kind](logp, old, adv, mask, **kwargs)
-    normalizer = mask.sum() if aggregation == "token-mean" else 6
+    kwargs |= dict(correction=correction, correction_bounds=(0.97, 1.03), opsm_delta=0.01)
+    full, _ = OBJECTIVES[kind](logp, old, adv, mask, sampler_logp=sampler, **kwargs)
+    normalizer = {"token-mean": mask.sum(), "seq-mean-token-sum-norm": 6 * NORM_TOKENS}.get(aggregation, 6)
     total = 0
     for rows in (slice(0, 2), slice(2, 4), slice(4, 6)):
         kwargs["ref_logp"] = ref[rows]
         part, _ = OBJECTIVES[kind](
-            logp[rows], old[rows], adv[rows], mask[rows], normalizer=normalizer, **kwargs
-        )
+            logp[rows], old[rows], adv[rows], mask[rows], normalizer=normalizer, sampler_logp=sampler[rows],
+            **kwargs,
+        )  # fmt: skip
         total = total + part
     torch.testing.assert_close(total, full)
     torch.testing.assert_close(grad_of(total, logp), grad_of(full, logp))
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "cispo"])  # CISPO's stop-gradient: by hand below
 def test_gradcheck_float64(kind):
     # log-ratios in {+-0.05, +-0.5}: far from the kinks at 1 - 0.2 and 1 + 0.27 (and the sequence means too)
     g = torch.Generator().manual_seed(0)
@@ -361,7 +617,10 @@ def test_bf16_inputs_accumulate_in_fp32(kind):
     assert grad16.dtype == torch.bfloat16
     torch.testing.assert_close(grad16, grad_of(loss32, logp32).to(torch.bfloat16), rtol=0, atol=0)
     logp64 = logp16.detach().double()
-    expected = naive_loss(kind, logp64, old16.double(), adv.double(), mask, 0.2, 0.27, "seq-mean-token-mean")
+    tau = (0.2 / 0.27, 0.3 / 0.2)  # knobs(): SAPO's temperatures for this clip range
+    expected = naive_loss(
+        kind, logp64, old16.double(), adv.double(), mask, 0.2, 0.27, "seq-mean-token-mean", tau=tau
+    )
     assert loss16.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
 
 
@@ -436,16 +695,17 @@ class CountHostSyncs(TorchDispatchMode):
 def test_only_the_finite_check_syncs(kind):
     logp, old, adv, mask, ref = make_batch(14)
     p_logp, p_old, p_adv, seg, p_ref = to_packed(logp, old, adv, mask, ref)
+    correction = "sequence_mask" if kind in SEQUENCE_OBJECTIVES else "token_truncate"
+    fix = dict(ref_logp=ref, beta=0.1, sampler_logp=ref, correction=correction, opsm_delta=0.1)
     for check_finite, expected in [(False, 0), (True, 1)]:
         with CountHostSyncs() as counter:
-            loss, _ = OBJECTIVES[kind](
-                logp, old, adv, mask, ref_logp=ref, beta=0.1, check_finite=check_finite
-            )
+            loss, _ = OBJECTIVES[kind](logp, old, adv, mask, check_finite=check_finite, **fix)
             grad_of(loss, logp)
         assert counter.syncs == expected
         with CountHostSyncs() as counter:
             fn = PACKED_OBJECTIVES[kind]
-            loss, _ = fn(p_logp, p_old, p_adv, seg, 4, ref_logp=p_ref, beta=0.1, check_finite=check_finite)
+            packed = fix | dict(ref_logp=p_ref, sampler_logp=p_ref)
+            loss, _ = fn(p_logp, p_old, p_adv, seg, 4, check_finite=check_finite, **packed)
             grad_of(loss, logp)
         assert counter.syncs == expected
 
@@ -527,7 +787,7 @@ def test_bad_arguments():
 # ---------------------------------------------------------------- sequence parallelism
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "gmpo"])  # GMPO refuses (test below)
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_two_rank_sequence_parallel_split_sums_to_unsplit(kind, aggregation):
     logp, old, adv, mask, ref = make_batch(13, B=4, T=6, spread=0.05, dtype=torch.float64, empty_row=3)
@@ -535,7 +795,8 @@ def test_two_rank_sequence_parallel_split_sums_to_unsplit(kind, aggregation):
     kwargs = dict(eps_low=0.01, eps_high=0.02, aggregation=aggregation, beta=0.2)
     fn = PACKED_OBJECTIVES[kind]
     loss, m = fn(p_logp, p_old, p_adv, seg, 4, ref_logp=p_ref, **kwargs)
-    assert 0 < m["clip_frac_token"] < 1  # both clipped and unclipped terms are exercised
+    if kind not in ("sapo", "sapo_seq"):  # SAPO's gate keeps over half the weight at these ratios
+        assert 0 < m["clip_frac_token"] < 1  # both clipped and unclipped terms are exercised
 
     # cut inside a segment: its tokens live on both "ranks"
     inside = [c for c in range(1, len(seg)) if seg[c - 1] == seg[c] >= 0]
@@ -573,14 +834,37 @@ def test_two_rank_sequence_parallel_split_sums_to_unsplit(kind, aggregation):
     n0, n1 = m0["num_tokens"], m1["num_tokens"]
     for key in ("clip_frac_token", "clip_frac_token_low", "ratio_token_mean", "log_ratio_abs_mean"):
         torch.testing.assert_close((m0[key] * n0 + m1[key] * n1) / (n0 + n1), m[key], msg=key)
-    if kind == "gspo":
+    if kind in ("gspo", "sapo_seq"):
         torch.testing.assert_close(m0["clip_frac_seq"], m["clip_frac_seq"])
 
 
+def test_sequence_parallel_refuses_what_needs_more_all_reduces():
+    logp, old, adv, mask, _ = make_batch(13, B=3, T=4)
+    p_logp, p_old, _, seg, _ = to_packed(logp, old, adv, mask, old)
+    with pytest.raises(ValueError, match="supports neither gmpo nor the mismatch corrections"):
+        policy_loss(
+            "gmpo", p_logp, p_old, adv, segment_ids=seg, num_segments=3, segment_sum_reduce=lambda x: x
+        )
+    with pytest.raises(ValueError, match="supports neither gmpo nor the mismatch corrections"):
+        policy_loss(
+            "grpo", p_logp, p_old, adv, segment_ids=seg, num_segments=3, segment_sum_reduce=lambda x: x,
+            opsm_delta=0.1,
+        )  # fmt: skip
+
+
 def test_objective_names_defaults_and_entry_point_errors():
-    assert KINDS == ("gspo", "gspo_token", "grpo")
-    assert PAPER_CLIP == {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.27)}
-    assert AGGREGATIONS == ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum")
+    assert KINDS == ("gspo", "gspo_token", "grpo", "gmpo", "sapo", "sapo_seq", "cispo")
+    assert PAPER_CLIP == {
+        "gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.27), "gmpo": (0.4, 0.4),
+        "cispo": (1.0, 4.0),
+    }  # fmt: skip
+    assert PAPER_DEFAULTS["sapo"] == PAPER_DEFAULTS["sapo_seq"] == {"tau_pos": 1.0, "tau_neg": 1.05}
+    assert AGGREGATIONS == (
+        "seq-mean-token-mean",
+        "token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-sum-norm",
+    )
     logp, old, adv, mask, _ = make_batch(14, B=2, T=3)
     with pytest.raises(ValueError, match="unknown objective 'ppo'"):
         policy_loss("ppo", logp, old, adv, mask)
@@ -589,11 +873,9 @@ def test_objective_names_defaults_and_entry_point_errors():
     seg = torch.tensor([0, 0, 1])
     with pytest.raises(ValueError, match="segment_ids needs num_segments"):
         policy_loss("gspo", logp[0], old[0], adv, segment_ids=seg)
-    # the paper's clip range is the default: the same loss as passing it explicitly
+    # the paper's knobs are the default: the same loss as passing them explicitly
     for kind in KINDS:
         off = old - 0.05 * torch.sign(adv)[:, None]
         default, _ = policy_loss(kind, logp, off, adv, mask)
-        explicit, _ = policy_loss(
-            kind, logp, off, adv, mask, eps_low=PAPER_CLIP[kind][0], eps_high=PAPER_CLIP[kind][1]
-        )
+        explicit, _ = policy_loss(kind, logp, off, adv, mask, **PAPER_DEFAULTS[kind])
         torch.testing.assert_close(default, explicit)

@@ -39,9 +39,26 @@ def _final_params(run_dir: Path) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("objective", ["gspo", "gspo_token", "grpo"])
-def test_one_step_changes_parameters_with_finite_metrics(tmp_path: Path, objective: str) -> None:
-    config = _config(tmp_path, f"train.objective={objective}", "train.steps=1", "checkpoint.every=0")
+OBJECTIVE_RUNS = [
+    ["train.objective=gspo"],
+    ["train.objective=gspo_token"],
+    ["train.objective=grpo"],
+    ["train.objective=gmpo", "train.sampler_correction=sequence_mask", "train.opsm_delta=0.5"],
+    ["train.objective=sapo", "train.sampler_correction=token_truncate"],
+    ["train.objective=sapo_seq", "train.sapo_tau_neg=2.0"],
+    ["train.objective=cispo", "train.aggregation=token-mean"],
+    [
+        "train.objective=grpo",
+        "train.aggregation=seq-mean-token-sum-norm",
+        "train.advantage_scale=none",
+    ],  # Dr. GRPO
+    ["train.objective=gspo", "train.aggregation=seq-mean-token-sum"],  # LUSPO
+]
+
+
+@pytest.mark.parametrize("objective", OBJECTIVE_RUNS, ids=lambda o: "-".join(x.split("=")[1] for x in o))
+def test_one_step_changes_parameters_with_finite_metrics(tmp_path: Path, objective: list[str]) -> None:
+    config = _config(tmp_path, *objective, "train.steps=1", "checkpoint.every=0")
     trainer = Trainer(config)
     before = {k: v.clone() for k, v in trainer.policy.model.state_dict().items()}
     metrics = trainer.train_step()

@@ -10,7 +10,7 @@ import torch
 
 from gspo.config import ConfigError, load_config
 from gspo.core.layout import Sequence
-from gspo.core.mismatch import mismatch_metrics, sampler_log_ratios, truncated_is_weights
+from gspo.core.mismatch import mismatch_metrics, sampler_log_ratios
 from gspo.learning.batch import Batch, make_batch
 from gspo.learning.learner import learn, minibatches
 from gspo.learning.policy import score
@@ -126,7 +126,7 @@ def test_single_rewards_give_the_group_advantages_of_gspo_train() -> None:
     assert batch.advantages[4:].tolist() == [0.0, 0.0] and metrics["zero_std_groups"] == 1.0
 
 
-def test_mismatch_metrics_and_truncated_is_weights_by_hand() -> None:
+def test_mismatch_metrics_by_hand() -> None:
     old = torch.tensor([-1.0, -2.0, -3.0, 0.0, -1.0, -0.5])
     sampler = torch.tensor([-1.1, -2.0, math.nan, 0.0, -1.0, -0.5 - 1e-4])
     segments = torch.tensor([0, 0, 0, -1, 1, 1])
@@ -139,9 +139,6 @@ def test_mismatch_metrics_and_truncated_is_weights_by_hand() -> None:
     assert metrics["sampler_seq_outside_clip_frac"] == 0.5  # exp(0.05) is clipped, exp(5e-5) is not
     assert metrics["sampler_token_outside_clip_frac"] == 0.0
     assert metrics["sampler_seq_log_ratio_max"] == pytest.approx(0.05)
-    torch.testing.assert_close(
-        truncated_is_weights(torch.tensor([0.0, 1.0, -1.0]), 2.0), torch.tensor([1.0, 2.0, math.exp(-1.0)])
-    )
 
 
 def _groups(tokenizer) -> list[TrajectoryGroup]:
@@ -246,7 +243,10 @@ def test_constant_per_token_advantages_train_like_per_sequence_ones(tmp_path: Pa
 
 
 def test_truncated_is_correction_reports_its_weights(tmp_path: Path) -> None:
-    trainer = _trainer(tmp_path, "train.sampler_is_cap=1.05")
+    trainer = _trainer(
+        tmp_path, "train.sampler_correction=sequence_truncate", "train.sampler_correction_max=1.05",
+        "train.minibatches_per_rollout=1",
+    )  # fmt: skip
     groups = _with_logprobs(trainer, _groups(trainer.tokenizer))
     shift = [0.1, -0.1, 0.02, 0.0]  # sampler log-probs = trainer's - shift: log rho_i = shift_i
     for t, s in zip([t for g in groups for t in g.trajectories], shift, strict=True):
@@ -255,11 +255,13 @@ def test_truncated_is_correction_reports_its_weights(tmp_path: Path) -> None:
     assert metrics["sampler_seq_log_ratio_max"] == pytest.approx(0.1, abs=1e-5)
     assert metrics["sampler_seq_log_ratio_min"] == pytest.approx(-0.1, abs=1e-5)
     assert metrics["sampler_seq_outside_clip_frac"] == 0.75
-    weights = [min(math.exp(s), 1.05) for s in shift]
-    assert metrics["sampler_is_weight_mean"] == pytest.approx(sum(weights) / 4, abs=1e-5)
-    assert metrics["sampler_is_truncated_frac"] == 0.25
+    weights = [min(math.exp(s), 1.05) for s in shift]  # per sequence; the metric weighs each by its tokens
+    lengths = [sum(len(turn) for turn in t.sampler_logprobs) for g in groups for t in g.trajectories]
+    expected = sum(w * n for w, n in zip(weights, lengths, strict=True)) / sum(lengths)
+    assert metrics["sampler_is_weight_mean"] == pytest.approx(expected, abs=1e-5)
+    assert metrics["sampler_is_truncated_frac_seq"] == 0.25
     with pytest.raises(ConfigError, match=r"needs train\.old_logprobs=recompute"):
-        _trainer(tmp_path / "bad", "train.sampler_is_cap=2", "train.old_logprobs=sampler")
+        _trainer(tmp_path / "bad", "train.sampler_correction=token_mask", "train.old_logprobs=sampler")
 
 
 def test_misaligned_sampler_tokens_raise_a_clear_error() -> None:

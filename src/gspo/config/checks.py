@@ -43,14 +43,7 @@ def validate(config: Config) -> None:
         raise ConfigError(f"rollout.top_p must be in (0, 1], got {config.rollout.top_p}")
     if config.train.lr <= 0:
         raise ConfigError(f"train.lr must be > 0, got {config.train.lr}")
-    for name in ("eps_low", "eps_high"):
-        value = getattr(config.train, name)
-        if value is not None and not value >= 0:
-            raise ConfigError(f"train.{name} must be >= 0, got {value}")
-    if config.train.eps_low is not None and config.train.eps_low >= 1:
-        raise ConfigError(
-            f"train.eps_low must be < 1 (the ratio's lower bound is 1 - eps_low), got {config.train.eps_low}"
-        )
+    _check_objective(config)
     samples = config.rollout.prompts_per_step * config.rollout.group_size
     if samples < config.train.minibatches_per_rollout:
         raise ConfigError(
@@ -69,15 +62,7 @@ def validate(config: Config) -> None:
         raise ConfigError("set either model.path or model.tiny, not both")
     if config.eval.every < 0 or config.checkpoint.every < 0:
         raise ConfigError("eval.every and checkpoint.every must be >= 0")
-    if config.train.sampler_is_cap < 0:
-        raise ConfigError(
-            f"train.sampler_is_cap must be >= 0 (0 disables), got {config.train.sampler_is_cap}"
-        )
-    if config.train.sampler_is_cap > 0 and config.train.old_logprobs == "sampler":
-        raise ConfigError(
-            "train.sampler_is_cap corrects sampler -> old policy and needs train.old_logprobs=recompute "
-            "(with old_logprobs=sampler the ratio itself already divides by the sampler's probabilities)"
-        )
+    _check_corrections(config)
     if config.distributed.timeout_minutes <= 0:
         raise ConfigError(
             f"distributed.timeout_minutes must be > 0, got {config.distributed.timeout_minutes}"
@@ -104,6 +89,71 @@ def validate(config: Config) -> None:
             f"rollout.temperature={config.rollout.temperature} with rollout.engine={config.rollout.engine}: servers report "
             "log-probs of the untempered distribution; sample at rollout.temperature=1.0"
         )
+
+
+SEQUENCE_OBJECTIVES = ("gspo", "gmpo", "sapo_seq")
+"""Objectives with one term per sequence (gspo.core.surrogates.SEQUENCE_OBJECTIVES; a test checks they agree)."""
+
+
+def _check_objective(config: Config) -> None:
+    """Each objective's knobs: a clip range, or SAPO's temperatures; in range."""
+    train = config.train
+    sapo = train.objective in ("sapo", "sapo_seq")
+    for name in ("eps_low", "eps_high", "sapo_tau_pos", "sapo_tau_neg"):
+        value = getattr(train, name)
+        if value is None:
+            continue
+        if name.startswith("eps") and sapo:
+            raise ConfigError(
+                f"train.{name} is a clip range, but train.objective={train.objective} has a soft gate instead: "
+                "unset it, or tune train.sapo_tau_pos / train.sapo_tau_neg"
+            )
+        if name.startswith("sapo") and not sapo:
+            raise ConfigError(
+                f"train.{name} is SAPO's gate temperature; train.objective={train.objective} does not use it "
+                "(set train.objective=sapo or sapo_seq, or unset it)"
+            )
+        if name.startswith("sapo") and not value > 0:
+            raise ConfigError(f"train.{name} must be > 0, got {value}")
+        if not value >= 0:
+            raise ConfigError(f"train.{name} must be >= 0, got {value}")
+    # the ratio's lower bound is 1 - eps_low; GMPO clips log r (any eps_low), CISPO's weight may reach 0
+    limit = {"gmpo": float("inf"), "cispo": 1.0}.get(train.objective)
+    if train.eps_low is not None and limit is None and train.eps_low >= 1:
+        raise ConfigError(
+            f"train.eps_low must be < 1 (the ratio's lower bound is 1 - eps_low), got {train.eps_low}"
+        )
+    if train.eps_low is not None and limit == 1.0 and train.eps_low > 1:
+        raise ConfigError("train.eps_low must be <= 1 for cispo (its weight's lower bound is 1 - eps_low)")
+
+
+def _check_corrections(config: Config) -> None:
+    """The train-inference mismatch corrections: recompute, a level the objective has, sane bounds."""
+    train = config.train
+    correction = train.sampler_correction
+    if correction != "none" and train.old_logprobs == "sampler":
+        raise ConfigError(
+            f"train.sampler_correction={correction} corrects sampler -> old policy and needs "
+            "train.old_logprobs=recompute (with old_logprobs=sampler the ratio itself already divides by the "
+            "sampler's probabilities)"
+        )
+    if correction.startswith("token") and train.objective in SEQUENCE_OBJECTIVES:
+        raise ConfigError(
+            f"train.sampler_correction={correction} weighs tokens, but train.objective={train.objective} has one "
+            f"term per sequence: use train.sampler_correction={correction.replace('token', 'sequence')} (the "
+            "length-normalised sequence ratio)"
+        )
+    low, high = train.sampler_correction_min, train.sampler_correction_max
+    if correction == "none" and (low is not None or high is not None):
+        raise ConfigError(
+            "train.sampler_correction_min / _max bound a correction: set train.sampler_correction too"
+        )
+    if (low is not None and low < 0) or (high is not None and high <= 0):
+        raise ConfigError(f"train.sampler_correction_min must be >= 0 and _max > 0, got {low} and {high}")
+    if low is not None and high is not None and low > high:
+        raise ConfigError(f"train.sampler_correction_min={low} exceeds train.sampler_correction_max={high}")
+    if train.opsm_delta is not None and not train.opsm_delta >= 0:
+        raise ConfigError(f"train.opsm_delta must be >= 0 (None disables), got {train.opsm_delta}")
 
 
 def validate_setup(config: Config, *, num_processes: int, is_moe: bool) -> None:

@@ -114,14 +114,29 @@ class RolloutConfig:
 
 @dataclass
 class TrainConfig:
-    objective: Literal["gspo", "gspo_token", "grpo"] = "gspo"
-    """Policy objective: GSPO (sequence ratio), GSPO-token, or GRPO (token ratio)."""
+    objective: Literal["gspo", "gspo_token", "grpo", "gmpo", "sapo", "sapo_seq", "cispo"] = "gspo"
+    """Policy objective (docs/objectives.md): "gspo" (sequence ratio, clipped), "gspo_token", "grpo" (token
+    ratio, clipped), "gmpo" (geometric mean of the token ratios, each clipped in log space), "sapo" or
+    "sapo_seq" (a soft sigmoid gate instead of the clip, on the token or the sequence ratio), "cispo" (the
+    clipped, detached importance weight times A log pi). Dr. GRPO is grpo with
+    aggregation=seq-mean-token-sum-norm and advantage_scale=none; LUSPO is gspo with
+    aggregation=seq-mean-token-sum."""
     eps_low: float | None = None
-    """Lower clip range; None uses the objective's paper default (GSPO 3e-4, GRPO 0.2)."""
+    """Lower clip range; None uses the objective's paper default (GSPO 3e-4, GRPO 0.2, GMPO 0.4 on the
+    log-ratio, CISPO 1.0, i.e. no lower bound on its weight). SAPO has none."""
     eps_high: float | None = None
-    """Upper clip range; None uses the objective's paper default (GSPO 4e-4, GRPO 0.27)."""
-    aggregation: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum"] = "seq-mean-token-mean"
-    """How per-sequence terms are averaged: the paper's 1/G per sequence, or length-weighted variants."""
+    """Upper clip range; None uses the objective's paper default (GSPO 4e-4, GRPO 0.27, GMPO 0.4 on the
+    log-ratio, CISPO 4.0, i.e. its weight capped at 5). SAPO has none."""
+    sapo_tau_pos: float | None = None
+    """SAPO's gate temperature for tokens (sequences) with A > 0; None: the default, 1.0."""
+    sapo_tau_neg: float | None = None
+    """SAPO's gate temperature for A <= 0 (a higher one damps off-policy negative updates faster); None: 1.05."""
+    aggregation: Literal[
+        "seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+    ] = "seq-mean-token-mean"
+    """How per-sequence terms are averaged: the paper's 1/G per sequence, or length-weighted variants:
+    "token-mean" (over all tokens), "seq-mean-token-sum" (token sums over B; LUSPO with gspo),
+    "seq-mean-token-sum-norm" (token sums over B x rollout.max_new_tokens, a constant: Dr. GRPO)."""
     steps: int = 40
     """Rollout batches to train on; each gives `minibatches_per_rollout` optimizer updates."""
     minibatches_per_rollout: int = 4
@@ -173,10 +188,20 @@ class TrainConfig:
     the sampler's (a token it did not report is recomputed); "auto": the sampler's when it is the
     trainer's own model in this process (same weights, same compute dtype), else recompute. The first
     minibatch's forward measures the sampler/trainer mismatch either way (docs/sampler_mismatch.md)."""
-    sampler_is_cap: float = 0.0
-    """With old_logprobs=recompute: truncated importance sampling from the sampler to the old policy,
-    each sequence's loss weighted by w_i = min(exp(mean_t (log pi_old - log pi_sampler)), cap), the
-    length-normalised sequence ratio truncated at cap (e.g. 2.0). 0 disables. See docs/sampler_mismatch.md."""
+    sampler_correction: Literal[
+        "none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
+    ] = "none"
+    """Train-inference mismatch correction, with old_logprobs=recompute: the policy term of each token
+    ("token_*") or sequence ("sequence_*", length-normalised ratio) weighted by rho = pi_old / pi_sampler,
+    truncated to [C_min, C_max] ("*_truncate", TIS) or zeroed outside it ("*_mask", masked IS / IcePop).
+    Sequence objectives (gspo, gmpo, sapo_seq) take the sequence_* ones. See docs/objectives.md."""
+    sampler_correction_min: float | None = None
+    """C_min of sampler_correction; None: its default (truncate: none; mask: 0.5)."""
+    sampler_correction_max: float | None = None
+    """C_max of sampler_correction; None: its default (truncate: 2.0; mask: 5.0)."""
+    opsm_delta: float | None = None
+    """Off-policy sequence masking (DeepSeek-V3.2): drop a negative-advantage sequence whose mean
+    log(pi_sampler / pi_theta) exceeds this threshold (e.g. 0.5); None disables."""
     warn_after_flat_steps: int = 10
     """Warn (stderr and progress bar) when this many rollout batches in a row had zero reward spread in
     every group (all advantages 0: nothing to learn), or a zero gradient norm; 0: never."""

@@ -1,9 +1,9 @@
-"""Sampler vs trainer log-probs: mismatch metrics and the truncated importance-sampling weight.
+"""Sampler vs trainer log-probs: mismatch metrics.
 
 The engine that sampled a completion (pi_sampler) and the trainer that scores it (pi_old) disagree a little
 on every token; these functions measure by how much, per token and per sequence (length-normalised, the
-quantity GSPO's ratio uses), against the paper's clip bands. docs/sampler_mismatch.md defines each metric
-and the truncated importance-sampling correction (``train.sampler_is_cap``).
+quantity GSPO's ratio uses), against the paper's clip bands. docs/sampler_mismatch.md defines each metric;
+the corrections (truncated or masked importance sampling, OPSM) are in gspo.core.corrections.
 """
 
 from __future__ import annotations
@@ -68,10 +68,3 @@ def mismatch_metrics(delta: Tensor, seq_log_ratio: Tensor) -> dict[str, float]:
             ((seq_ratio < 1 - s_low) | (seq_ratio > 1 + s_high)).float().mean()
         ),
     }
-
-
-def truncated_is_weights(seq_log_ratio: Tensor, cap: float) -> Tensor:
-    """w_i = min(exp(log rho_i), cap)   (S,): the truncated importance weight of each sequence."""
-    if cap <= 0:
-        raise ValueError(f"truncated_is_weights: cap must be > 0, got {cap}")
-    return torch.exp(seq_log_ratio).clamp(max=cap)

@@ -1,25 +1,37 @@
-"""Policy objectives as pure tensor functions: GSPO, GSPO-token and GRPO (arXiv 2507.18071).
+"""Policy objectives as pure tensor functions: the GSPO family (arXiv 2507.18071) and its relatives.
 
 ``policy_loss(objective, logp, old_logp, advantages, mask)`` on a padded (B, T) batch, or with
-``segment_ids=`` and ``num_segments=`` on a packed (N,) stream, returns ``(loss, metrics)``. The math is
-written once, on the packed stream; docs/objectives.md has the formulas, aggregations, metrics and the
-deliberate departures from the paper (a clamp on log-ratios before exp, a select for the clipped min).
+``segment_ids=`` and ``num_segments=`` on a packed (N,) stream, returns ``(loss, metrics)``. Objectives:
+GSPO, GSPO-token and GRPO (the GSPO paper), GMPO (arXiv 2507.20673), SAPO at token and sequence level
+(arXiv 2511.20347) and CISPO (MiniMax-M1, arXiv 2506.13585); Dr. GRPO and LUSPO are aggregations. Optional
+train-inference mismatch corrections (gspo.core.corrections) weigh the policy term. The math is written once,
+on the packed stream; docs/objectives.md has the formulas, aggregations, metrics and every deliberate
+departure from the papers (a clamp on log-ratios before exp, a select for the clipped min).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor
 
-PAPER_CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.27)}
-"""The paper's clip range (eps_low, eps_high) per objective (GSPO paper, section 5.1): the defaults."""
-AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum")
-LOG_RATIO_CLAMP = 20.0
-"""Log-ratios are clamped to +-20 before exp: a finite loss and gradient for any input."""
+from gspo.core.corrections import CORRECTION_BOUNDS, correction_level, importance_weights, opsm_drop
+from gspo.core.surrogates import (
+    LOG_RATIO_CLAMP,
+    OBJECTIVES,
+    PAPER_CLIP,
+    PAPER_DEFAULTS,
+    SEQUENCE_OBJECTIVES,
+    TERMS,
+    Stream,
+    exp_clamped,
+    objective_params,
+)
 
+__all__ = ["AGGREGATIONS", "OBJECTIVES", "PAPER_CLIP", "PAPER_DEFAULTS", "policy_loss"]
+
+AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 _LOGP_HINT = (
     "log-probs must be finite on completion tokens: -inf means the token had zero probability (a sampler "
     "top-k/top-p mismatch, or a dtype overflow in the logits), NaN a diverged model or corrupt input"
@@ -30,68 +42,6 @@ _HINTS = {
     "ref_logp": _LOGP_HINT,
     "advantages": "advantages must be finite; check the rewards and the advantage normalisation",
 }
-
-
-@dataclass(frozen=True)
-class _Stream:
-    """What every objective reads, on a packed stream of N tokens in S segments (detached where noted)."""
-
-    valid: Tensor  # (N,) bool, the token belongs to a segment
-    lp: Tensor  # (N,) logp, 0 off-segment, with grad
-    log_ratio: Tensor  # (N,) logp - old_logp, 0 off-segment
-    seq_log_ratio: Tensor  # (S,) (1/|y_i|) sum_t log r_t, from the (possibly rank-reduced) sums
-    adv_seq: Tensor | None  # (S,) per-sequence advantages, 0 for empty sequences; None if per token
-    adv_token: Tensor  # (N,) every token's advantage, 0 off-segment
-    per_token: Callable[[Tensor], Tensor]  # (S,) -> (N,), zero off-segment
-
-
-@dataclass(frozen=True)
-class _Terms:
-    """An objective's loss terms: per sequence (S,) or per token (N,), and where clipping zeroes the
-    gradient ("low": A < 0 and ratio < 1 - eps_low; "high": A > 0 and ratio > 1 + eps_high)."""
-
-    level: str  # "sequence" or "token"
-    loss: Tensor
-    low: Tensor
-    high: Tensor
-    ratio: Tensor
-
-
-def _clipped_surrogate(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float):
-    """-min(ratio A, clip(ratio, 1-eps_low, 1+eps_high) A) and where clipping zeroes the gradient."""
-    high = (adv > 0) & (ratio > 1 + eps_high)
-    low = (adv < 0) & (ratio < 1 - eps_low)
-    # the clipped branch is a constant: select it rather than take min(), so the gradient is explicit
-    clipped_value = ratio.detach().clamp(1 - eps_low, 1 + eps_high) * adv
-    return -torch.where(high | low, clipped_value, ratio * adv), low, high
-
-
-def _exp(x: Tensor) -> Tensor:
-    return torch.exp(x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-
-
-def _gspo(s: _Stream, eps_low: float, eps_high: float) -> _Terms:
-    """GSPO, Eq. 5-7: s_i = exp((1/|y_i|) sum_t log r_t); L_i = -min(s_i A_i, clip(s_i) A_i)."""
-    if s.adv_seq is None:
-        raise ValueError("GSPO takes one advantage per sequence; use objective gspo_token for per-token ones")
-    seq_ratio = _exp(s.seq_log_ratio)  # (S,)
-    return _Terms("sequence", *_clipped_surrogate(seq_ratio, s.adv_seq, eps_low, eps_high), seq_ratio)
-
-
-def _gspo_token(s: _Stream, eps_low: float, eps_high: float) -> _Terms:
-    """GSPO-token, Eq. 13-14: s_i,t = sg[s_i] exp(logp_t - sg[logp_t]); L_t = -min(s_i,t A_t, clip(s_i,t) A_t)."""
-    ratio = _exp(s.per_token(s.seq_log_ratio.detach()) + s.lp - s.lp.detach())  # (N,)
-    return _Terms("token", *_clipped_surrogate(ratio, s.adv_token, eps_low, eps_high), ratio)
-
-
-def _grpo(s: _Stream, eps_low: float, eps_high: float) -> _Terms:
-    """GRPO, Eq. 2: r_t = exp(logp_t - old_logp_t); L_t = -min(r_t A_t, clip(r_t) A_t)."""
-    ratio = _exp(s.log_ratio)  # (N,)
-    return _Terms("token", *_clipped_surrogate(ratio, s.adv_token, eps_low, eps_high), ratio)
-
-
-_TERMS = {"gspo": _gspo, "gspo_token": _gspo_token, "grpo": _grpo}
-OBJECTIVES = tuple(_TERMS)
 
 
 def _check_finite(name: str, checks: list[tuple[str, Tensor, Tensor, str]], segment_ids: Tensor | None = None, num_segments: int = 0) -> None:  # fmt: skip
@@ -148,15 +98,19 @@ def _packed_loss(
     num_segments: int,
     per_token_adv: bool,
     *,
-    eps_low: float,
-    eps_high: float,
+    params: Mapping[str, float],
     aggregation: str,
     normalizer: float | Tensor | None,
     ref_logp: Tensor | None,
     beta: float,
+    sampler_logp: Tensor | None,
+    correction: str | None,
+    correction_bounds: tuple[float | None, float | None],
+    opsm_delta: float | None,
     segment_sum_reduce: Callable[[Tensor], Tensor] | None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Every objective on a packed stream of N tokens and S segments: shared pieces, its terms, aggregation."""
+    """Every objective on a packed stream of N tokens and S segments: shared pieces, its terms, the
+    mismatch corrections, aggregation and metrics."""
     S = num_segments
     dtype = torch.promote_types(logp.dtype, torch.float32)
     valid = segment_ids >= 0  # (N,)
@@ -184,33 +138,46 @@ def _packed_loss(
     # log s_i = (1/|y_i|) sum_t log r_t   (S,)
     seq_log_ratio = sums[0] / count.clamp_min(1)
 
+    def segment_mean(x: Tensor) -> Tensor:  # (N,) -> (S,); this rank's tokens (no reduce: checked)
+        return segment_sum(x) / count.clamp_min(1)
+
     adv = advantages.detach().to(dtype)
     if per_token_adv:
         adv_seq, adv_token = None, torch.where(valid, adv, 0.0)  # (N,)
     else:
         adv_seq = torch.where(nonempty, adv, 0.0)  # (S,)
         adv_token = per_token(adv_seq)  # (N,)
-    stream = _Stream(valid, lp, log_ratio, seq_log_ratio, adv_seq, adv_token, per_token)
-    terms = _TERMS[objective](stream, eps_low, eps_high)
+    stream = Stream(valid, lp, log_ratio, seq_log_ratio, adv_seq, adv_token, per_token, segment_mean)
+    terms = TERMS[objective](stream, params)
 
-    # loss = sum_t w_t L_t / normalizer, with w_t = 1/|y_i| for "seq-mean-token-mean"   (N,)
+    # loss = sum_t w_t c_t L_t / normalizer, w_t = 1/|y_i| for "seq-mean-token-mean", c_t the corrections
     if aggregation == "seq-mean-token-mean":
         token_weight = torch.where(valid, 1.0 / per_token(count).clamp_min(1), 0.0)
     else:
         token_weight = valid.to(dtype)
     if normalizer is None:
         normalizer = count.sum().clamp_min(1) if aggregation == "token-mean" else max(S, 1)
+    metrics: dict[str, Tensor] = {}
+    weight = None  # (S,) or (N,), the corrections' weight of each term
+    if correction is not None or opsm_delta is not None:
+        weight, metrics = _corrections(
+            terms.level, lp, olp, sampler_logp, valid, count, adv_seq, adv_token, segment_sum, per_token,
+            correction, correction_bounds, opsm_delta, dtype,
+        )  # fmt: skip
+    term_loss = terms.loss if weight is None else weight * terms.loss
     if terms.level == "sequence":
-        # a rank weighs L_i by its share of the tokens of i; a token is clipped when its sequence is
-        policy_sum = (segment_sum(token_weight) * terms.loss).sum()
+        # a rank weighs L_i by its share of the tokens of i
+        policy_sum = (segment_sum(token_weight) * term_loss).sum()
+    else:
+        policy_sum = (token_weight * term_loss).sum()
+    if (terms.cut_level or terms.level) == "sequence":  # a token is clipped when its sequence is
         token_low, token_high = per_token(terms.low.to(dtype)) > 0, per_token(terms.high.to(dtype)) > 0
     else:
-        policy_sum = (token_weight * terms.loss).sum()
         token_low, token_high = terms.low, terms.high
     policy_loss = policy_sum / normalizer
     loss = policy_loss
 
-    metrics: dict[str, Tensor] = {"loss": policy_loss}
+    metrics["loss"] = policy_loss
     if ref_logp is not None:
         ref = torch.where(valid, ref_logp.detach().to(dtype), 0.0)  # (N,)
         # kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1   (N,), k3 estimator
@@ -221,12 +188,12 @@ def _packed_loss(
 
     with torch.no_grad():
         # per-sequence clipped-token fractions (S,), averaged over the sequences present
-        if terms.level == "sequence":  # clipped as a whole; the reduced sums make this global
+        if (terms.cut_level or terms.level) == "sequence":  # clipped as a whole; global with reduced sums
             seq_present, seq_frac_low, seq_frac_high = nonempty, terms.low.to(dtype), terms.high.to(dtype)
         else:
             seq_present = local_count > 0
-            seq_frac_low = segment_sum(token_low.to(dtype)) / local_count.clamp_min(1)
-            seq_frac_high = segment_sum(token_high.to(dtype)) / local_count.clamp_min(1)
+            seq_frac_low = segment_sum((token_low & valid).to(dtype)) / local_count.clamp_min(1)
+            seq_frac_high = segment_sum((token_high & valid).to(dtype)) / local_count.clamp_min(1)
         if per_token_adv:
             seq_nonzero_adv = segment_sum((adv_token != 0).to(dtype)) > 0
         else:
@@ -242,13 +209,63 @@ def _packed_loss(
             "clip_frac_seq_low": torch.where(seq_present, seq_frac_low, 0.0).sum() / num_present,
             "clip_frac_seq_high": torch.where(seq_present, seq_frac_high, 0.0).sum() / num_present,
         }
-        metrics |= _stats(_exp(seq_log_ratio), nonempty, "ratio_seq")
-        metrics |= _stats(_exp(log_ratio), valid, "ratio_token")
+        metrics |= _stats(exp_clamped(seq_log_ratio), nonempty, "ratio_seq")
+        metrics |= _stats(exp_clamped(log_ratio), valid, "ratio_token")
         metrics["log_ratio_abs_mean"] = log_ratio.abs().sum() / num_tokens.clamp_min(1)  # zero off-segment
         metrics["num_seq_nonzero_adv"] = seq_nonzero_adv.sum()
         metrics["num_sequences"] = nonempty.sum()
         metrics["num_tokens"] = num_tokens
     return loss, {k: v.detach().to(torch.float32) for k, v in metrics.items()}
+
+
+def _corrections(level, lp, olp, sampler_logp, valid, count, adv_seq, adv_token, segment_sum, per_token, correction, bounds, opsm_delta, dtype):  # fmt: skip
+    """The mismatch corrections' weight of each term ((S,) for sequence terms, else (N,)) and their metrics.
+
+    A token the sampler gave no log-prob for (NaN) has log rho_t = 0 (ratio 1) and still counts in |y_i|.
+    """
+    with torch.no_grad():
+        nonempty, n_tok, n_seq = count > 0, valid.sum().to(dtype).clamp_min(1), (count > 0).sum().clamp_min(1)
+
+        def fractions(flags: Tensor, per_seq: bool, name: str) -> dict[str, Tensor]:
+            """Fractions of tokens and (mean per sequence) of flagged tokens; flags (S,) or (N,)."""
+            if per_seq:
+                seq = torch.where(nonempty, flags.to(dtype), 0.0)  # (S,)
+                tok = per_token(seq)  # (N,)
+            else:
+                tok = (flags & valid).to(dtype)  # (N,)
+                seq = segment_sum(tok) / count.clamp_min(1)  # (S,)
+            return {f"{name}_frac_token": tok.sum() / n_tok, f"{name}_frac_seq": seq.sum() / n_seq}
+
+        metrics: dict[str, Tensor] = {}
+        weight = torch.ones_like(count if level == "sequence" else lp)
+        behaviour = olp if sampler_logp is None else sampler_logp.detach().to(dtype)
+        behaviour = torch.where(
+            valid & ~torch.isnan(behaviour), behaviour, olp
+        )  # (N,) unknown: log rho_t = 0
+        if correction is not None:
+            per_seq = correction_level(correction) == "sequence"
+            # log rho_t = log pi_old - log pi_sampler   (N,);  log rho_i = (1/|y_i|) sum_t log rho_t   (S,)
+            log_rho = olp - behaviour
+            if per_seq:
+                log_rho = segment_sum(log_rho) / count.clamp_min(1)
+            w, truncated, masked = importance_weights(log_rho, correction, *bounds)
+            weight = weight * (w if level == "sequence" or not per_seq else per_token(w))
+            metrics |= fractions(truncated, per_seq, "sampler_is_truncated")
+            metrics |= fractions(masked, per_seq, "sampler_is_masked")
+            metrics["sampler_is_weight_mean"] = ((per_token(w) if per_seq else w) * valid).sum() / n_tok
+        if opsm_delta is not None:
+            # KL_i = (1/|y_i|) sum_t (log pi_sampler - log pi_theta)   (S,), the current policy detached
+            seq_kl = segment_sum(behaviour - lp.detach()) / count.clamp_min(1)
+            per_seq = adv_seq is not None
+            if per_seq:
+                drop = opsm_drop(seq_kl, adv_seq, opsm_delta)  # (S,)
+                keep = (~drop).to(dtype)
+                weight = weight * (keep if level == "sequence" else per_token(keep))
+            else:  # per-token advantages (token terms only): the negative tokens of a drifted sequence
+                drop = opsm_drop(per_token(seq_kl), adv_token, opsm_delta)  # (N,)
+                weight = weight * (~drop).to(dtype)
+            metrics |= fractions(drop, per_seq, "opsm_masked")
+    return weight, metrics
 
 
 def policy_loss(
@@ -262,26 +279,40 @@ def policy_loss(
     num_segments: int | None = None,
     eps_low: float | None = None,
     eps_high: float | None = None,
+    tau_pos: float | None = None,
+    tau_neg: float | None = None,
     aggregation: str = "seq-mean-token-mean",
     normalizer: float | Tensor | None = None,
     ref_logp: Tensor | None = None,
     beta: float = 0.0,
+    sampler_logp: Tensor | None = None,
+    correction: str | None = None,
+    correction_bounds: tuple[float | None, float | None] | None = None,
+    opsm_delta: float | None = None,
     check_finite: bool = True,
     segment_sum_reduce: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """The clipped policy loss of ``objective`` ("gspo", "gspo_token" or "grpo") and its metrics.
+    """The policy loss of ``objective`` (one of ``OBJECTIVES``) and its metrics.
 
-    Padded: logp, old_logp, mask, ref_logp (B, T), mask bool (True on completion tokens); advantages (B,)
-    per sequence or (B, T) per token (gspo_token, grpo). Packed: logp, old_logp, segment_ids, ref_logp
-    (N,), segment_ids long (0..S-1 on completion tokens, -1 elsewhere), num_segments S; advantages (S,) or
-    (N,). Tokens outside the mask / segments may hold anything, even NaN: they get zero gradient.
-    ``old_logp`` is a constant; on-policy callers pass ``logp.detach()`` (ratio 1, gradient not zero).
+    Padded: logp, old_logp, mask, ref_logp, sampler_logp (B, T), mask bool (True on completion tokens);
+    advantages (B,) per sequence or (B, T) per token (not for the sequence objectives gspo, gmpo, sapo_seq).
+    Packed: the same as (N,), with segment_ids long (0..S-1 on completion tokens, -1 elsewhere) and
+    num_segments S; advantages (S,) or (N,). Tokens outside the mask / segments may hold anything, even NaN:
+    they get zero gradient. ``old_logp`` is a constant; on-policy callers pass ``logp.detach()`` (ratio 1,
+    gradient not zero).
 
-    eps_low, eps_high: the clip range [1 - eps_low, 1 + eps_high]; None takes ``PAPER_CLIP[objective]``.
-    aggregation: "seq-mean-token-mean" (the paper's 1/G per sequence), "token-mean" or
-    "seq-mean-token-sum"; normalizer: the outer denominator (default: B, or the valid token count for
-    token-mean); pass the whole batch's when it is split into minibatches, so accumulation is exact.
+    eps_low, eps_high: the clip range [1 - eps_low, 1 + eps_high] (GMPO: [-eps_low, eps_high] on log r_t;
+    CISPO: the range of its detached weight); tau_pos, tau_neg: SAPO's gate temperatures. None takes the
+    objective's ``PAPER_DEFAULTS``; a knob the objective does not have is an error.
+    aggregation: "seq-mean-token-mean" (the paper's 1/G per sequence), "token-mean", "seq-mean-token-sum"
+    (LUSPO with gspo) or "seq-mean-token-sum-norm" (Dr. GRPO: needs ``normalizer`` = B x a constant token
+    count); normalizer: the outer denominator (default: B, or the valid token count for token-mean); pass the
+    whole batch's when it is split into minibatches, so accumulation is exact.
     ref_logp, beta: a k3 KL term to a reference policy, ``loss = policy_loss + beta * kl``.
+    sampler_logp: the log-probs of the engine that sampled (NaN where unknown); correction: one of
+    ``gspo.core.corrections.CORRECTIONS`` ("token_truncate", "token_mask", "sequence_truncate",
+    "sequence_mask") with correction_bounds (C_min, C_max) (None: its default); opsm_delta: off-policy
+    sequence masking's threshold (None: off), measured against sampler_logp, or old_logp without it.
     check_finite: raise ValueError on NaN/inf at a valid position (one host sync).
     segment_sum_reduce (packed): a differentiable all-reduce of the (2, S) per-segment sums for sequences
     split across ranks; the ranks' losses and gradients then sum to the unsplit ones.
@@ -289,33 +320,76 @@ def policy_loss(
     Returns (loss, metrics): a scalar to minimise and detached 0-d float32 tensors (docs/objectives.md).
     """
     name = f"policy_loss({objective})"
-    if objective not in _TERMS:
-        raise ValueError(f"policy_loss: unknown objective {objective!r}; choose one of {OBJECTIVES}")
+    params = objective_params(objective, eps_low=eps_low, eps_high=eps_high, tau_pos=tau_pos, tau_neg=tau_neg)
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"{name}: unknown aggregation {aggregation!r}; choose one of {AGGREGATIONS}")
+    if aggregation == "seq-mean-token-sum-norm" and normalizer is None:
+        raise ValueError(
+            f"{name}: aggregation seq-mean-token-sum-norm (Dr. GRPO) divides by a constant: pass "
+            "normalizer = number of sequences x the maximum completion length"
+        )
     if isinstance(normalizer, (int, float)) and normalizer <= 0:
         raise ValueError(f"{name}: normalizer must be positive, got {normalizer}")
-    default_low, default_high = PAPER_CLIP[objective]
+    bounds = _check_corrections(name, objective, sampler_logp, correction, correction_bounds, opsm_delta)
+    if segment_sum_reduce is not None and (
+        objective == "gmpo" or bounds is not None or opsm_delta is not None
+    ):
+        raise ValueError(
+            f"{name}: segment_sum_reduce (sequences split across ranks) supports neither gmpo nor the "
+            "mismatch corrections: their per-sequence means would need further all-reduces"
+        )
     kwargs = dict(
-        eps_low=default_low if eps_low is None else eps_low,
-        eps_high=default_high if eps_high is None else eps_high,
-        aggregation=aggregation, normalizer=normalizer, beta=beta,
+        params=params, aggregation=aggregation, normalizer=normalizer, beta=beta, correction=correction,
+        correction_bounds=bounds, opsm_delta=opsm_delta,
     )  # fmt: skip
     if (mask is None) == (segment_ids is None):
         raise ValueError(f"{name}: pass either mask (padded) or segment_ids and num_segments (packed)")
     if mask is not None:
         if segment_sum_reduce is not None:
             raise ValueError(f"{name}: segment_sum_reduce needs the packed form (segment_ids)")
-        return _padded(objective, name, logp, old_logp, advantages, mask, check_finite, ref_logp, kwargs)
+        return _padded(
+            objective, name, logp, old_logp, advantages, mask, check_finite, ref_logp, sampler_logp, kwargs
+        )
     if num_segments is None:
         raise ValueError(f"{name}: segment_ids needs num_segments")
     return _packed(
         objective, name, logp, old_logp, advantages, segment_ids, num_segments, check_finite, ref_logp,
-        segment_sum_reduce, kwargs,
+        sampler_logp, segment_sum_reduce, kwargs,
     )  # fmt: skip
 
 
-def _padded(objective, name, logp, old_logp, advantages, mask, check_finite, ref_logp, kwargs):
+def _check_corrections(name, objective, sampler_logp, correction, bounds, opsm_delta):
+    """The correction's (C_min, C_max), None without one; a ValueError naming the fix for a wrong combination."""
+    if opsm_delta is not None and not opsm_delta >= 0:
+        raise ValueError(f"{name}: opsm_delta must be >= 0 (None disables), got {opsm_delta}")
+    if correction is None:
+        if bounds is not None:
+            raise ValueError(f"{name}: correction_bounds without a correction")
+        return None
+    if correction not in CORRECTION_BOUNDS:
+        raise ValueError(
+            f"{name}: unknown correction {correction!r}; choose one of {tuple(CORRECTION_BOUNDS)}"
+        )
+    if sampler_logp is None:
+        raise ValueError(f"{name}: correction {correction!r} needs sampler_logp, the sampler's log-probs")
+    if objective in SEQUENCE_OBJECTIVES and correction_level(correction) == "token":
+        raise ValueError(
+            f"{name}: {correction} weighs tokens, but {objective} has one term per sequence; use "
+            f"{correction.replace('token', 'sequence')} (the length-normalised sequence ratio)"
+        )
+    low, high = CORRECTION_BOUNDS[correction] if bounds is None else bounds
+    if (
+        (low is not None and low < 0)
+        or (high is not None and high <= 0)
+        or (None not in (low, high) and low > high)
+    ):
+        raise ValueError(
+            f"{name}: correction_bounds must satisfy 0 <= C_min <= C_max, C_max > 0, got {bounds}"
+        )
+    return low, high
+
+
+def _padded(objective, name, logp, old_logp, advantages, mask, check_finite, ref_logp, sampler_logp, kwargs):
     """Flatten a padded batch into the packed form: segment id = row where mask, else -1."""
     if logp.dim() != 2 or logp.shape != old_logp.shape or logp.shape != mask.shape:
         raise ValueError(
@@ -324,8 +398,9 @@ def _padded(objective, name, logp, old_logp, advantages, mask, check_finite, ref
         )
     if mask.dtype != torch.bool:
         raise ValueError(f"{name}: mask must be bool, got {mask.dtype}")
-    if ref_logp is not None and ref_logp.shape != logp.shape:
-        raise ValueError(f"{name}: ref_logp shape {tuple(ref_logp.shape)} != logp {tuple(logp.shape)}")
+    for key, x in (("ref_logp", ref_logp), ("sampler_logp", sampler_logp)):
+        if x is not None and x.shape != logp.shape:
+            raise ValueError(f"{name}: {key} shape {tuple(x.shape)} != logp {tuple(logp.shape)}")
     B, T = logp.shape
     per_token_adv = advantages.dim() == 2
     if advantages.shape not in ((B,), (B, T)):
@@ -341,11 +416,12 @@ def _padded(objective, name, logp, old_logp, advantages, mask, check_finite, ref
     return _packed_loss(
         objective, logp.reshape(-1), old_logp.reshape(-1), advantages.reshape(-1) if per_token_adv else advantages,
         segment_ids, B, per_token_adv, ref_logp=None if ref_logp is None else ref_logp.reshape(-1),
-        segment_sum_reduce=None, **kwargs,
+        sampler_logp=None if sampler_logp is None else sampler_logp.reshape(-1), segment_sum_reduce=None,
+        **kwargs,
     )  # fmt: skip
 
 
-def _packed(objective, name, logp, old_logp, advantages, segment_ids, num_segments, check_finite, ref_logp, reduce, kwargs):  # fmt: skip
+def _packed(objective, name, logp, old_logp, advantages, segment_ids, num_segments, check_finite, ref_logp, sampler_logp, reduce, kwargs):  # fmt: skip
     N = logp.shape[0]
     if logp.dim() != 1 or old_logp.shape != (N,) or segment_ids.shape != (N,):
         raise ValueError(
@@ -354,8 +430,9 @@ def _packed(objective, name, logp, old_logp, advantages, segment_ids, num_segmen
         )
     if segment_ids.dtype != torch.long:
         raise ValueError(f"{name}: segment_ids must be torch.long, got {segment_ids.dtype}")
-    if ref_logp is not None and ref_logp.shape != (N,):
-        raise ValueError(f"{name}: ref_logp shape {tuple(ref_logp.shape)} != logp {tuple(logp.shape)}")
+    for key, x in (("ref_logp", ref_logp), ("sampler_logp", sampler_logp)):
+        if x is not None and x.shape != (N,):
+            raise ValueError(f"{name}: {key} shape {tuple(x.shape)} != logp {tuple(logp.shape)}")
     # (num_segments,) is per segment, even in the rare case N == num_segments
     per_token_adv = advantages.shape != (num_segments,)
     if per_token_adv and advantages.shape != (N,):
@@ -378,5 +455,5 @@ def _packed(objective, name, logp, old_logp, advantages, segment_ids, num_segmen
         _check_finite(name, checks, segment_ids, num_segments)
     return _packed_loss(
         objective, logp, old_logp, advantages, segment_ids, num_segments, per_token_adv,
-        ref_logp=ref_logp, segment_sum_reduce=reduce, **kwargs,
+        ref_logp=ref_logp, sampler_logp=sampler_logp, segment_sum_reduce=reduce, **kwargs,
     )  # fmt: skip

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from gspo.core.layout import MicroBatch, Sequence, make_micro_batches
-from gspo.core.mismatch import mismatch_metrics, sampler_log_ratios, truncated_is_weights
+from gspo.core.mismatch import mismatch_metrics, sampler_log_ratios
 from gspo.core.objectives import policy_loss
 from gspo.learning.batch import Batch
 from gspo.learning.policy import Policy, UpdateSpec, score
@@ -111,11 +111,12 @@ def update(
     ref: list[torch.Tensor] | None,
     routes: list[moe.Routing] | None = None,
     measure_mismatch: bool = False,
+    sampled: list[torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """One optimizer update on a minibatch (gradient accumulation over its micro-batches).
 
-    ids: the minibatch's sequences (indices into the batch); old, ref: per micro-batch, the old and the
-    reference policy's log-probs; routes (MoE models): the old policy's expert choices per micro-batch,
+    ids: the minibatch's sequences (indices into the batch); old, ref, sampled: per micro-batch, the old,
+    the reference and the sampler's log-probs (sampled: for ``spec.correction``); routes (MoE models): the old policy's expert choices per micro-batch,
     replayed with ``spec.routing_replay`` and compared with the current routers' own choices otherwise.
     measure_mismatch: ``old`` is the sampler's and the policy has not moved yet (the first minibatch of
     ``old_logprobs="sampler"``): this forward is the old policy's, so the sampler/trainer mismatch
@@ -128,6 +129,8 @@ def update(
     # rank's loss is its share of the one-process loss, and the ranks' gradients are summed
     if spec.aggregation == "token-mean":
         normalizer = float(sum(int((mb.segment_ids >= 0).sum()) for mb in micro))
+    elif spec.aggregation == "seq-mean-token-sum-norm":  # Dr. GRPO: a constant number of tokens per sequence
+        normalizer = float(len(ids) * spec.max_new_tokens)
     else:
         normalizer = float(len(ids))
     normalizer = all_reduce_sum(normalizer)
@@ -159,10 +162,16 @@ def update(
             num_segments=len(mb.indices),
             eps_low=spec.eps_low,
             eps_high=spec.eps_high,
+            tau_pos=spec.tau_pos,
+            tau_neg=spec.tau_neg,
             aggregation=spec.aggregation,
             normalizer=normalizer,
             ref_logp=None if ref is None else ref[j],
             beta=spec.beta,
+            sampler_logp=None if sampled is None else sampled[j],
+            correction=spec.correction,
+            correction_bounds=spec.correction_bounds,
+            opsm_delta=spec.opsm_delta,
         )
         loss.backward()
         losses.append(loss.detach())  # read back once, after the loop
@@ -196,15 +205,15 @@ def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def _old_policy(
     policy: Policy, spec: UpdateSpec, batch: Batch, layout: list[tuple[list[int], list[MicroBatch]]]
-) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor] | None], list[list[moe.Routing] | None], Advantages, dict[str, float]]:  # fmt: skip
+) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor] | None], list[list[moe.Routing] | None], list[list[torch.Tensor]], dict[str, float]]:  # fmt: skip
     """Old-policy log-probs (and reference ones, expert choices) per micro-batch, before any update.
 
     With ``spec.old_logprobs == "recompute"`` the trainer's own forward pass, which also gives the
-    sampler/trainer mismatch metrics and the truncated-IS weights (gspo.core.mismatch); with "sampler"
-    the sampler's log-probs, a token it did not report (NaN) recomputed. Returns (old, ref, routes,
-    advantages, metrics); the advantages carry the truncated-IS weights when ``spec.sampler_is_cap``.
+    sampler/trainer mismatch metrics (gspo.core.mismatch); with "sampler" the sampler's log-probs, a token
+    it did not report (NaN) recomputed. Returns (old, ref, routes, sampled, metrics); sampled: the sampler's
+    log-probs per micro-batch (NaN where unknown), which the mismatch corrections weigh by.
     """
-    sequences, advantages, sampler_logprobs = batch.sequences, batch.advantages, batch.sampler_logprobs
+    sequences, sampler_logprobs = batch.sequences, batch.sampler_logprobs
     # a trained token the sampler gave no log-prob for (NaN, e.g. llama.cpp's EOS) needs the trainer's
     unknown = sum(
         t and not math.isfinite(lp)
@@ -212,12 +221,13 @@ def _old_policy(
         for t, lp in zip(seq.train_mask, lps, strict=True)
     )
     recompute = spec.old_logprobs == "recompute" or all_reduce_sum(float(unknown)) > 0
-    old, ref, routes, deltas = [], [], [], []
+    old, ref, routes, deltas, sampled_all = [], [], [], [], []
     seq_log_ratio, seq_counted = torch.zeros(len(sequences)), torch.zeros(len(sequences))
     # old policy = the current weights, before any update of this step; FSDP2 gathers them once
     with torch.no_grad(), full_parameters(policy.scorer):
         for ids, micro in layout:
             sampled = [place([sampler_logprobs[i] for i in ids], mb) for mb in micro]
+            sampled_all.append(sampled)
             if recompute:
                 with moe.record_passes(policy.model, enabled=policy.moe) as passes:  # MoE: expert choices
                     recomputed = [score(policy.scorer, mb, spec) for mb in micro]
@@ -246,23 +256,11 @@ def _old_policy(
     if spec.old_logprobs == "recompute":  # both log-probs known: how far apart (gspo.core.mismatch)
         delta = all_gather_varlen(torch.cat(deltas) if deltas else torch.zeros(0))
         metrics.update(mismatch_metrics(delta, all_gather_varlen(seq_log_ratio[seq_counted > 0])))
-        if spec.sampler_is_cap > 0:  # truncated IS: scaling A_i by w_i scales sequence i's loss
-            weights = truncated_is_weights(seq_log_ratio, spec.sampler_is_cap)  # (n,), 1 if unknown
-            if isinstance(advantages, torch.Tensor):
-                advantages = advantages * weights
-            else:
-                advantages = [
-                    [a * float(w) for a in adv] for adv, w in zip(advantages, weights.tolist(), strict=True)
-                ]
-            counted = weights[seq_counted > 0]
-            if counted.numel():
-                metrics["sampler_is_weight_mean"] = float(counted.mean())
-                metrics["sampler_is_truncated_frac"] = float((counted >= spec.sampler_is_cap).float().mean())
     else:
         trained = sum(sum(seq.train_mask) for seq in sequences)
         metrics["sampler_logprob_missing_frac"] = unknown / max(trained, 1)  # recomputed by the trainer
     metrics["old_logprobs_recomputed"] = float(recompute)
-    return old, ref, routes, advantages, metrics
+    return old, ref, routes, sampled_all, metrics
 
 
 def unique_tokens(batch: Batch) -> int:
@@ -286,7 +284,7 @@ def learn(
     """
     layout = minibatches(spec, batch.sequences, seed=seed, device=policy.device, groups=batch.groups)
     t0 = time.perf_counter()
-    old, ref, routes, advantages, out = _old_policy(policy, spec, batch, layout)
+    old, ref, routes, sampled, out = _old_policy(policy, spec, batch, layout)
     out["time_old_logprobs"] = time.perf_counter() - t0
     # what the updates compute vs what is there: real tokens (each sequence whole), unique tokens (a
     # group's prompt once); the layout's padding and prompt repeats make the difference
@@ -296,11 +294,25 @@ def learn(
     out["unique_tokens"] = all_reduce_sum(float(unique_tokens(batch)))
     t0 = time.perf_counter()
     updates = []
-    for j, ((ids, micro), o, r, rt) in enumerate(zip(layout, old, ref, routes, strict=True)):
+    for j, ((ids, micro), o, r, rt, sa) in enumerate(zip(layout, old, ref, routes, sampled, strict=True)):
         # the sampler's log-probs are the old ones: the first minibatch's forward is the old policy's
         mismatch = j == 0 and not out["old_logprobs_recomputed"]
         with around_update() if around_update is not None else contextlib.nullcontext():
-            updates.append(update(policy, spec, ids, micro, advantages, o, r, rt, measure_mismatch=mismatch))
+            sa = sa if spec.correction is not None else None  # the sampler's log-probs, for the correction
+            updates.append(
+                update(
+                    policy,
+                    spec,
+                    ids,
+                    micro,
+                    batch.advantages,
+                    o,
+                    r,
+                    rt,
+                    measure_mismatch=mismatch,
+                    sampled=sa,
+                )
+            )
     out["time_update"] = time.perf_counter() - t0
     if policy.moe:
         t0 = time.perf_counter()

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from gspo.config import Config
+from gspo.core.corrections import CORRECTION_BOUNDS
 from gspo.core.layout import MicroBatch
 from gspo.core.logprobs import causal_lm_logprobs
-from gspo.core.objectives import PAPER_CLIP
 from gspo.models.moe import is_moe
 from gspo.parallel.wrap import is_scorer
 
@@ -21,9 +21,14 @@ class UpdateSpec:
     """How a batch becomes optimizer updates; built once from the config by `UpdateSpec.from_config`."""
 
     objective: str = "gspo"
-    eps_low: float = PAPER_CLIP["gspo"][0]
-    eps_high: float = PAPER_CLIP["gspo"][1]
+    eps_low: float | None = None
+    """None (and the same for tau_pos, tau_neg): the objective's paper default (gspo.core.objectives)."""
+    eps_high: float | None = None
+    tau_pos: float | None = None
+    tau_neg: float | None = None
     aggregation: str = "seq-mean-token-mean"
+    max_new_tokens: int = 4
+    """The constant of aggregation "seq-mean-token-sum-norm" (Dr. GRPO): the longest completion sampled."""
     beta: float = 0.0
     minibatches: int = 4
     minibatch_split: str = "group"
@@ -40,21 +45,34 @@ class UpdateSpec:
     max_grad_norm: float = 1.0
     old_logprobs: str = "recompute"
     """"recompute" (a forward pass before the updates) or "sampler" (the sampler's own log-probs)."""
-    sampler_is_cap: float = 0.0
+    correction: str | None = None
+    """A train-inference mismatch correction (gspo.core.corrections), with old_logprobs="recompute"."""
+    correction_bounds: tuple[float | None, float | None] | None = None
+    opsm_delta: float | None = None
     routing_replay: bool = False
 
     @classmethod
     def from_config(
         cls, config: Config, *, layout: str, pad_id: int, old_logprobs: str | None = None
     ) -> UpdateSpec:
-        """The spec of ``config.train`` with the clip range resolved (None: the objective's paper default)."""
+        """The spec of ``config.train`` (a knob left None takes the objective's paper default in the loss)."""
         train = config.train
-        low, high = PAPER_CLIP[train.objective]
+        correction, bounds = None, None
+        if train.sampler_correction != "none":  # a bound left None: the correction's default
+            correction = train.sampler_correction
+            low, high = CORRECTION_BOUNDS[correction]
+            bounds = (
+                low if train.sampler_correction_min is None else train.sampler_correction_min,
+                high if train.sampler_correction_max is None else train.sampler_correction_max,
+            )
         return cls(
             objective=train.objective,
-            eps_low=low if train.eps_low is None else train.eps_low,
-            eps_high=high if train.eps_high is None else train.eps_high,
+            eps_low=train.eps_low,
+            eps_high=train.eps_high,
+            tau_pos=train.sapo_tau_pos,
+            tau_neg=train.sapo_tau_neg,
             aggregation=train.aggregation,
+            max_new_tokens=config.rollout.max_new_tokens,
             beta=train.beta,
             minibatches=train.minibatches_per_rollout,
             minibatch_split=train.minibatch_split,
@@ -67,7 +85,9 @@ class UpdateSpec:
             logprob_kernel=train.logprob_kernel,
             max_grad_norm=train.max_grad_norm,
             old_logprobs=old_logprobs or train.old_logprobs,
-            sampler_is_cap=train.sampler_is_cap,
+            correction=correction,
+            correction_bounds=bounds,
+            opsm_delta=train.opsm_delta,
             routing_replay=train.routing_replay,
         )
 

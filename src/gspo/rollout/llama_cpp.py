@@ -127,7 +127,7 @@ class GGUFReload:
     source: the GGUF the run started from, whose metadata and tokenizer are carried over (None: built from
     the model's config and tokenizer; gspo.models.gguf_export). Between syncs the server samples from
     weights up to `every - 1` steps old: the trainer recomputes the old-policy log-probs, and
-    `train.sampler_is_cap` corrects for the gap. docs/llama_cpp_sync.md measures the cost of a sync.
+    `train.sampler_correction` corrects for the gap. docs/llama_cpp_sync.md measures the cost of a sync.
     """
 
     server: LlamaCppServer

@@ -297,11 +297,12 @@ def choose_layout(config: Config, model: torch.nn.Module, pad_id: int) -> str:
 
 def resolve_old_logprobs(config: Config, sampler: Sampler) -> str:
     """train.old_logprobs, with "auto" resolved: the sampler's log-probs when the sampler is the trainer's
-    own model in its compute dtype (they are the old policy's, up to float rounding), else recompute."""
+    own model in its compute dtype (they are the old policy's, up to float rounding) and no mismatch correction
+    needs both, else recompute."""
     mode = config.train.old_logprobs
     if mode != "auto":
         return mode
-    return "sampler" if sampler.current and config.train.sampler_is_cap == 0 else "recompute"
+    return "sampler" if sampler.current and config.train.sampler_correction == "none" else "recompute"
 
 
 def setup_policy(config: Config, model: torch.nn.Module, device: torch.device, *, resumed: bool) -> Policy:

@@ -1,0 +1,189 @@
+"""The objectives' terms: each objective is a small function from the shared pieces of a packed stream
+(`Stream`: log-ratios per token and per sequence, advantages) to its loss terms (`Terms`), and its knobs'
+paper defaults (`PAPER_DEFAULTS`). gspo.core.objectives aggregates the terms, applies the mismatch
+corrections and computes the metrics; docs/objectives.md has every formula and departure from the papers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+PAPER_DEFAULTS: dict[str, dict[str, float]] = {
+    "gspo": {"eps_low": 3e-4, "eps_high": 4e-4},  # GSPO paper, section 5.1
+    "gspo_token": {"eps_low": 3e-4, "eps_high": 4e-4},
+    "grpo": {"eps_low": 0.2, "eps_high": 0.27},  # the GSPO paper's GRPO baseline
+    "gmpo": {"eps_low": 0.4, "eps_high": 0.4},  # log space: log r_t clipped to [-0.4, 0.4] (GMPO paper)
+    "sapo": {"tau_pos": 1.0, "tau_neg": 1.05},  # gate temperatures for A > 0 and A <= 0
+    "sapo_seq": {"tau_pos": 1.0, "tau_neg": 1.05},
+    # CISPO: its detached weight in [0, 5], no lower bound (MiniMax-M1); ART's default
+    "cispo": {"eps_low": 1.0, "eps_high": 4.0},
+}
+"""Each objective's knobs and their paper defaults, in one place: ``eps_low``, ``eps_high`` (a clip range)
+or ``tau_pos``, ``tau_neg`` (SAPO's gate temperatures)."""
+PAPER_CLIP = {name: (p["eps_low"], p["eps_high"]) for name, p in PAPER_DEFAULTS.items() if "eps_low" in p}
+"""The default clip range (eps_low, eps_high) of each clipping objective."""
+
+LOG_RATIO_CLAMP = 20.0
+"""Log-ratios are clamped to +-20 before exp: a finite loss and gradient for any input."""
+GATE_HALF = 0.5
+"""SAPO counts a token (sequence) as gated where the gate keeps less than half of its gradient weight."""
+
+
+@dataclass(frozen=True)
+class Stream:
+    """What every objective reads, on a packed stream of N tokens in S segments (detached where noted)."""
+
+    valid: Tensor  # (N,) bool, the token belongs to a segment
+    lp: Tensor  # (N,) logp, 0 off-segment, with grad
+    log_ratio: Tensor  # (N,) logp - old_logp, 0 off-segment
+    seq_log_ratio: Tensor  # (S,) (1/|y_i|) sum_t log r_t, from the (possibly rank-reduced) sums
+    adv_seq: Tensor | None  # (S,) per-sequence advantages, 0 for empty sequences; None if per token
+    adv_token: Tensor  # (N,) every token's advantage, 0 off-segment
+    per_token: Callable[[Tensor], Tensor]  # (S,) -> (N,), zero off-segment
+    segment_mean: Callable[[Tensor], Tensor]  # (N,) -> (S,), (1/|y_i|) sum over the segment's tokens
+
+
+@dataclass(frozen=True)
+class Terms:
+    """An objective's loss terms: per sequence (S,) or per token (N,), where it cuts the gradient ("low":
+    below the trust region, "high": above it; for SAPO where the gate halves it, for CISPO where the weight
+    is truncated) per sequence or per token (``cut_level``), and its ratio."""
+
+    level: str  # "sequence" or "token"
+    loss: Tensor
+    low: Tensor
+    high: Tensor
+    ratio: Tensor
+    cut_level: str = ""  # "sequence" or "token"; "" = level
+
+
+def _clipped_surrogate(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float):
+    """-min(ratio A, clip(ratio, 1-eps_low, 1+eps_high) A) and where clipping zeroes the gradient."""
+    high = (adv > 0) & (ratio > 1 + eps_high)
+    low = (adv < 0) & (ratio < 1 - eps_low)
+    # the clipped branch is a constant: select it rather than take min(), so the gradient is explicit
+    clipped_value = ratio.detach().clamp(1 - eps_low, 1 + eps_high) * adv
+    return -torch.where(high | low, clipped_value, ratio * adv), low, high
+
+
+def _soft_gate(ratio: Tensor, adv: Tensor, tau_pos: float, tau_neg: float):
+    """-f(ratio) A with f(x) = sigmoid(tau (x - 1)) 4 / tau, tau = tau_pos if A > 0 else tau_neg; and where
+    the gate keeps less than half the gradient weight, f'(x) = sech^2(tau (x - 1) / 2) < 1/2."""
+    tau = torch.where(adv > 0, ratio.new_tensor(tau_pos), ratio.new_tensor(tau_neg))  # ratio's dtype
+    x = tau * (ratio - 1)
+    gated = 4 * torch.sigmoid(x.detach()) * torch.sigmoid(-x.detach()) < GATE_HALF  # f'(ratio)
+    return -torch.sigmoid(x) * (4 / tau) * adv, gated & (ratio < 1), gated & (ratio > 1)
+
+
+def exp_clamped(x: Tensor) -> Tensor:
+    return torch.exp(x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
+def _sequence_advantages(s: Stream, name: str) -> Tensor:
+    if s.adv_seq is None:
+        raise ValueError(
+            f"{name} takes one advantage per sequence; use objective gspo_token for per-token ones (or grpo, "
+            "sapo, cispo)"
+        )
+    return s.adv_seq
+
+
+def _gspo(s: Stream, p: Mapping[str, float]) -> Terms:
+    """GSPO, Eq. 5-7: s_i = exp((1/|y_i|) sum_t log r_t); L_i = -min(s_i A_i, clip(s_i) A_i)."""
+    adv = _sequence_advantages(s, "gspo")
+    seq_ratio = exp_clamped(s.seq_log_ratio)  # (S,)
+    return Terms("sequence", *_clipped_surrogate(seq_ratio, adv, p["eps_low"], p["eps_high"]), seq_ratio)
+
+
+def _gspo_token(s: Stream, p: Mapping[str, float]) -> Terms:
+    """GSPO-token, Eq. 13-14: s_i,t = sg[s_i] exp(logp_t - sg[logp_t]); L_t = -min(s_i,t A_t, clip(s_i,t) A_t)."""
+    ratio = exp_clamped(s.per_token(s.seq_log_ratio.detach()) + s.lp - s.lp.detach())  # (N,)
+    return Terms("token", *_clipped_surrogate(ratio, s.adv_token, p["eps_low"], p["eps_high"]), ratio)
+
+
+def _grpo(s: Stream, p: Mapping[str, float]) -> Terms:
+    """GRPO, Eq. 2: r_t = exp(logp_t - old_logp_t); L_t = -min(r_t A_t, clip(r_t) A_t)."""
+    ratio = exp_clamped(s.log_ratio)  # (N,)
+    return Terms("token", *_clipped_surrogate(ratio, s.adv_token, p["eps_low"], p["eps_high"]), ratio)
+
+
+def _gmpo(s: Stream, p: Mapping[str, float]) -> Terms:
+    """GMPO (arXiv 2507.20673): the geometric mean of the token ratios, each clipped in log space first.
+
+    m_t = sgn(A_i) min(sgn(A_i) log r_t, sgn(A_i) clip(log r_t, -eps_low, eps_high))   (N,)
+    g_i = exp((1/|y_i|) sum_t m_t);  L_i = -A_i g_i   (S,)
+    A token whose log-ratio is clipped (A > 0 above eps_high, A < 0 below -eps_low) gives no gradient.
+    """
+    adv = _sequence_advantages(s, "gmpo")
+    high = (s.adv_token > 0) & (s.log_ratio > p["eps_high"])  # (N,)
+    low = (s.adv_token < 0) & (s.log_ratio < -p["eps_low"])
+    clipped = s.log_ratio.detach().clamp(-p["eps_low"], p["eps_high"])
+    geo_ratio = exp_clamped(s.segment_mean(torch.where(high | low, clipped, s.log_ratio)))  # (S,)
+    return Terms("sequence", -adv * geo_ratio, low, high, geo_ratio, cut_level="token")
+
+
+def _sapo(s: Stream, p: Mapping[str, float]) -> Terms:
+    """SAPO (arXiv 2511.20347), token level: L_t = -f(r_t) A_t, f(x) = sigmoid(tau (x - 1)) 4 / tau.
+
+    The soft gate replaces the hard clip: f'(1) = 1 (GRPO's on-policy gradient), decaying smoothly away from
+    r = 1; tau = tau_pos for A_t > 0, tau_neg for A_t <= 0 (negative tokens are damped faster).
+    """
+    ratio = exp_clamped(s.log_ratio)  # (N,)
+    return Terms("token", *_soft_gate(ratio, s.adv_token, p["tau_pos"], p["tau_neg"]), ratio)
+
+
+def _sapo_seq(s: Stream, p: Mapping[str, float]) -> Terms:
+    """SAPO at sequence level (GSPO's ratio under SAPO's gate): L_i = -f(s_i) A_i."""
+    adv = _sequence_advantages(s, "sapo_seq")
+    seq_ratio = exp_clamped(s.seq_log_ratio)  # (S,)
+    return Terms("sequence", *_soft_gate(seq_ratio, adv, p["tau_pos"], p["tau_neg"]), seq_ratio)
+
+
+def _cispo(s: Stream, p: Mapping[str, float]) -> Terms:
+    """CISPO (MiniMax-M1, Eq. 4-5): L_t = -sg[clip(r_t, 1 - eps_low, 1 + eps_high)] A_t logp_t.
+
+    The clipped importance weight is a constant, so a truncated token still carries the gradient -w A; the
+    value (with logp_t, as in TRL, verl, slime and ART) is not a surrogate of the return.
+    """
+    ratio = exp_clamped(s.log_ratio)  # (N,)
+    high, low = ratio > 1 + p["eps_high"], ratio < 1 - p["eps_low"]
+    weight = ratio.detach().clamp(1 - p["eps_low"], 1 + p["eps_high"])
+    return Terms("token", -weight * s.adv_token * s.lp, low, high, ratio)
+
+
+TERMS = {
+    "gspo": _gspo,
+    "gspo_token": _gspo_token,
+    "grpo": _grpo,
+    "gmpo": _gmpo,
+    "sapo": _sapo,
+    "sapo_seq": _sapo_seq,
+    "cispo": _cispo,
+}
+OBJECTIVES = tuple(TERMS)
+SEQUENCE_OBJECTIVES = ("gspo", "gmpo", "sapo_seq")
+"""Objectives with one term per sequence: they take per-sequence advantages and sequence-level corrections."""
+
+
+def objective_params(objective: str, **overrides: float | None) -> dict[str, float]:
+    """The objective's knobs: its paper defaults, with the overrides that are not None.
+
+    Raises ValueError for an unknown objective or a knob the objective does not have.
+    """
+    if objective not in TERMS:
+        raise ValueError(f"policy_loss: unknown objective {objective!r}; choose one of {OBJECTIVES}")
+    params = dict(PAPER_DEFAULTS[objective])
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        if key not in params:
+            raise ValueError(
+                f"policy_loss({objective}): {key} is not a knob of {objective}; its knobs are "
+                f"{', '.join(params)}"
+            )
+        params[key] = float(value)
+    return params
