@@ -27,8 +27,20 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from gspo.config.schema import TrainConfig
+
 ROOT = Path(__file__).resolve().parents[1]
 SPLITS = ("group", "sample")
+CHOICE = """`train.minibatch_split` defaults to `{default}`, by the comparisons above: minibatches of any samples had
+the higher mean in {sample_ahead} of the {total} (held-out accuracy and training reward, both tasks); beyond two
+standard errors: {sample_beyond} for any samples, {group_beyond} for whole groups. One optimizer step then sees
+about all of the batch's prompts (a quarter of each group) instead of a quarter of its prompts (all of their
+samples), and the gradient's spread between prompts is the larger one here. Whole groups cost less: the update
+phase computes each prompt once per group (1.0 token per unique token), against once per minibatch that drew
+any of its samples (the last column). On these short answers that is the cost shown there; the prompt-cached
+generation and the skipped old-policy pass save the same either way. Choose `group` when prompts dominate the
+tokens (long system prompts, tool outputs, multi-turn agents: `benchmarks/train_step.py --long-prefix`), where
+it saves most, and the K updates of a rollout batch still see every prompt between them."""
 
 
 def train_default(run_dir: Path, split: str, seed: int) -> float:
@@ -52,6 +64,14 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+def update_cost(run_dir: Path) -> float:
+    """Median over rollout batches of the update phase's computed tokens per unique token (a group's prompt
+    counted once): what a split costs, independent of the machine's speed."""
+    return statistics.median(
+        r["update_tokens"] / r["unique_tokens"] for r in records(run_dir) if r["kind"] == "train"
+    )
+
+
 def default_row(run_dir: Path) -> dict[str, float]:
     rows = records(run_dir)
     evals = {r["step"]: r for r in rows if r["kind"] == "eval"}
@@ -66,6 +86,7 @@ def default_row(run_dir: Path) -> dict[str, float]:
         "clip_frac_token": statistics.fmean(
             r["clip_frac_token"] for r in train if r.get("clip_frac_token") is not None
         ),
+        "update_per_unique": update_cost(run_dir),
     }
 
 
@@ -75,12 +96,18 @@ def stats(values: list[float]) -> str:
     return f"{mean:.3f} ± {spread:.3f}"
 
 
-def favoured(group: list[float], sample: list[float]) -> str:
+COMPARED: list[tuple[str, str]] = []
+"""(what, which split had the higher mean: "group" / "sample", with " beyond" past 2 standard errors)."""
+
+
+def favoured(group: list[float], sample: list[float], what: str) -> str:
     """Which split is better beyond the seed noise (mean difference > 2 standard errors), or neither."""
     diff = statistics.fmean(group) - statistics.fmean(sample)
+    ahead = "group" if diff > 0 else "sample"
     if len(group) < 2:
         return "too few seeds"
     se = (statistics.variance(group) / len(group) + statistics.variance(sample) / len(sample)) ** 0.5
+    COMPARED.append((what, ahead + (" beyond" if abs(diff) > 2 * se else "")))
     if abs(diff) <= 2 * se:
         return f"neither (difference {diff:+.3f}, 2 standard errors {2 * se:.3f})"
     return f"{'group' if diff > 0 else 'sample'} (difference {diff:+.3f}, 2 standard errors {2 * se:.3f})"
@@ -95,7 +122,10 @@ def paper(split: str, runs: Path, workers: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(workers), "HF_HUB_OFFLINE": "1"}
     with (runs / f"paper-{split}.log").open("w") as log:
         subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
-    return json.loads((out / "summary.json").read_text())["0.001"]
+    table = json.loads((out / "summary.json").read_text())["0.001"]
+    for method, row in table.items():
+        row["update_per_unique"] = [update_cost(run) for run in sorted(out.glob(f"{method}-lr0.001-seed*"))]
+    return table
 
 
 def main() -> None:
@@ -129,13 +159,15 @@ def main() -> None:
         "",
         f"Written by `HF_HUB_OFFLINE=1 python scripts/minibatch_split.py --seeds {args.seeds} --workers "
         f"{args.workers}{' --skip-paper' if args.skip_paper else ''}` in {minutes:.0f} minutes "
-        f"(runs of one thread each, {args.workers} at a time; the machine may have been shared).",
+        f"(runs of one thread each, {args.workers} at a time; the machine may have been shared; "
+        f"{sum(w > 0 for w in walls)} of the {len(walls)} default runs trained in this invocation, the others "
+        "reused from --runs-dir, as were finished paper runs).",
         "",
         f"## The default run (SmolLM2-135M, 40 rollout batches, seeds 0..{args.seeds - 1}; mean ± std over seeds)",
         "",
         "| split | held-out accuracy at step 40 | mean held-out accuracy, steps 10-40 | held-out reward at 40 "
-        "| training reward, last 10 steps | clip fraction (tokens) |",
-        "|---|---|---|---|---|---|",
+        "| training reward, last 10 steps | clip fraction (tokens) | update tokens computed per unique token |",
+        "|---|---|---|---|---|---|---|",
     ]
     keys = (
         "accuracy_end",
@@ -143,6 +175,7 @@ def main() -> None:
         "eval_reward_end",
         "train_reward_last10",
         "clip_frac_token",
+        "update_per_unique",
     )
     for split in SPLITS:
         lines.append(f"| {split} | " + " | ".join(stats([r[k] for r in default[split]]) for k in keys) + " |")
@@ -153,11 +186,18 @@ def main() -> None:
         + ".",
         "",
         "Favoured by the held-out accuracy at step 40: "
-        + favoured(*([r["accuracy_end"] for r in default[s]] for s in SPLITS))
+        + favoured(
+            *([r["accuracy_end"] for r in default[s]] for s in SPLITS), "default run, held-out accuracy at 40"
+        )
         + "; by the mean held-out accuracy over steps 10-40: "
-        + favoured(*([r["accuracy_mean_after_0"] for r in default[s]] for s in SPLITS))
+        + favoured(
+            *([r["accuracy_mean_after_0"] for r in default[s]] for s in SPLITS),
+            "default run, mean held-out accuracy",
+        )
         + "; by the training reward: "
-        + favoured(*([r["train_reward_last10"] for r in default[s]] for s in SPLITS))
+        + favoured(
+            *([r["train_reward_last10"] for r in default[s]] for s in SPLITS), "default run, training reward"
+        )
         + ".",
     ]
     if papers:
@@ -166,8 +206,8 @@ def main() -> None:
             "## The paper-reproduction task (tiny Qwen3-MoE, lr 1e-3, 300 rollout batches, seeds 0..2)",
             "",
             "| method | split | held-out accuracy, end | best held-out accuracy | training reward, last 20% "
-            "| clip fraction (tokens) |",
-            "|---|---|---|---|---|---|",
+            "| clip fraction (tokens) | update tokens computed per unique token |",
+            "|---|---|---|---|---|---|---|",
         ]
         for method in papers["group"]:
             for split in SPLITS:
@@ -176,7 +216,13 @@ def main() -> None:
                     f"| {method} | {split} | "
                     + " | ".join(
                         stats(row[k])
-                        for k in ("accuracy_end", "accuracy_best", "reward_last", "clip_frac_token")
+                        for k in (
+                            "accuracy_end",
+                            "accuracy_best",
+                            "reward_last",
+                            "clip_frac_token",
+                            "update_per_unique",
+                        )
                     )
                     + " |"
                 )
@@ -184,11 +230,31 @@ def main() -> None:
         for method in papers["group"]:
             lines.append(
                 f"- {method}: favoured by the held-out accuracy at the end: "
-                + favoured(papers["group"][method]["accuracy_end"], papers["sample"][method]["accuracy_end"])
+                + favoured(
+                    papers["group"][method]["accuracy_end"],
+                    papers["sample"][method]["accuracy_end"],
+                    f"paper task, {method}, held-out accuracy",
+                )
                 + "; by the training reward: "
-                + favoured(papers["group"][method]["reward_last"], papers["sample"][method]["reward_last"])
+                + favoured(
+                    papers["group"][method]["reward_last"],
+                    papers["sample"][method]["reward_last"],
+                    f"paper task, {method}, training reward",
+                )
                 + "."
             )
+
+    def beyond(split: str) -> str:
+        return "; ".join(what for what, ahead in COMPARED if ahead == f"{split} beyond") or "none"
+
+    choice = CHOICE.format(
+        default=TrainConfig.minibatch_split,
+        sample_ahead=sum(ahead.startswith("sample") for _, ahead in COMPARED),
+        total=len(COMPARED),
+        sample_beyond=beyond("sample"),
+        group_beyond=beyond("group"),
+    )
+    lines += ["", "## The default", "", choice]
     args.doc.write_text("\n".join(lines) + "\n")
     print(f"wrote {args.doc} ({minutes:.0f} min; default-run walls {[round(w) for w in walls]} s)")
 

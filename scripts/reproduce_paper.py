@@ -95,8 +95,9 @@ class Spec:
     minibatches: int = 4
     eval_every: int = 20
     checkpoint_every: int = 50
-    minibatch_split: str = "group"
-    """train.minibatch_split: whole groups per minibatch (their prompts computed once), or any samples."""
+    minibatch_split: str = "sample"
+    """train.minibatch_split: any samples per minibatch (the default, and what docs/paper_reproduction.md ran
+    with), or whole groups (their prompts computed once)."""
 
 
 FULL = Spec()

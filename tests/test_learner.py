@@ -188,7 +188,7 @@ def test_shared_prefix_updates_equal_the_padded_layout_s(family, objective, opti
         policy = _model_policy(family, beta)
         spec = UpdateSpec(
             objective=objective, eps_low=0.02, eps_high=0.02, minibatches=3, beta=beta, layout=layout,
-            routing_replay=options.get("routing_replay", False), max_grad_norm=0.0,
+            minibatch_split="group", routing_replay=options.get("routing_replay", False), max_grad_norm=0.0,
         )  # fmt: skip
         batch = _group_batch(per_token)
         metrics = learn(policy, spec, batch, seed=11)

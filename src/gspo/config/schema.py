@@ -141,9 +141,11 @@ class TrainConfig:
     """Rollout batches to train on; each gives `minibatches_per_rollout` optimizer updates."""
     minibatches_per_rollout: int = 4
     """Optimizer updates per rollout batch (the paper uses 4); all but the first are off-policy."""
-    minibatch_split: Literal["group", "sample"] = "group"
-    """How a rollout batch is cut into minibatches: "group", whole groups (a group's prompt is then shared
-    by its G samples in the shared-prefix layout), or "sample", any samples (docs/minibatch_split.md)."""
+    minibatch_split: Literal["group", "sample"] = "sample"
+    """How a rollout batch is cut into minibatches: "sample", a random share of all samples (each update
+    sees most prompts; it learned more per rollout batch in docs/minibatch_split.md), or "group", whole
+    groups (each update computes a group's prompt once for its G samples: far cheaper when prompts are long,
+    e.g. agents' system prompts and tool outputs)."""
     micro_batch_tokens: int = 4096
     """Token budget of one forward/backward; minibatches above it accumulate gradients exactly."""
     lr: float = 1e-5
@@ -186,7 +188,8 @@ class TrainConfig:
     old_logprobs: Literal["auto", "recompute", "sampler"] = "auto"
     """Old-policy log-probs: "recompute", the trainer's own forward pass before the updates; "sampler",
     the sampler's (a token it did not report is recomputed); "auto": the sampler's when it is the
-    trainer's own model in this process (same weights, same compute dtype), else recompute. The first
+    trainer's own model in this process computing in fp32 (same weights), else recompute (bf16 rounds the
+    cached decoding and the scoring forward differently, beyond GSPO's clip band). The first
     minibatch's forward measures the sampler/trainer mismatch either way (docs/sampler_mismatch.md)."""
     sampler_correction: Literal[
         "none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"

@@ -31,8 +31,9 @@ class UpdateSpec:
     """The constant of aggregation "seq-mean-token-sum-norm" (Dr. GRPO): the longest completion sampled."""
     beta: float = 0.0
     minibatches: int = 4
-    minibatch_split: str = "group"
-    """"group": each minibatch holds whole groups (their prompt computed once); "sample": any samples."""
+    minibatch_split: str = "sample"
+    """"sample": each minibatch holds a random share of all samples; "group": whole groups (their prompt
+    computed once)."""
     layout: str = "shared_prefix"
     """gspo.core.layout: "shared_prefix", "packed" or "padded"."""
     pack_length: int = 1024

@@ -295,14 +295,17 @@ def choose_layout(config: Config, model: torch.nn.Module, pad_id: int) -> str:
     return layout
 
 
-def resolve_old_logprobs(config: Config, sampler: Sampler) -> str:
+def resolve_old_logprobs(config: Config, sampler: Sampler, compute_dtype: torch.dtype | None) -> str:
     """train.old_logprobs, with "auto" resolved: the sampler's log-probs when the sampler is the trainer's
-    own model in its compute dtype (they are the old policy's, up to float rounding) and no mismatch correction
-    needs both, else recompute."""
+    own model computing in fp32 (they are the old policy's up to fp32 rounding, ~1e-6) and no mismatch
+    correction needs both, else recompute. In bf16 the cached token-by-token decoding and the trainer's
+    whole-sequence forward round differently: on the default run every sequence's log-ratio left GSPO's
+    3e-4 band (benchmarks/train_step.py train.mixed_precision=bf16 train.old_logprobs=sampler)."""
     mode = config.train.old_logprobs
     if mode != "auto":
         return mode
-    return "sampler" if sampler.current and config.train.sampler_correction == "none" else "recompute"
+    exact = sampler.current and compute_dtype in (None, torch.float32)
+    return "sampler" if exact and config.train.sampler_correction == "none" else "recompute"
 
 
 def setup_policy(config: Config, model: torch.nn.Module, device: torch.device, *, resumed: bool) -> Policy:
