@@ -35,7 +35,7 @@ CHOICE = """`train.minibatch_split` defaults to `{default}`, by the comparisons 
 the higher mean in {sample_ahead} of the {total} (held-out accuracy and training reward, both tasks); beyond two
 standard errors: {sample_beyond} for any samples, {group_beyond} for whole groups. One optimizer step then sees
 about all of the batch's prompts (a quarter of each group) instead of a quarter of its prompts (all of their
-samples), and the gradient's spread between prompts is the larger one here. Whole groups cost less: the update
+samples): presumably the gradient's spread between prompts is the larger one here. Whole groups cost less: the update
 phase computes each prompt once per group (1.0 token per unique token), against once per minibatch that drew
 any of its samples (the last column). On these short answers that is the cost shown there; the prompt-cached
 generation and the skipped old-policy pass save the same either way. Choose `group` when prompts dominate the
