@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
-from gspo.core.corrections import CORRECTION_BOUNDS, correction_level, importance_weights, opsm_drop
+from gspo.core.corrections import check_corrections, correction_weights
 from gspo.core.surrogates import (
     LOG_RATIO_CLAMP,
     OBJECTIVES,
@@ -160,7 +160,7 @@ def _packed_loss(
     metrics: dict[str, Tensor] = {}
     weight = None  # (S,) or (N,), the corrections' weight of each term
     if correction is not None or opsm_delta is not None:
-        weight, metrics = _corrections(
+        weight, metrics = correction_weights(
             terms.level, lp, olp, sampler_logp, valid, count, adv_seq, adv_token, segment_sum, per_token,
             correction, correction_bounds, opsm_delta, dtype,
         )  # fmt: skip
@@ -216,56 +216,6 @@ def _packed_loss(
         metrics["num_sequences"] = nonempty.sum()
         metrics["num_tokens"] = num_tokens
     return loss, {k: v.detach().to(torch.float32) for k, v in metrics.items()}
-
-
-def _corrections(level, lp, olp, sampler_logp, valid, count, adv_seq, adv_token, segment_sum, per_token, correction, bounds, opsm_delta, dtype):  # fmt: skip
-    """The mismatch corrections' weight of each term ((S,) for sequence terms, else (N,)) and their metrics.
-
-    A token the sampler gave no log-prob for (NaN) has log rho_t = 0 (ratio 1) and still counts in |y_i|.
-    """
-    with torch.no_grad():
-        nonempty, n_tok, n_seq = count > 0, valid.sum().to(dtype).clamp_min(1), (count > 0).sum().clamp_min(1)
-
-        def fractions(flags: Tensor, per_seq: bool, name: str) -> dict[str, Tensor]:
-            """Fractions of tokens and (mean per sequence) of flagged tokens; flags (S,) or (N,)."""
-            if per_seq:
-                seq = torch.where(nonempty, flags.to(dtype), 0.0)  # (S,)
-                tok = per_token(seq)  # (N,)
-            else:
-                tok = (flags & valid).to(dtype)  # (N,)
-                seq = segment_sum(tok) / count.clamp_min(1)  # (S,)
-            return {f"{name}_frac_token": tok.sum() / n_tok, f"{name}_frac_seq": seq.sum() / n_seq}
-
-        metrics: dict[str, Tensor] = {}
-        weight = torch.ones_like(count if level == "sequence" else lp)
-        behaviour = olp if sampler_logp is None else sampler_logp.detach().to(dtype)
-        behaviour = torch.where(
-            valid & ~torch.isnan(behaviour), behaviour, olp
-        )  # (N,) unknown: log rho_t = 0
-        if correction is not None:
-            per_seq = correction_level(correction) == "sequence"
-            # log rho_t = log pi_old - log pi_sampler   (N,);  log rho_i = (1/|y_i|) sum_t log rho_t   (S,)
-            log_rho = olp - behaviour
-            if per_seq:
-                log_rho = segment_sum(log_rho) / count.clamp_min(1)
-            w, truncated, masked = importance_weights(log_rho, correction, *bounds)
-            weight = weight * (w if level == "sequence" or not per_seq else per_token(w))
-            metrics |= fractions(truncated, per_seq, "sampler_is_truncated")
-            metrics |= fractions(masked, per_seq, "sampler_is_masked")
-            metrics["sampler_is_weight_mean"] = ((per_token(w) if per_seq else w) * valid).sum() / n_tok
-        if opsm_delta is not None:
-            # KL_i = (1/|y_i|) sum_t (log pi_sampler - log pi_theta)   (S,), the current policy detached
-            seq_kl = segment_sum(behaviour - lp.detach()) / count.clamp_min(1)
-            per_seq = adv_seq is not None
-            if per_seq:
-                drop = opsm_drop(seq_kl, adv_seq, opsm_delta)  # (S,)
-                keep = (~drop).to(dtype)
-                weight = weight * (keep if level == "sequence" else per_token(keep))
-            else:  # per-token advantages (token terms only): the negative tokens of a drifted sequence
-                drop = opsm_drop(per_token(seq_kl), adv_token, opsm_delta)  # (N,)
-                weight = weight * (~drop).to(dtype)
-            metrics |= fractions(drop, per_seq, "opsm_masked")
-    return weight, metrics
 
 
 def policy_loss(
@@ -330,7 +280,9 @@ def policy_loss(
         )
     if isinstance(normalizer, (int, float)) and normalizer <= 0:
         raise ValueError(f"{name}: normalizer must be positive, got {normalizer}")
-    bounds = _check_corrections(name, objective, sampler_logp, correction, correction_bounds, opsm_delta)
+    bounds = check_corrections(
+        name, objective, sampler_logp, correction, correction_bounds, opsm_delta, SEQUENCE_OBJECTIVES
+    )
     if segment_sum_reduce is not None and (
         objective == "gmpo" or bounds is not None or opsm_delta is not None
     ):
@@ -356,37 +308,6 @@ def policy_loss(
         objective, name, logp, old_logp, advantages, segment_ids, num_segments, check_finite, ref_logp,
         sampler_logp, segment_sum_reduce, kwargs,
     )  # fmt: skip
-
-
-def _check_corrections(name, objective, sampler_logp, correction, bounds, opsm_delta):
-    """The correction's (C_min, C_max), None without one; a ValueError naming the fix for a wrong combination."""
-    if opsm_delta is not None and not opsm_delta >= 0:
-        raise ValueError(f"{name}: opsm_delta must be >= 0 (None disables), got {opsm_delta}")
-    if correction is None:
-        if bounds is not None:
-            raise ValueError(f"{name}: correction_bounds without a correction")
-        return None
-    if correction not in CORRECTION_BOUNDS:
-        raise ValueError(
-            f"{name}: unknown correction {correction!r}; choose one of {tuple(CORRECTION_BOUNDS)}"
-        )
-    if sampler_logp is None:
-        raise ValueError(f"{name}: correction {correction!r} needs sampler_logp, the sampler's log-probs")
-    if objective in SEQUENCE_OBJECTIVES and correction_level(correction) == "token":
-        raise ValueError(
-            f"{name}: {correction} weighs tokens, but {objective} has one term per sequence; use "
-            f"{correction.replace('token', 'sequence')} (the length-normalised sequence ratio)"
-        )
-    low, high = CORRECTION_BOUNDS[correction] if bounds is None else bounds
-    if (
-        (low is not None and low < 0)
-        or (high is not None and high <= 0)
-        or (None not in (low, high) and low > high)
-    ):
-        raise ValueError(
-            f"{name}: correction_bounds must satisfy 0 <= C_min <= C_max, C_max > 0, got {bounds}"
-        )
-    return low, high
 
 
 def _padded(objective, name, logp, old_logp, advantages, mask, check_finite, ref_logp, sampler_logp, kwargs):
