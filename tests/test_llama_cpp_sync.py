@@ -10,8 +10,6 @@ import pytest
 import torch
 
 from gspo.config import load_config
-from gspo.core.layout import Sequence, make_micro_batches
-from gspo.core.logprobs import causal_lm_logprobs
 from gspo.models.gguf_export import write_gguf
 from gspo.rollout.llama_cpp import GGUFReload, LlamaCppServer
 from gspo.rollout.openai import OpenAIBackend
@@ -23,36 +21,19 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _logprobs(model, rollouts) -> list[torch.Tensor]:
-    sequences = [
-        Sequence(p, c, [True] * len(c))
-        for p, c in zip(rollouts.prompt_ids, rollouts.completion_ids, strict=True)
-    ]
-    (mb,) = make_micro_batches(
-        sequences, layout="padded", pack_length=1024, micro_batch_tokens=10_000, pad_id=0
-    )
-    with torch.no_grad():
-        logp = causal_lm_logprobs(
-            model, mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-            logprob_mask=mb.logprob_mask,
-        )  # fmt: skip
-    out = [torch.empty(0)] * len(mb.indices)
-    for row, i in enumerate(mb.indices):
-        out[i] = logp[row][mb.logprob_mask[row]]
-    return out
-
-
-def _gap(model, rollouts) -> float:
+def _gap(model_logprobs: list[torch.Tensor], rollouts) -> float:
     """Largest |log p_server - log p_model| over the tokens the server reported."""
     gaps = []
-    for mine, theirs in zip(_logprobs(model, rollouts), rollouts.sampler_logprobs, strict=True):
+    for mine, theirs in zip(model_logprobs, rollouts.sampler_logprobs, strict=True):
         theirs = torch.tensor(theirs)
         known = torch.isfinite(theirs)
         gaps.append((mine[known] - theirs[known]).abs().max())
     return float(torch.stack(gaps).max())
 
 
-def test_gguf_reload_makes_the_server_sample_from_the_updated_policy(tmp_path: Path) -> None:
+def test_gguf_reload_makes_the_server_sample_from_the_updated_policy(
+    tmp_path: Path, rollout_logprobs
+) -> None:
     from gspo.training.trainer import Trainer
 
     config = load_config(
@@ -71,14 +52,18 @@ def test_gguf_reload_makes_the_server_sample_from_the_updated_policy(tmp_path: P
         before = {k: v.clone() for k, v in model.state_dict().items()}
         prompts = trainer.prompts(trainer.eval_examples[:2])
         rollouts = trainer.sampler.generate(prompts, group_size=2, max_new_tokens=6, seed=0)
-        assert _gap(model, rollouts) < 1e-3  # f32 GGUF: the same weights
+        assert _gap(rollout_logprobs(model, rollouts), rollouts) < 1e-3  # f32 GGUF: the same weights
         trainer.train_step()  # samples from the server, updates, then syncs
         assert server.restarts == 1 and len(sync.seconds) == 1
         rollouts = trainer.sampler.generate(prompts, group_size=2, max_new_tokens=6, seed=1)
-        assert _gap(model, rollouts) < 1e-3  # the server serves the updated weights
+        assert (
+            _gap(rollout_logprobs(model, rollouts), rollouts) < 1e-3
+        )  # the server serves the updated weights
         initial = type(model)(model.config)
         initial.load_state_dict(before)
-        assert _gap(initial.eval(), rollouts) > 1e-2  # ... which are not the initial ones
+        assert (
+            _gap(rollout_logprobs(initial.eval(), rollouts), rollouts) > 1e-2
+        )  # ... which are not the initial ones
     trainer.logger.close()
 
 

@@ -18,8 +18,6 @@ from typing import Any
 import pytest
 import torch
 
-from gspo.core.layout import Sequence, make_micro_batches
-from gspo.core.logprobs import causal_lm_logprobs
 from gspo.models import tiny_tokenizer
 from gspo.rollout.data import format_prompt
 from gspo.rollout.llama_cpp import llama_cpp_server
@@ -231,7 +229,7 @@ def test_real_server_returns_g_completions_per_prompt_with_aligned_logprobs(engi
 
 
 @pytest.mark.slow
-def test_real_server_logprobs_match_the_trainers_recomputation(engine) -> None:
+def test_real_server_logprobs_match_the_trainers_recomputation(engine, rollout_logprobs) -> None:
     """Q4_1 kernels vs the de-quantised fp32 model: close per token, closer per sequence."""
     url, tokenizer = engine
     from gspo.config import ModelConfig
@@ -242,24 +240,8 @@ def test_real_server_logprobs_match_the_trainers_recomputation(engine) -> None:
     rollouts = OpenAIBackend(url, tokenizer, timeout=120).generate(
         prompts, group_size=2, max_new_tokens=12, seed=1
     )
-    sequences = [
-        Sequence(p, c, [True] * len(c))
-        for p, c in zip(rollouts.prompt_ids, rollouts.completion_ids, strict=True)
-    ]
-    (mb,) = make_micro_batches(
-        sequences, layout="padded", pack_length=1024, micro_batch_tokens=10_000, pad_id=0
-    )
-    with torch.no_grad():
-        logp = causal_lm_logprobs(
-            model,
-            mb.input_ids,
-            attention_mask=mb.attention_mask,
-            position_ids=mb.position_ids,
-            logprob_mask=mb.logprob_mask,
-        )
-    for row, i in enumerate(mb.indices):
-        mine = logp[row][mb.logprob_mask[row]]
-        theirs = torch.tensor(rollouts.sampler_logprobs[i])
+    for mine, sampled in zip(rollout_logprobs(model, rollouts), rollouts.sampler_logprobs, strict=True):
+        theirs = torch.tensor(sampled)
         known = torch.isfinite(theirs)
         delta = (mine[known] - theirs[known]).abs()
         assert delta.mean() < 0.1, delta
