@@ -143,11 +143,10 @@ def test_tree_attention_equals_each_completion_attending_to_its_prompt_and_itsel
     # row 0: a tree with a 3-token prompt and completions of 2, 1, 3 tokens, then a plain 2-token tree;
     # row 1: a tree with a 2-token prompt and two completions of 2 tokens
     position_ids = torch.tensor([[0, 1, 2, 3, 4, 3, 3, 4, 5, 0, 1], [0, 1, 2, 3, 2, 3, 0, 0, 0, 0, 0]])
-    branch_ids = torch.tensor([[0, 0, 0, 1, 1, 2, 3, 3, 3, 0, 1], [0, 0, 1, 1, 2, 2, 0, 0, 0, 0, 0]])
     query = torch.randn(2, 4, 11, 8, generator=g)
     key = torch.randn(2, 2, 11, 8, generator=g)
     value = torch.randn(2, 2, 11, 5, generator=g)
-    token = attention._LAYOUT.set(attention.segment_layout(position_ids, branch_ids))
+    token = attention._LAYOUT.set(attention.segment_layout(position_ids, prefix_tree=True))
     try:
         out, _ = attention._segment_attention_forward(torch.nn.Module(), query, key, value, None, scaling=0.3)
     finally:
@@ -170,12 +169,49 @@ def test_tree_attention_equals_each_completion_attending_to_its_prompt_and_itsel
     torch.testing.assert_close(out[0, :3], naive(0, [], [0, 1, 2]), rtol=1e-5, atol=1e-6)  # the prompt itself
 
 
+def test_tree_attention_over_a_trie_sees_exactly_each_token_s_ancestors() -> None:
+    """A prefix tree that branches inside the prompt too (depth-first, position = depth): by hand, each
+    token's ancestors; the attention equals a naive softmax over exactly those keys, and the log-prob
+    path's parents are the hand-read ones."""
+    from gspo.core.logprobs import _tree_parents
+
+    g = torch.Generator().manual_seed(2)
+    # 0 -> 1 -> 2 -> 3 -> 4;  1 -> 5 -> 6 -> 7;  5 -> 8;  0 -> 9 -> 10;  then padding (a new root)
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 2, 3, 4, 3, 1, 2, 0]])
+    parents = [None, 0, 1, 2, 3, 1, 5, 6, 5, 0, 9, None]
+    query = torch.randn(1, 4, 12, 8, generator=g)
+    key = torch.randn(1, 2, 12, 8, generator=g)
+    value = torch.randn(1, 2, 12, 5, generator=g)
+    token = attention._LAYOUT.set(attention.segment_layout(position_ids, prefix_tree=True))
+    try:
+        out, _ = attention._segment_attention_forward(torch.nn.Module(), query, key, value, None, scaling=0.3)
+    finally:
+        attention._LAYOUT.reset(token)
+    for t in range(12):
+        seen = [t]
+        while parents[seen[-1]] is not None:
+            seen.append(parents[seen[-1]])
+        k = key[0][:, seen].repeat_interleave(2, dim=0)
+        v = value[0][:, seen].repeat_interleave(2, dim=0)
+        expected = ((query[0][:, [t]] @ k.transpose(-1, -2)) * 0.3).softmax(-1) @ v  # (H, 1, Dv)
+        torch.testing.assert_close(out[0, t], expected[:, 0], rtol=1e-5, atol=1e-6, msg=f"token {t}")
+    has_parent, flat = _tree_parents(position_ids)
+    assert has_parent[0].tolist() == [p is not None for p in parents]
+    assert [int(flat[0, t]) for t in range(12) if parents[t] is not None] == [
+        p for p in parents if p is not None
+    ]
+
+
 def _groups(seed: int) -> list[Sequence]:
-    """Four groups sharing prompts of 2..30 tokens, 1 to 4 completions of 1..9 tokens each."""
+    """Four groups of 1 to 4 completions of 1..9 tokens; prompts of 30, 2, 11 and 7 tokens, the third
+    continuing the second and the fourth sharing the first one's first 5 tokens (a trie, not just groups)."""
     g = torch.Generator().manual_seed(seed)
+    first = torch.randint(3, 90, (30,), generator=g).tolist()
+    second = torch.randint(3, 90, (2,), generator=g).tolist()
+    prompts = [first, second, second + torch.randint(3, 90, (9,), generator=g).tolist()]
+    prompts.append(first[:5] + torch.randint(3, 90, (2,), generator=g).tolist())
     out = []
-    for n_prompt, samples in ((30, 4), (2, 3), (11, 1), (7, 4)):
-        prompt = torch.randint(3, 90, (n_prompt,), generator=g).tolist()
+    for prompt, samples in zip(prompts, (4, 3, 1, 4), strict=True):
         for _ in range(samples):
             completion = torch.randint(
                 3, 90, (int(torch.randint(1, 10, (), generator=g)),), generator=g
@@ -186,10 +222,9 @@ def _groups(seed: int) -> list[Sequence]:
 
 def _shared_logprobs_and_grads(model, mb):
     model.zero_grad(set_to_none=True)
-    layout = {} if mb.branch_ids is None else {"branch_ids": mb.branch_ids}
     logp = causal_lm_logprobs(
         model, mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-        logprob_mask=mb.logprob_mask, **layout,
+        logprob_mask=mb.logprob_mask, prefix_tree=mb.prefix_tree,
     )  # fmt: skip
     flat = logp.reshape(-1)
     per_sequence = {i: flat[mb.segment_ids == k] for k, i in enumerate(mb.indices)}
@@ -204,8 +239,10 @@ def _shared_logprobs_and_grads(model, mb):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe", "llama+lora"])
 def test_shared_prefix_rows_give_the_padded_layout_s_logprobs_and_gradients(family):
-    """Tolerance: fp32, the same math summed in another order (the prompt's keys reached through a mask
-    over the tree instead of one padded row per sequence): values to 2e-6, gradients to 1e-4 relative."""
+    """One prefix-tree row against one padded row per sequence. Tolerance: fp32, the same math summed in
+    another order (the prompt's keys reached through a mask over the tree instead of one padded row per
+    sequence; a shared token's gradient summed over its sequences in one pass): values to 2e-6, gradients
+    to 1e-4 relative."""
     model, _ = load_model(ModelConfig(tiny=family.split("+")[0]), seed=0)
     if family.endswith("lora"):
         from gspo.config import LoraConfig
@@ -217,11 +254,11 @@ def test_shared_prefix_rows_give_the_padded_layout_s_logprobs_and_gradients(fami
                 torch.nn.init.normal_(param, std=0.1, generator=torch.Generator().manual_seed(0))
     sequences = _groups(2)
     shared, padded = (
-        make_micro_batches(sequences, layout=layout, pack_length=64, micro_batch_tokens=4096, pad_id=0)[0]
+        make_micro_batches(sequences, layout=layout, pack_length=128, micro_batch_tokens=4096, pad_id=0)[0]
         for layout in ("shared_prefix", "padded")
     )
-    unique = 30 + 2 + 11 + 7 + sum(len(s.completion_ids) for s in sequences)
-    assert int((shared.input_ids != 0).sum()) == unique < sum(len(s) for s in sequences)
+    trie = 30 + 2 + 9 + 2 + sum(len(s.completion_ids) for s in sequences)  # each distinct prompt prefix once
+    assert shared.input_ids.shape[0] == 1 and int((shared.input_ids != 0).sum()) == trie
     got, want = _shared_logprobs_and_grads(model, shared), _shared_logprobs_and_grads(model, padded)
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=2e-6)
     assert got[1].keys() == want[1].keys() and got[1]
@@ -232,9 +269,9 @@ def test_shared_prefix_rows_give_the_padded_layout_s_logprobs_and_gradients(fami
 def test_shared_prefix_rows_need_segment_attention() -> None:
     model, _ = load_model(ModelConfig(tiny="llama"), seed=0)
     model.config.sliding_window = 2
-    position_ids, branch_ids = torch.tensor([[0, 1, 2, 2]]), torch.tensor([[0, 0, 1, 2]])
+    position_ids = torch.tensor([[0, 1, 2, 2]])
     with (
         pytest.raises(ValueError, match=r"cannot compute shared-prefix rows.*train\.packing=packed"),
-        attention.segment_attention(model, position_ids, branch_ids),
+        attention.segment_attention(model, position_ids, prefix_tree=True),
     ):
         pass

@@ -130,15 +130,18 @@ GROUPS = [0, 0, 0, 1, 1, 1, 1, 2, 2, 3, 4, 4, 4, 5, 5, 5]
 
 
 def _fixed_batch() -> tuple[list[Sequence], torch.Tensor, list[list[float]]]:
-    """Groups of 1 to 4 sequences sharing a prompt, so the shared-prefix layout shares."""
+    """Groups of 1 to 4 sequences sharing a prompt, the prompts a common 2-token start, so the shared-prefix
+    layout shares within groups and across them."""
     g = torch.Generator().manual_seed(3)
     sequences = []
     prompts = {}
+    system = [7, 8]
     for owner in GROUPS:
         if owner not in prompts:
-            prompts[owner] = torch.randint(
-                3, 90, (int(torch.randint(2, 6, (), generator=g)),), generator=g
-            ).tolist()
+            prompts[owner] = (
+                system
+                + torch.randint(3, 90, (int(torch.randint(2, 6, (), generator=g)),), generator=g).tolist()
+            )
         prompt = prompts[owner]
         completion = torch.randint(3, 90, (int(torch.randint(1, 9, (), generator=g)),), generator=g).tolist()
         mask = [True] * len(completion)

@@ -1,4 +1,5 @@
-"""Packed and padded micro-batch layouts: every completion token lands once, in order, with its segment."""
+"""Prefix-tree, packed and padded micro-batch layouts: every completion token lands once, in order, with its
+segment; prefix trees compute each distinct prompt prefix once and keep every sequence whole."""
 
 from __future__ import annotations
 
@@ -126,35 +127,94 @@ def _groups() -> list[Sequence]:
     ]
 
 
+def _walk_up(mb, row: int, t: int) -> list[int]:
+    """The tokens a prefix-tree position continues, read naively: from ``t``, step to the last earlier
+    position one level up (its parent in depth-first order) until the root; returns the token ids in order."""
+    ids, pos = mb.input_ids[row].tolist(), mb.position_ids[row].tolist()
+    path = [t]
+    while pos[path[-1]] > 0:
+        path.append(max(u for u in range(path[-1]) if pos[u] == pos[path[-1]] - 1))
+    return [ids[u] for u in reversed(path)]
+
+
+def _check_tree_rows(seqs: list[Sequence], mb) -> None:
+    """Every sequence is recovered whole by walking up from its last token; its completion tokens are
+    scored in `indices` order with their segments; each prompt token is computed once per row."""
+    lp = mb.logprob_mask
+    expected_segments = [
+        k if trained else -1 for k, i in enumerate(mb.indices) for trained in seqs[i].train_mask
+    ]
+    assert mb.segment_ids[lp.reshape(-1)].tolist() == expected_segments
+    positions = lp.nonzero().tolist()  # (row, t) of completion tokens, in indices order
+    k, rows = 0, {}
+    for i in mb.indices:
+        n = len(seqs[i].completion_ids)
+        row, t = positions[k + n - 1]
+        assert _walk_up(mb, row, t) == seqs[i].prompt_ids + seqs[i].completion_ids, i
+        rows.setdefault(row, []).append(i)
+        k += n
+    assert k == len(positions)
+    for row, held in rows.items():  # prompt tokens (pad_id 0 aside): the distinct prompt prefixes of the row
+        prefixes = {
+            tuple(seqs[i].prompt_ids[:n]) for i in held for n in range(1, len(seqs[i].prompt_ids) + 1)
+        }
+        assert int(((mb.input_ids[row] != 0) & ~lp[row]).sum()) == len(prefixes)
+
+
 def test_shared_prefix_rows_hold_each_prompt_once_and_continue_its_positions() -> None:
     seqs = _groups()
     (mb,) = make_micro_batches(
         seqs, layout="shared_prefix", pack_length=64, micro_batch_tokens=1000, pad_id=0
     )
-    assert mb.attention_mask is None and mb.branch_ids is not None
+    assert mb.attention_mask is None and mb.prefix_tree
     unique = sum(len(p) for p in ([5, 6, 7, 8], [9, 10], [11, 12, 13])) + sum(
         len(s.completion_ids) for s in seqs
     )
     assert int((mb.input_ids != 0).sum()) == unique == 25  # every prompt once: 9 + 16 tokens
-    ids, pos, branch = mb.input_ids.reshape(-1), mb.position_ids.reshape(-1), mb.branch_ids.reshape(-1)
-    lp = mb.logprob_mask.reshape(-1)
-    assert ids[lp].tolist() == [t for i in mb.indices for t in seqs[i].completion_ids]
-    expected_segments = [
-        k if trained else -1 for k, i in enumerate(mb.indices) for trained in seqs[i].train_mask
+    _check_tree_rows(seqs, mb)
+    # a group: its prompt at positions 0.., then each completion at positions len(prompt)..
+    ids, pos = mb.input_ids.reshape(-1).tolist(), mb.position_ids.reshape(-1).tolist()
+    j = ids.index(9)
+    assert ids[j : j + 7] == [9, 10, 26, 27, 28, 29, 30] and pos[j : j + 7] == [0, 1, 2, 3, 4, 5, 2]
+
+
+def test_prompts_sharing_a_start_share_it_in_one_tree() -> None:
+    """A system message common to every prompt, a prompt that is the start of another: each distinct
+    prompt prefix is computed once (a trie's nodes), and every sequence reads back whole."""
+    system = [3, 4, 5]
+    prompts = [[*system, 6, 7], [*system, 6, 7, 8, 9], [*system, 10], [*system, 6, 11], [12, 13]]
+    seqs = [
+        Sequence(prompt, [20 + 3 * p + k] * (k + 1), [k != 1] * (k + 1))
+        for p, prompt in enumerate(prompts)
+        for k in range(3)
     ]
-    assert mb.segment_ids[lp].tolist() == expected_segments
-    # a tree: the prompt at positions 0.., then each completion at positions len(prompt).., branch 1, 2, ...
-    j = 0
-    for item in ([0, 1, 2], [3, 4], [5, 6, 7]):
-        j = next(k for k in range(len(ids)) if pos[k] == 0 and ids[k] == seqs[item[0]].prompt_ids[0])
-        p = len(seqs[item[0]].prompt_ids)
-        assert ids[j : j + p].tolist() == seqs[item[0]].prompt_ids and branch[j : j + p].tolist() == [0] * p
-        j += p
-        for b, i in enumerate(item, 1):
-            n = len(seqs[i].completion_ids)
-            assert ids[j : j + n].tolist() == seqs[i].completion_ids
-            assert pos[j : j + n].tolist() == list(range(p, p + n)) and branch[j : j + n].tolist() == [b] * n
-            j += n
+    (mb,) = make_micro_batches(
+        seqs, layout="shared_prefix", pack_length=128, micro_batch_tokens=1000, pad_id=0
+    )
+    assert mb.input_ids.shape[0] == 1  # one row, one tree per distinct first token
+    prefixes = {tuple(p[:k]) for p in prompts for k in range(1, len(p) + 1)}
+    completions = sum(len(s.completion_ids) for s in seqs)
+    assert int((mb.input_ids != 0).sum()) == len(prefixes) + completions == 11 + 30
+    _check_tree_rows(seqs, mb)
+    # packed rows compute every prompt whole for every sample
+    (packed,) = make_micro_batches(seqs, layout="packed", pack_length=128, micro_batch_tokens=1000, pad_id=0)
+    assert int((packed.input_ids != 0).sum()) == 3 * sum(map(len, prompts)) + completions
+
+
+def test_tree_rows_fill_by_what_a_prompt_adds() -> None:
+    """Two groups sharing a 6-token start fit a 16-token row together (6 + 2 * (1 + 3) = 14), though each
+    counts 6 + 1 + 3 = 10 alone; a group of another prompt (10 tokens) then needs a new row."""
+    system = [3, 4, 5, 6, 7, 8]
+    seqs = [Sequence([*system, 10 + g], [30 + g, 31, 32], [True] * 3) for g in range(2)]
+    seqs += [Sequence([40] * 7, [41, 42, 43], [True] * 3)]
+    batches = make_micro_batches(
+        seqs, layout="shared_prefix", pack_length=16, micro_batch_tokens=1000, pad_id=0
+    )
+    (mb,) = batches
+    assert mb.input_ids.shape[0] == 2
+    rows = sorted(int((r != 0).sum()) for r in mb.input_ids)
+    assert rows == [10, 14]
+    _check_tree_rows(seqs, mb)
 
 
 def test_a_tree_longer_than_pack_length_repeats_its_prompt_in_a_new_tree() -> None:

@@ -127,11 +127,15 @@ def test_learn_accumulation_over_micro_batches_equals_one_micro_batch_per_miniba
 
 
 def _group_batch(per_token: bool = False) -> Batch:
-    """Four groups of 3 samples sharing their group's prompt; advantages per sequence or per token."""
+    """Four groups of 3 samples sharing their group's prompt: a 3-token system message and 1, 4 or 7 tokens
+    of its own, the fourth group's the second's and 6 more; advantages per sequence or per token."""
     g = torch.Generator().manual_seed(5)
-    sequences, groups = [], []
+    system = torch.randint(3, 60, (3,), generator=g).tolist()
+    sequences, groups, prompts = [], [], []
     for group in range(4):
-        prompt = torch.randint(3, 60, (4 + 3 * group,), generator=g).tolist()
+        start = prompts[1] if group == 3 else system
+        prompt = start + torch.randint(3, 60, (1 + 3 * group - len(start) + 3,), generator=g).tolist()
+        prompts.append(prompt)
         for _ in range(3):
             completion = torch.randint(
                 3, 60, (int(torch.randint(1, 6, (), generator=g)),), generator=g
@@ -194,7 +198,8 @@ def test_shared_prefix_updates_equal_the_padded_layout_s(family, objective, opti
         metrics = learn(policy, spec, batch, seed=11)
         results[layout] = (_params(policy), metrics)
     (shared, m_shared), (padded, m_padded) = results["shared_prefix"], results["padded"]
-    assert m_shared["update_tokens"] == m_shared["unique_tokens"] < m_padded["update_tokens"]
+    # fewer than a group's prompt once: groups of one minibatch share their prompts' common start
+    assert m_shared["update_tokens"] < m_shared["unique_tokens"] < m_padded["update_tokens"]
     assert 0 < m_padded["clip_frac_token"] < 1  # clipping is exercised
     moved = (padded - _params(_model_policy(family, beta))).abs().max()
     assert moved > 1e-3

@@ -3,8 +3,9 @@
 Inside :func:`segment_attention`, a supported model's attention gathers each segment's queries, keys and
 values into a batch of segments (buckets of similar lengths, right-padded), runs sdpa on it and scatters
 the outputs back: exactly the block-diagonal attention, without computing the blocks it masks out. A
-segment is one sequence (causal), or a shared-prefix tree: a prompt and the completions that follow it,
-each completion seeing the prompt and itself only. docs/logprobs.md says which models are supported.
+segment is one sequence (causal), or a prefix tree of sequences in depth-first order (gspo.core.layout's
+shared_prefix rows), where a token sees its ancestors and itself: the earlier tokens of its own sequence.
+docs/logprobs.md says which models are supported.
 """
 
 from __future__ import annotations
@@ -46,24 +47,28 @@ _LAYOUT: contextvars.ContextVar[SegmentLayout | None] = contextvars.ContextVar("
 
 
 def segment_layout(
-    position_ids: Tensor, branch_ids: Tensor | None = None, bucket_ratio: float = BUCKET_RATIO
+    position_ids: Tensor, prefix_tree: bool = False, bucket_ratio: float = BUCKET_RATIO
 ) -> SegmentLayout:
-    """The segments of packed rows. Without ``branch_ids`` a segment starts at each row start and wherever
-    the position does not continue the previous one (position_ids restart at 0 for each sequence); with
-    them (shared-prefix rows) a segment is a tree, starting where the position is 0, and a token sees the
-    earlier tokens of its tree's prompt (branch 0) and of its own branch."""
+    """The segments of packed rows. A segment starts at each row start and wherever the position does not
+    continue the previous one (position_ids restart at 0 for each sequence); with ``prefix_tree`` a segment
+    is a tree in depth-first order, position_ids the depth, starting where the position is 0."""
     rows, width = position_ids.shape
     pos = position_ids.detach().cpu()
     starts = torch.ones_like(pos, dtype=torch.bool)
-    if branch_ids is None:
-        starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
-    else:
-        starts[:, 1:] = pos[:, 1:] == 0
-        branches = branch_ids.detach().cpu().reshape(-1)
-    first = starts.reshape(-1).nonzero().squeeze(1)  # (S,) flat index of each segment's first token
+    continues = pos[:, 1:] == pos[:, :-1] + 1
+    starts[:, 1:] = pos[:, 1:] == 0 if prefix_tree else ~continues
+    flat_starts = starts.reshape(-1)
+    first = flat_starts.nonzero().squeeze(1)  # (S,) flat index of each segment's first token
     ends = torch.cat([first[1:], torch.tensor([rows * width])])
     # a segment never crosses a row: each row's first token starts one
     lengths = (ends - first).tolist()
+    # a tree that branches (a token not continuing its predecessor inside the segment) needs a mask
+    branches = torch.zeros_like(pos, dtype=torch.bool)
+    branches[:, 1:] = ~continues & ~starts[:, 1:]
+    segment = flat_starts.long().cumsum(0) - 1
+    branching = torch.zeros(len(lengths), dtype=torch.long).index_add_(
+        0, segment, branches.reshape(-1).long()
+    )
     order = sorted(range(len(lengths)), key=lambda s: -lengths[s])
     device = position_ids.device
     buckets, chosen = [], []
@@ -79,18 +84,26 @@ def segment_layout(
         valid = (slot < seg_len).reshape(-1)
         gather = (seg_start + torch.minimum(slot, seg_len - 1)).reshape(-1)
         mask = None
-        if branch_ids is not None:
-            branch = branches[gather].view(j - i, longest)  # (S, L)
-            if bool((branch > 1).any()):  # a tree with several completions: not plain causal
-                # query q sees key k <= q of the prompt (branch 0) or of its own branch   (S, 1, L, L)
-                same = (branch[:, None, :] == 0) | (branch[:, None, :] == branch[:, :, None])
-                mask = (same & torch.ones(longest, longest, dtype=torch.bool).tril()).unsqueeze(1).to(device)
+        if bool(branching[members].any()):
+            mask = _ancestor_mask(pos.reshape(-1)[gather].view(j - i, longest)).unsqueeze(1).to(device)
         buckets.append(
             _Bucket(gather.to(device), valid.nonzero().squeeze(1).to(device), j - i, longest, mask)
         )
         chosen.append(gather[valid])
         i = j
     return SegmentLayout(buckets, torch.argsort(torch.cat(chosen)).to(device))
+
+
+def _ancestor_mask(depth: Tensor) -> Tensor:
+    """(S, L, L) bool, [s, q, k]: key k is query q or an ancestor of it, in trees laid out depth-first
+    whose tokens have depths ``depth`` (S, L). k's subtree is the tokens after it up to the first one no
+    deeper than k, so k is an ancestor of q when k < q and no token in (k, q] is as shallow as k."""
+    length = depth.shape[1]
+    slot = torch.arange(length)
+    after = slot[None, :] > slot[:, None]  # [k, j]: j after k
+    closes = (depth[:, None, :] <= depth[:, :, None]) & after  # [s, k, j]: j ends k's subtree
+    end = torch.where(closes.any(-1), closes.to(torch.uint8).argmax(-1), length)  # (S, L) first such j
+    return (slot[None, None, :] <= slot[None, :, None]) & (slot[None, :, None] < end[:, None, :])
 
 
 def _segment_attention_forward(
@@ -162,14 +175,14 @@ def supports_segments(model: torch.nn.Module) -> bool:
 
 @contextlib.contextmanager
 def segment_attention(
-    model: torch.nn.Module, position_ids: Tensor, branch_ids: Tensor | None = None
+    model: torch.nn.Module, position_ids: Tensor, prefix_tree: bool = False
 ) -> Iterator[bool]:
     """Within the block, ``model``'s attention runs one packed segment at a time (yields True), or,
-    for a model it does not support, is left as it is (yields False; shared-prefix rows, ``branch_ids``,
-    then raise: only segment attention computes them). ``model``: a transformers PreTrainedModel (the
-    decoder or the causal LM) whose config the block switches and restores."""
+    for a model it does not support, is left as it is (yields False; prefix-tree rows then raise: only
+    segment attention computes them). ``model``: a transformers PreTrainedModel (the decoder or the causal
+    LM) whose config the block switches and restores."""
     if not supports_segments(model):
-        if branch_ids is not None:
+        if prefix_tree:
             raise ValueError(
                 f"{type(model).__name__}'s attention cannot compute shared-prefix rows (it needs sdpa or eager "
                 "attention through transformers' AttentionInterface): set train.packing=packed"
@@ -177,7 +190,7 @@ def segment_attention(
         yield False
         return
     config = model.config
-    token = _LAYOUT.set(segment_layout(position_ids, branch_ids))
+    token = _LAYOUT.set(segment_layout(position_ids, prefix_tree))
     previous = config._attn_implementation
     config._attn_implementation = NAME  # also skips transformers' mask: it builds none for unknown names
     try:

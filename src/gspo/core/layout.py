@@ -1,11 +1,13 @@
-"""Sequences laid out as model inputs: shared-prefix rows, packed rows, or one padded row each.
+"""Sequences laid out as model inputs: prefix-tree rows, packed rows, or one padded row each.
 
 "packed": a row concatenates prompt+completion sequences, ``position_ids`` restarting at 0 for each, so
-attention keeps them apart. "shared_prefix": sequences with the same prompt (a group's G samples) form a
-tree, the prompt once and then each completion, its positions continuing from the prompt's length and
-``branch_ids`` telling the attention (gspo.core.attention) that a completion sees the prompt and itself
-only. Rows are at most ``pack_length`` tokens (first-fit decreasing); micro-batches hold rows up to a
-token budget, so a minibatch of any size fits in memory.
+attention keeps them apart. "shared_prefix": a row is a prefix tree of its sequences' prompts, every
+prompt token computed once for all the sequences that share it (a group's G samples share their whole
+prompt; prompts with a common system message share that), and each completion a branch of its own. The
+tokens are in depth-first order with ``position_ids`` their depth, so a token's ancestors (the earlier
+tokens of its own sequence, all it attends to: gspo.core.attention) are the earlier tokens of its tree
+whose subtree it is in. Rows are at most ``pack_length`` tokens; micro-batches hold rows up to a token
+budget, so a minibatch of any size fits in memory.
 """
 
 from __future__ import annotations
@@ -39,8 +41,7 @@ class MicroBatch:
     logprob_mask: (R, L) bool, True on every completion token;
     segment_ids: (R*L,) long, the index of the sequence (in `indices` order) on trained completion
     tokens, -1 elsewhere; indices: which sequences of the caller's list this micro-batch holds;
-    branch_ids: (R, L) long in shared-prefix rows, 0 on a tree's prompt (and padding), b on the tokens of
-    its b-th completion (b >= 1); None in the other layouts.
+    prefix_tree: the rows are prefix trees in depth-first order, position_ids the depth (shared_prefix).
     """
 
     input_ids: torch.Tensor
@@ -49,7 +50,7 @@ class MicroBatch:
     logprob_mask: torch.Tensor
     segment_ids: torch.Tensor
     indices: list[int]
-    branch_ids: torch.Tensor | None = None
+    prefix_tree: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -67,26 +68,73 @@ class MicroBatch:
         return dataclasses.replace(self, **moved)
 
 
-def _items(sequences: list[Sequence], layout: str, pack_length: int) -> list[list[int]]:
-    """What is laid out whole: one sequence, or (shared_prefix) the sequences sharing a prompt, as many
-    as fit ``pack_length`` together (the prompt once), at least one."""
-    if layout != "shared_prefix":
-        return [[i] for i in range(len(sequences))]
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+Piece = tuple[list[int], int, int | None]
+"""Tokens laid out in a row: (token ids, the first one's position, the sequence whose completion they are,
+or None for prompt tokens)."""
+
+
+def _pieces(sequences: list[Sequence], row: list[int], tree: bool) -> list[Piece]:
+    """A row's tokens in order: each sequence's prompt then completion; in a prefix tree (``row`` sorted
+    by prompt) a prompt only from where it leaves the previous sequence's, its completion a new branch."""
+    out: list[Piece] = []
+    previous: list[int] = []
+    for i in row:
+        seq = sequences[i]
+        shared = _common_prefix(previous, seq.prompt_ids) if tree else 0
+        out.append((seq.prompt_ids[shared:], shared, None))
+        out.append((seq.completion_ids, len(seq.prompt_ids), i))
+        previous = seq.prompt_ids
+    return out
+
+
+def _row_length(sequences: list[Sequence], row: list[int], tree: bool) -> int:
+    return sum(len(tokens) for tokens, _, _ in _pieces(sequences, row, tree))
+
+
+def _tree_rows(sequences: list[Sequence], pack_length: int) -> list[list[int]]:
+    """Sequences in prefix-tree rows of at most ``pack_length`` tokens (a longer group's samples split
+    into trees of their own). A prompt's samples go together (as many as fit), largest first, each into the
+    first row where what they add fits: their tokens less the longest prefix of their prompt that the row
+    already holds (a trie grows by a string's length less its longest prefix already in it). A row's
+    sequences are sorted by prompt, the order in which each shares with its neighbour all it can share."""
     by_prompt: dict[tuple[int, ...], list[int]] = {}
     for i, seq in enumerate(sequences):
         by_prompt.setdefault(tuple(seq.prompt_ids), []).append(i)
-    items = []
+    items: list[tuple[list[int], int]] = []  # (sequences, tokens) of one prompt
     for prompt, members in by_prompt.items():
-        tree, size = [], len(prompt)
         for i in members:
             n = len(sequences[i].completion_ids)
-            if tree and size + n > pack_length:
-                items.append(tree)
-                tree, size = [], len(prompt)
-            tree.append(i)
-            size += n
-        items.append(tree)
-    return items
+            if (
+                not items
+                or sequences[items[-1][0][0]].prompt_ids != list(prompt)
+                or items[-1][1] + n > pack_length
+            ):
+                items.append(([], len(prompt)))
+            items[-1] = (items[-1][0] + [i], items[-1][1] + n)
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for members, size in sorted(items, key=lambda item: -item[1]):
+        prompt = sequences[members[0]].prompt_ids
+        for r, row in enumerate(rows):
+            added = size - max(_common_prefix(sequences[i].prompt_ids, prompt) for i in row)
+            if added <= room[r]:
+                row.extend(members)
+                room[r] -= added
+                break
+        else:  # a tree longer than pack_length gets a row of its own
+            rows.append(list(members))
+            room.append(pack_length - size)
+    return [sorted(row, key=lambda i: sequences[i].prompt_ids) for row in rows]
 
 
 def _first_fit_rows(lengths: list[int], pack_length: int) -> list[list[int]]:
@@ -106,47 +154,31 @@ def _first_fit_rows(lengths: list[int], pack_length: int) -> list[list[int]]:
     return rows
 
 
-def _build(sequences: list[Sequence], rows: list[list[list[int]]], pad_id: int, layout: str) -> MicroBatch:
-    """One micro-batch from rows of items (lists of sequence indices; more than one only when sharing)."""
-    shared = layout == "shared_prefix"
-
-    def item_length(item: list[int]) -> int:
-        if not shared:
-            return sum(len(sequences[i]) for i in item)
-        return len(sequences[item[0]].prompt_ids) + sum(len(sequences[i].completion_ids) for i in item)
-
-    width = max(sum(item_length(item) for item in row) for row in rows)
+def _build(sequences: list[Sequence], rows: list[list[int]], pad_id: int, layout: str) -> MicroBatch:
+    """One micro-batch from rows of sequence indices."""
+    tree = layout == "shared_prefix"
+    pieces = [_pieces(sequences, row, tree) for row in rows]
+    width = max(sum(len(tokens) for tokens, _, _ in row) for row in pieces)
     shape = (len(rows), width)
     input_ids = torch.full(shape, pad_id, dtype=torch.long)
     position_ids = torch.zeros(shape, dtype=torch.long)
     attention_mask = torch.zeros(shape, dtype=torch.long)
-    branch_ids = torch.zeros(shape, dtype=torch.long)
     logprob_mask = torch.zeros(shape, dtype=torch.bool)
     segment_ids = torch.full(shape, -1, dtype=torch.long)
     indices: list[int] = []
-    for r, row in enumerate(rows):
+    for r, row in enumerate(pieces):
         start = 0
-        for item in row:
-            prompt = sequences[item[0]].prompt_ids
-            p = len(prompt)
-            for b, i in enumerate(item, 1):
-                seq = sequences[i]
-                if b == 1 or not shared:  # the prompt, once per tree when shared
-                    input_ids[r, start : start + p] = torch.tensor(seq.prompt_ids, dtype=torch.long)
-                    position_ids[r, start : start + p] = torch.arange(p)
-                    attention_mask[r, start : start + p] = 1
-                    start += p
-                n = len(seq.completion_ids)
-                # a completion continues its prompt's positions, whether it follows it or a sibling
-                input_ids[r, start : start + n] = torch.tensor(seq.completion_ids, dtype=torch.long)
-                position_ids[r, start : start + n] = torch.arange(p, p + n)
-                attention_mask[r, start : start + n] = 1
-                branch_ids[r, start : start + n] = b
+        for tokens, first, owner in row:
+            n = len(tokens)
+            input_ids[r, start : start + n] = torch.tensor(tokens, dtype=torch.long)
+            position_ids[r, start : start + n] = torch.arange(first, first + n)
+            attention_mask[r, start : start + n] = 1
+            if owner is not None:  # a completion: scored, and trained where its train_mask says
                 logprob_mask[r, start : start + n] = True
-                train = torch.tensor(seq.train_mask, dtype=torch.bool)
+                train = torch.tensor(sequences[owner].train_mask, dtype=torch.bool)
                 segment_ids[r, start : start + n] = torch.where(train, len(indices), -1)
-                indices.append(i)
-                start += n
+                indices.append(owner)
+            start += n
         # tail padding: positions restart so it is a separate block nobody attends to
         position_ids[r, start:] = torch.arange(width - start)
     return MicroBatch(
@@ -156,7 +188,7 @@ def _build(sequences: list[Sequence], rows: list[list[list[int]]], pad_id: int, 
         logprob_mask=logprob_mask,
         segment_ids=segment_ids.reshape(-1),
         indices=indices,
-        branch_ids=branch_ids if shared else None,
+        prefix_tree=tree,
     )
 
 
@@ -171,42 +203,40 @@ def make_micro_batches(
     """
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
-    items = _items(sequences, layout, pack_length)
-    lengths = [
-        len(sequences[item[0]].prompt_ids) + sum(len(sequences[i].completion_ids) for i in item)
-        if layout == "shared_prefix"
-        else len(sequences[item[0]])
-        for item in items
-    ]
-    if layout == "padded":
-        item_rows = [[k] for k in sorted(range(len(items)), key=lambda k: -lengths[k])]
+    tree = layout == "shared_prefix"
+    if tree:  # longest first, as first-fit decreasing gives the packed rows
+        rows = sorted(_tree_rows(sequences, pack_length), key=lambda row: -_row_length(sequences, row, True))
+    elif layout == "padded":
+        rows = [[i] for i in sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))]
     else:
-        item_rows = _first_fit_rows(lengths, pack_length)
+        rows = _first_fit_rows([len(seq) for seq in sequences], pack_length)
+    lengths = [_row_length(sequences, row, tree) for row in rows]
     batches: list[MicroBatch] = []
-    current: list[list[int]] = []
-    for row in item_rows:  # rows come longest first, so a micro-batch's width is its first row's length
-        candidate = [*current, row]
-        width = max(sum(lengths[k] for k in r) for r in candidate)
-        if current and width * len(candidate) > micro_batch_tokens:
-            batches.append(_build(sequences, [[items[k] for k in r] for r in current], pad_id, layout))
-            candidate = [row]
-        current = candidate
+    current: list[int] = []
+    for k in range(len(rows)):  # rows come (about) longest first
+        width = max(lengths[j] for j in [*current, k])
+        if current and width * (len(current) + 1) > micro_batch_tokens:
+            batches.append(_build(sequences, [rows[j] for j in current], pad_id, layout))
+            current = []
+        current.append(k)
     if current:
-        batches.append(_build(sequences, [[items[k] for k in r] for r in current], pad_id, layout))
+        batches.append(_build(sequences, [rows[j] for j in current], pad_id, layout))
     return batches
 
 
 def layout_is_exact(
     score: Callable[[MicroBatch], torch.Tensor], vocab_size: int, pad_id: int, layout: str = "packed"
 ) -> bool:
-    """Probe whether a model computes ``layout`` exactly: the log-probs of three short sequences (two of
-    them sharing a prompt) must equal those of the padded layout. `score(mb)` returns (R*L,) log-probs."""
+    """Probe whether a model computes ``layout`` exactly: the log-probs of four short sequences (two of
+    them sharing a prompt, a third the start of it) must equal those of the padded layout. `score(mb)`
+    returns (R*L,) log-probs."""
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(1, vocab_size, (18,), generator=generator).tolist()
+    tokens = torch.randint(1, vocab_size, (22,), generator=generator).tolist()
     sequences = [
         Sequence(tokens[:3], tokens[3:8], [True] * 5),
         Sequence(tokens[8:10], tokens[10:14], [True] * 4),
-        Sequence(tokens[:3], tokens[14:], [True] * 4),  # the first one's prompt
+        Sequence(tokens[:3], tokens[14:18], [True] * 4),  # the first one's prompt
+        Sequence(tokens[:2] + tokens[18:19], tokens[19:], [True] * 3),  # its first two tokens
     ]
     values = []
     for candidate in (layout, "padded"):

@@ -277,7 +277,7 @@ def causal_lm_logprobs(
     attention_mask: Tensor | None = None,
     position_ids: Tensor | None = None,
     logprob_mask: Tensor | None = None,
-    branch_ids: Tensor | None = None,
+    prefix_tree: bool = False,
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     kernel: str = "torch",
@@ -296,8 +296,9 @@ def causal_lm_logprobs(
       transformers >= 5 turns restarting position_ids into a block-diagonal causal mask for the eager
       and sdpa attentions when there is no attention mask and no cache (we pass use_cache=False: with
       a cache, which its config enables by default, the segments would attend to each other).
-    - shared-prefix (gspo.core.layout): packed rows of trees, ``branch_ids`` given; a completion's first
-      token is predicted by its tree's last prompt token, the rest by their own branch's previous token.
+    - prefix trees (gspo.core.layout's shared_prefix rows), ``prefix_tree=True``: packed rows of trees in
+      depth-first order, position_ids the depth; a token is predicted by its parent (the last earlier
+      token one level up), which for a branch's first token is not the token before it.
 
     Args:
         model: a transformers causal LM, or a peft PeftModel wrapping one (LoRA adapters in the
@@ -308,7 +309,7 @@ def causal_lm_logprobs(
         logprob_mask: (B, T) bool, positions to score; default all real tokens. A position without a
             real predecessor in its own sequence (t = 0, first real token of a left-padded row, first
             token of a packed segment) is never scored.
-        branch_ids: (B, T) long for shared-prefix rows (0 on a tree's prompt, b on its b-th completion).
+        prefix_tree: the packed rows are prefix trees (see Batches).
         temperature: the sampling temperature; logits are divided by it before the softmax.
         chunk_size: tokens per head chunk (see ``token_logprobs``).
         kernel: who computes the head's passes (see ``token_logprobs``).
@@ -336,18 +337,18 @@ def causal_lm_logprobs(
             "position_ids restart inside a row while attention_mask is given: transformers only builds "
             "the block-diagonal mask of packed segments when attention_mask is None"
         )
-    if branch_ids is not None and (attention_mask is not None or position_ids is None):
-        raise ValueError("branch_ids (shared-prefix rows) need position_ids and no attention_mask")
+    if prefix_tree and (attention_mask is not None or position_ids is None):
+        raise ValueError("prefix_tree rows need position_ids and no attention_mask")
     if attention_mask is not None and position_ids is None:
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    hidden_states = decoder_hidden_states(decoder, input_ids, attention_mask, position_ids, branch_ids)
+    hidden_states = decoder_hidden_states(decoder, input_ids, attention_mask, position_ids, prefix_tree)
 
-    if branch_ids is None:
+    if not prefix_tree:
         scored = _scored_positions(input_ids, attention_mask, position_ids, logprob_mask)  # (B, T) bool
         flat_pos = scored.flatten().nonzero().squeeze(1)  # (n,) indices b * T + t, all with t >= 1
         predecessor = flat_pos - 1  # the hidden state at t - 1 predicts the token at t
     else:
-        scored, previous = _tree_predecessors(position_ids, branch_ids)
+        scored, previous = _tree_parents(position_ids)
         if logprob_mask is not None:
             scored = scored & logprob_mask.bool()
         flat_pos = scored.flatten().nonzero().squeeze(1)
@@ -372,13 +373,13 @@ def decoder_hidden_states(
     input_ids: Tensor,
     attention_mask: Tensor | None,
     position_ids: Tensor | None,
-    branch_ids: Tensor | None = None,
+    prefix_tree: bool = False,
 ) -> Tensor:
     """The decoder's final hidden states (B, T, H). Packed rows (no attention_mask, position_ids given)
     run their attention one segment at a time where the model allows it (gspo.core.attention), else with
-    transformers' block-diagonal mask; shared-prefix rows (``branch_ids``) need the former."""
+    transformers' block-diagonal mask; prefix-tree rows need the former."""
     packed = attention_mask is None and position_ids is not None
-    with segment_attention(decoder, position_ids, branch_ids) if packed else contextlib.nullcontext():
+    with segment_attention(decoder, position_ids, prefix_tree) if packed else contextlib.nullcontext():
         # use_cache=False: a cache would also stop transformers from detecting packed segments
         outputs = decoder(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
@@ -407,18 +408,28 @@ def _scored_positions(
     return has_predecessor
 
 
-def _tree_predecessors(position_ids: Tensor, branch_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """Shared-prefix rows: (B, T) whether a token has a predecessor, and the flat index b * T + t' of that
-    predecessor: the previous token when it is of the same branch, else (a completion's first token) its
-    tree's last prompt token, at tree start + position - 1 (a tree starts where the position is 0)."""
+def _tree_parents(position_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Prefix-tree rows (depth-first, position = depth): (B, T) whether a token has a parent, and the flat
+    index b * T + t' of that parent: the last earlier token one level up, which is the previous token
+    unless the token starts a branch."""
     rows, width = position_ids.shape
     index = torch.arange(width, device=position_ids.device).expand(rows, width)
-    tree_start = torch.where(position_ids == 0, index, 0).cummax(dim=1).values
-    same = torch.zeros_like(branch_ids, dtype=torch.bool)
-    same[:, 1:] = branch_ids[:, 1:] == branch_ids[:, :-1]
-    previous = torch.where(same, index - 1, tree_start + position_ids - 1)
+    continues = torch.zeros_like(position_ids, dtype=torch.bool)
+    continues[:, 1:] = position_ids[:, 1:] == position_ids[:, :-1] + 1
+    parent = index - 1
+    starts = ((position_ids > 0) & ~continues).nonzero()  # (n, 2): (row, t) of each branch's first token
+    if len(starts):
+        row, t = starts[:, 0], starts[:, 1]
+        depth = position_ids[row, t]
+        # [n, t']: an earlier token of the row one level up; the parent is the last of them
+        candidates = (position_ids[row] == (depth - 1)[:, None]) & (index[row] < t[:, None])
+        if not bool(candidates.any(-1).all()):
+            raise ValueError(
+                "prefix_tree rows need every token's parent before it (trees depth-first, position_ids the depth)"
+            )
+        parent[row, t] = width - 1 - candidates.flip(-1).to(torch.uint8).argmax(-1)
     row_offset = torch.arange(rows, device=position_ids.device)[:, None] * width
-    return position_ids > 0, previous.clamp(min=0) + row_offset
+    return position_ids > 0, parent.clamp(min=0) + row_offset
 
 
 def _restarts(position_ids: Tensor, attention_mask: Tensor) -> bool:

@@ -140,7 +140,6 @@ def score(model: nn.Module, mb: MicroBatch, spec: UpdateSpec) -> torch.Tensor:
     `model`: a causal LM, or the data-parallel scorer wrapping it (gspo.parallel.wrap.wrap_model).
     """
     scorer = model if is_scorer(model) else functools.partial(causal_lm_logprobs, model)
-    layout = {} if mb.branch_ids is None else {"branch_ids": mb.branch_ids}
     logp = scorer(
         mb.input_ids,
         attention_mask=mb.attention_mask,
@@ -149,6 +148,6 @@ def score(model: nn.Module, mb: MicroBatch, spec: UpdateSpec) -> torch.Tensor:
         temperature=spec.temperature,
         chunk_size=spec.chunk_size,
         kernel=spec.logprob_kernel,
-        **layout,
+        prefix_tree=mb.prefix_tree,
     )
     return logp.reshape(-1)

@@ -237,7 +237,7 @@ def expert_choices(model: nn.Module, mb: MicroBatch) -> Routing:
     """The experts ``model`` chooses for every token of a micro-batch (a decoder pass, no LM head)."""
     decoder = _base(model).get_decoder()
     with record_routing(model) as routing:  # the attention of the log-prob passes, for the same routing
-        decoder_hidden_states(decoder, mb.input_ids, mb.attention_mask, mb.position_ids, mb.branch_ids)
+        decoder_hidden_states(decoder, mb.input_ids, mb.attention_mask, mb.position_ids, mb.prefix_tree)
     return routing
 
 
