@@ -12,9 +12,11 @@ computed token applied to the timed steps.
 completions of 32 tokens each (random token ids; the update phase costs the same whatever the tokens),
 and the update phase of `learn` timed for today's layout (packed rows, samples split across minibatches)
 and the shared-prefix layout (whole groups per minibatch), alternating, on the config's model.
+--system N: the prompts' first N tokens are one system prompt common to all of them, and the shared-prefix
+layout with samples split across minibatches (the default split) is timed too.
 
 Run:  HF_HUB_OFFLINE=1 python benchmarks/train_step.py [CONFIG] [key=value ...] [--steps N]
-      HF_HUB_OFFLINE=1 python benchmarks/train_step.py --long-prefix [--steps N]
+      HF_HUB_OFFLINE=1 python benchmarks/train_step.py --long-prefix [--system N] [--steps N]
 """
 
 from __future__ import annotations
@@ -123,11 +125,12 @@ def default_mode(args: argparse.Namespace) -> None:
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
 
 
-def long_prefix_batch(prompts: int, vocab: int, seed: int) -> Batch:
+def long_prefix_batch(prompts: int, vocab: int, seed: int, system: int = 0) -> Batch:
     g = torch.Generator().manual_seed(seed)
     sequences, groups = [], []
+    common = torch.randint(3, vocab, (system,), generator=g).tolist() if system else []
     for group in range(prompts):
-        prompt = torch.randint(3, vocab, (LONG_PREFIX["prompt"],), generator=g).tolist()
+        prompt = common + torch.randint(3, vocab, (LONG_PREFIX["prompt"] - system,), generator=g).tolist()
         for _ in range(LONG_PREFIX["group_size"]):
             completion = torch.randint(3, vocab, (LONG_PREFIX["completion"],), generator=g).tolist()
             sequences.append(Sequence(prompt, completion, [True] * len(completion)))
@@ -153,16 +156,22 @@ def long_prefix_mode(args: argparse.Namespace) -> None:
                 trainer.spec, layout="shared_prefix", minibatch_split="group", old_logprobs="recompute"
             ),
         }
+        if args.system:
+            variants["shared prefix, sample split"] = dataclasses.replace(
+                trainer.spec, layout="shared_prefix", minibatch_split="sample", old_logprobs="recompute"
+            )
         print(
             f"long prefix: {args.prompts} prompts of {LONG_PREFIX['prompt']} tokens x G={LONG_PREFIX['group_size']} "
-            f"completions of {LONG_PREFIX['completion']} tokens, {trainer.spec.minibatches} minibatches; "
+            f"completions of {LONG_PREFIX['completion']} tokens, the first {args.system} common to all prompts, "
+            f"{trainer.spec.minibatches} minibatches; "
             f"threads {torch.get_num_threads()}"
         )
         times: dict[str, list[float]] = {name: [] for name in variants}
         ratios: dict[str, float] = {}
         for step in range(args.steps + 1):  # the first round warms up
             for name, spec in variants.items():
-                metrics = learn(trainer.policy, spec, long_prefix_batch(args.prompts, vocab, step), seed=step)
+                batch = long_prefix_batch(args.prompts, vocab, step, args.system)
+                metrics = learn(trainer.policy, spec, batch, seed=step)
                 ratios[name] = metrics["update_tokens"] / metrics["unique_tokens"]
                 if step:
                     times[name].append(metrics["time_update"])
@@ -171,12 +180,12 @@ def long_prefix_mode(args: argparse.Namespace) -> None:
                     f"{metrics['time_update']:.2f} s, old log-probs {metrics['time_old_logprobs']:.2f} s",
                     flush=True,
                 )
-    base, shared = (statistics.median(t) for t in times.values())
+    base = statistics.median(next(iter(times.values())))
     for name, t in times.items():
         print(
-            f"{name:<36} median update phase {statistics.median(t):7.2f} s, computed/unique tokens {ratios[name]:.2f}"
+            f"{name:<36} median update phase {statistics.median(t):7.2f} s, computed/unique tokens "
+            f"{ratios[name]:.2f}, {base / statistics.median(t):.2f}x faster than today's layout"
         )
-    print(f"update phase: shared prefix {base / shared:.2f}x faster than today's layout")
 
 
 def main() -> None:
@@ -190,6 +199,9 @@ def main() -> None:
         "--long-prefix", action="store_true", help="512-token prompts, G=8, 32-token completions"
     )
     parser.add_argument("--prompts", type=int, default=4, help="--long-prefix: prompts per rollout batch")
+    parser.add_argument(
+        "--system", type=int, default=0, help="--long-prefix: leading prompt tokens common to all prompts"
+    )
     args = parser.parse_args()
     (long_prefix_mode if args.long_prefix else default_mode)(args)
 

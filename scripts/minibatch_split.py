@@ -36,11 +36,15 @@ the higher mean in {sample_ahead} of the {total} (held-out accuracy and training
 standard errors: {sample_beyond} for any samples, {group_beyond} for whole groups. One optimizer step then sees
 about all of the batch's prompts (a quarter of each group) instead of a quarter of its prompts (all of their
 samples): presumably the gradient's spread between prompts is the larger one here. Whole groups cost less: the update
-phase computes each prompt once per group (1.0 token per unique token), against once per minibatch that drew
-any of its samples (the last column). On these short answers that is the cost shown there; the prompt-cached
-generation and the skipped old-policy pass save the same either way. Choose `group` when prompts dominate the
-tokens (long system prompts, tool outputs, multi-turn agents: `benchmarks/train_step.py --long-prefix`), where
-it saves most, and the K updates of a rollout batch still see every prompt between them."""
+phase computes each prompt once per group, against once per minibatch that drew any of its samples, less what
+the prompts share: prefix-tree rows compute a start common to several prompts (a system message, a chat
+template) once per row. The last column is each run's own figure, from the code it was trained with (runs
+made before the prompts' common start was shared between groups show 1.0 for whole groups; the current cost
+is `benchmarks/train_step.py`'s). The prompt-cached generation and the skipped old-policy pass save the same
+either way. Choose `group` when each prompt's own tokens dominate (long distinct prompts, tool outputs,
+multi-turn agents: `benchmarks/train_step.py --long-prefix`), where it saves most, and the K updates of a
+rollout batch still see every prompt between them; a long system prompt common to all prompts is computed
+once per row with either split."""
 
 
 def train_default(run_dir: Path, split: str, seed: int) -> float:
