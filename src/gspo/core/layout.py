@@ -122,17 +122,20 @@ def _tree_rows(sequences: list[Sequence], pack_length: int) -> list[list[int]]:
                 items.append(([], len(prompt)))
             items[-1] = (items[-1][0] + [i], items[-1][1] + n)
     rows: list[list[int]] = []
+    prompts: list[list[list[int]]] = []  # each row's prompts, one per item placed in it
     room: list[int] = []
     for members, size in sorted(items, key=lambda item: -item[1]):
         prompt = sequences[members[0]].prompt_ids
         for r, row in enumerate(rows):
-            added = size - max(_common_prefix(sequences[i].prompt_ids, prompt) for i in row)
+            added = size - max(_common_prefix(other, prompt) for other in prompts[r])
             if added <= room[r]:
                 row.extend(members)
+                prompts[r].append(prompt)
                 room[r] -= added
                 break
         else:  # a tree longer than pack_length gets a row of its own
             rows.append(list(members))
+            prompts.append([prompt])
             room.append(pack_length - size)
     return [sorted(row, key=lambda i: sequences[i].prompt_ids) for row in rows]
 
