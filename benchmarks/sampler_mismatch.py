@@ -89,7 +89,9 @@ def main() -> None:
         for p, c in zip(rollouts.prompt_ids, rollouts.completion_ids, strict=True)
     ]
     trainer_logprobs: list[list[float]] = [[] for _ in sequences]
-    micro = make_micro_batches(sequences, packed=False, pack_length=1024, micro_batch_tokens=2048, pad_id=0)
+    micro = make_micro_batches(
+        sequences, layout="padded", pack_length=1024, micro_batch_tokens=2048, pad_id=0
+    )
     with torch.no_grad():
         for mb in micro:
             logp = causal_lm_logprobs(

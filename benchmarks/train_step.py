@@ -162,7 +162,7 @@ def long_prefix_mode(args: argparse.Namespace) -> None:
             )
         print(
             f"long prefix: {args.prompts} prompts of {LONG_PREFIX['prompt']} tokens x G={LONG_PREFIX['group_size']} "
-            f"completions of {LONG_PREFIX['completion']} tokens, the first {args.system} common to all prompts, "
+            f"completions of {LONG_PREFIX['completion']} tokens ({args.system} of them common to all prompts), "
             f"{trainer.spec.minibatches} minibatches; "
             f"threads {torch.get_num_threads()}"
         )
@@ -203,6 +203,8 @@ def main() -> None:
         "--system", type=int, default=0, help="--long-prefix: leading prompt tokens common to all prompts"
     )
     args = parser.parse_args()
+    if not 0 <= args.system <= LONG_PREFIX["prompt"]:
+        parser.error(f"--system must be between 0 and the prompt length, {LONG_PREFIX['prompt']}")
     (long_prefix_mode if args.long_prefix else default_mode)(args)
 
 

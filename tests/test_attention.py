@@ -275,3 +275,13 @@ def test_shared_prefix_rows_need_segment_attention() -> None:
         attention.segment_attention(model, position_ids, prefix_tree=True),
     ):
         pass
+
+
+def test_prefix_tree_rows_without_a_parent_before_each_token_are_refused() -> None:
+    from gspo.core.logprobs import _tree_parents
+
+    with pytest.raises(ValueError, match=r"parent before it \(trees depth-first, position_ids the depth\)"):
+        _tree_parents(torch.tensor([[0, 1, 3, 2]]))  # depth 3 right after depth 1: no depth-2 parent
+    model, _ = load_model(ModelConfig(tiny="llama"), seed=0)
+    with pytest.raises(ValueError, match="prefix_tree rows need position_ids and no attention_mask"):
+        causal_lm_logprobs(model, torch.tensor([[3, 4]]), attention_mask=torch.ones(1, 2), prefix_tree=True)

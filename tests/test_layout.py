@@ -128,37 +128,41 @@ def _groups() -> list[Sequence]:
 
 
 def _walk_up(mb, row: int, t: int) -> list[int]:
-    """The tokens a prefix-tree position continues, read naively: from ``t``, step to the last earlier
-    position one level up (its parent in depth-first order) until the root; returns the token ids in order."""
-    ids, pos = mb.input_ids[row].tolist(), mb.position_ids[row].tolist()
+    """The positions a prefix-tree position continues, read naively: from ``t``, step to the last earlier
+    position one level up (its parent in depth-first order) until the root; returns them root first."""
+    pos = mb.position_ids[row].tolist()
     path = [t]
     while pos[path[-1]] > 0:
         path.append(max(u for u in range(path[-1]) if pos[u] == pos[path[-1]] - 1))
-    return [ids[u] for u in reversed(path)]
+    return path[::-1]
 
 
 def _check_tree_rows(seqs: list[Sequence], mb) -> None:
     """Every sequence is recovered whole by walking up from its last token; its completion tokens are
-    scored in `indices` order with their segments; each prompt token is computed once per row."""
+    scored in `indices` order with their segments; each tree computes each of its prompt prefixes once."""
     lp = mb.logprob_mask
     expected_segments = [
         k if trained else -1 for k, i in enumerate(mb.indices) for trained in seqs[i].train_mask
     ]
     assert mb.segment_ids[lp.reshape(-1)].tolist() == expected_segments
     positions = lp.nonzero().tolist()  # (row, t) of completion tokens, in indices order
-    k, rows = 0, {}
+    k, trees = 0, {}
     for i in mb.indices:
         n = len(seqs[i].completion_ids)
         row, t = positions[k + n - 1]
-        assert _walk_up(mb, row, t) == seqs[i].prompt_ids + seqs[i].completion_ids, i
-        rows.setdefault(row, []).append(i)
+        path = _walk_up(mb, row, t)
+        assert mb.input_ids[row, path].tolist() == seqs[i].prompt_ids + seqs[i].completion_ids, i
+        trees.setdefault((row, path[0]), []).append(i)
         k += n
     assert k == len(positions)
-    for row, held in rows.items():  # prompt tokens (pad_id 0 aside): the distinct prompt prefixes of the row
+    prompt_tokens = {}
+    for (row, _), held in trees.items():  # a tree's prompt tokens: the distinct prompt prefixes it holds
         prefixes = {
             tuple(seqs[i].prompt_ids[:n]) for i in held for n in range(1, len(seqs[i].prompt_ids) + 1)
         }
-        assert int(((mb.input_ids[row] != 0) & ~lp[row]).sum()) == len(prefixes)
+        prompt_tokens[row] = prompt_tokens.get(row, 0) + len(prefixes)
+    for row, expected in prompt_tokens.items():  # pad_id 0 aside
+        assert int(((mb.input_ids[row] != 0) & ~lp[row]).sum()) == expected
 
 
 def test_shared_prefix_rows_hold_each_prompt_once_and_continue_its_positions() -> None:
@@ -248,3 +252,25 @@ def test_the_layout_probe_catches_a_model_that_ignores_the_branches() -> None:
 def test_unknown_layout_is_named() -> None:
     with pytest.raises(ValueError, match="unknown layout 'trees'"):
         make_micro_batches(_groups(), layout="trees", pack_length=64, micro_batch_tokens=1000, pad_id=0)
+
+
+@pytest.mark.parametrize(("start", "trees"), [(1, 2), (40, 1)])
+def test_groups_share_a_start_in_one_tree_only_when_it_saves_more_than_the_tree_s_attention(start, trees):
+    """Two groups of 2 samples with 100-token completions, prompts of ``start`` common tokens and 20 of their
+    own. The second group's first sample adds n = 120 tokens to a tree of T = start + 20 + 200. A 1-token
+    start (a BOS): 1 x 1536 < 221 x 120 (layout.MERGE_WIDTH), two trees; a 40-token start:
+    40 x 1536 = 61,440 >= 260 x 120 = 31,200, one tree."""
+    common = list(range(3, 3 + start))
+    seqs = [
+        Sequence([*common, *range(100 + 20 * g, 120 + 20 * g)], [200 + g] * 100, [True] * 100)
+        for g in range(2)
+        for _ in range(2)
+    ]
+    (mb,) = make_micro_batches(
+        seqs, layout="shared_prefix", pack_length=2048, micro_batch_tokens=4096, pad_id=0
+    )
+    assert mb.input_ids.shape[0] == 1
+    roots = int(((mb.position_ids == 0) & (mb.input_ids != 0)).sum())
+    assert roots == trees
+    assert int((mb.input_ids != 0).sum()) == start * trees + 2 * 20 + 4 * 100
+    _check_tree_rows(seqs, mb)

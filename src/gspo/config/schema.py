@@ -167,8 +167,9 @@ class TrainConfig:
     filter_zero_std_groups: bool = False
     """Drop groups whose rewards are all equal (they carry no signal); counted in metrics either way."""
     packing: Literal["auto", "shared_prefix", "packed", "padded"] = "auto"
-    """"shared_prefix": the samples of a prompt share one copy of it, each completion attending to the
-    prompt and itself (the prompt is computed once per group and minibatch); "packed": several sequences
+    """"shared_prefix": rows of prefix trees, the samples of a prompt sharing one copy of it and prompts of
+    several groups their common start (a system message) where that saves compute, each completion
+    attending to its prompt and itself (docs/logprobs.md); "packed": several sequences
     per row, no padding inside a row (position_ids restart per sequence); "padded": one right-padded
     sequence per row; "auto": the first of these that a probe at start-up shows exact for the model
     (log-probs equal to the padded layout's), with a one-line notice when it falls back."""

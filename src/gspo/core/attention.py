@@ -32,7 +32,7 @@ class _Bucket:
     keep: Tensor  # (n,) the slots holding the segments' own tokens (index_select: a cheap backward)
     segments: int
     length: int
-    mask: Tensor | None  # (S, 1, L, L) bool for trees with several completions; None: causal
+    mask: Tensor | None  # (S, 1, L, L) bool, key visible to query, for trees that branch; None: causal
 
 
 @dataclass(frozen=True)

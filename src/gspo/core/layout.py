@@ -1,9 +1,10 @@
 """Sequences laid out as model inputs: prefix-tree rows, packed rows, or one padded row each.
 
 "packed": a row concatenates prompt+completion sequences, ``position_ids`` restarting at 0 for each, so
-attention keeps them apart. "shared_prefix": a row is a prefix tree of its sequences' prompts, every
-prompt token computed once for all the sequences that share it (a group's G samples share their whole
-prompt; prompts with a common system message share that), and each completion a branch of its own. The
+attention keeps them apart. "shared_prefix": a row holds prefix trees of its sequences' prompts, every
+prompt token computed once for all the sequences of its tree that share it (a group's G samples share their
+whole prompt; prompts with a common system message share that where it saves more than the larger tree's
+attention costs: MERGE_WIDTH), and each completion a branch of its own. The
 tokens are in depth-first order with ``position_ids`` their depth, so a token's ancestors (the earlier
 tokens of its own sequence, all it attends to: gspo.core.attention) are the earlier tokens of its tree
 whose subtree it is in. Rows are at most ``pack_length`` tokens; micro-batches hold rows up to a token
@@ -83,16 +84,32 @@ Piece = tuple[list[int], int, int | None]
 or None for prompt tokens)."""
 
 
+MERGE_WIDTH = 1536
+"""Prompts of different groups share their common start in one tree when it saves more than it costs. A
+tree's attention mask is dense, so a tree of T tokens that grows by n computes about 2 T n more attention
+scores (8 d T n FLOPs a layer, d the hidden size), while s shared tokens save about 24 d^2 s (a Llama-like
+layer's matmuls): sharing pays when s >= T n / (3 d). 3 d = 1536 for d = 512; larger models share more
+readily than this rule lets them. A group's own samples always share their whole prompt."""
+
+
 def _pieces(sequences: list[Sequence], row: list[int], tree: bool) -> list[Piece]:
-    """A row's tokens in order: each sequence's prompt then completion; in a prefix tree (``row`` sorted
-    by prompt) a prompt only from where it leaves the previous sequence's, its completion a new branch."""
+    """A row's tokens in order: each sequence's prompt then completion; in prefix trees (``row`` sorted by
+    prompt) a prompt only from where it leaves the previous sequence's, its completion a new branch, and a
+    new tree instead where a prompt of another group shares too little with it (MERGE_WIDTH)."""
     out: list[Piece] = []
-    previous: list[int] = []
+    previous: list[int] | None = None
+    tree_tokens = 0
     for i in row:
         seq = sequences[i]
-        shared = _common_prefix(previous, seq.prompt_ids) if tree else 0
+        shared = 0
+        if tree and previous is not None:
+            shared = _common_prefix(previous, seq.prompt_ids)
+            same_prompt = shared == len(previous) == len(seq.prompt_ids)
+            if not same_prompt and shared * MERGE_WIDTH < tree_tokens * (len(seq) - shared):
+                shared, tree_tokens = 0, 0  # a tree of its own
         out.append((seq.prompt_ids[shared:], shared, None))
         out.append((seq.completion_ids, len(seq.prompt_ids), i))
+        tree_tokens += len(seq) - shared
         previous = seq.prompt_ids
     return out
 
@@ -101,12 +118,17 @@ def _row_length(sequences: list[Sequence], row: list[int], tree: bool) -> int:
     return sum(len(tokens) for tokens, _, _ in _pieces(sequences, row, tree))
 
 
+def _by_prompt(sequences: list[Sequence], row: list[int]) -> list[int]:
+    return sorted(row, key=lambda i: sequences[i].prompt_ids)
+
+
 def _tree_rows(sequences: list[Sequence], pack_length: int) -> list[list[int]]:
     """Sequences in prefix-tree rows of at most ``pack_length`` tokens (a longer group's samples split
     into trees of their own). A prompt's samples go together (as many as fit), largest first, each into the
-    first row where what they add fits: their tokens less the longest prefix of their prompt that the row
-    already holds (a trie grows by a string's length less its longest prefix already in it). A row's
-    sequences are sorted by prompt, the order in which each shares with its neighbour all it can share."""
+    first row where the row's trees, laid out with them, still fit; what they add is at least their tokens
+    less the longest prefix of their prompt that the row already holds (a trie grows by a string's length
+    less its longest prefix already in it), which rules out most rows cheaply. A row's sequences are sorted
+    by prompt, the order in which each shares with its neighbour all it can share."""
     by_prompt: dict[tuple[int, ...], list[int]] = {}
     for i, seq in enumerate(sequences):
         by_prompt.setdefault(tuple(seq.prompt_ids), []).append(i)
@@ -127,17 +149,21 @@ def _tree_rows(sequences: list[Sequence], pack_length: int) -> list[list[int]]:
     for members, size in sorted(items, key=lambda item: -item[1]):
         prompt = sequences[members[0]].prompt_ids
         for r, row in enumerate(rows):
-            added = size - max(_common_prefix(other, prompt) for other in prompts[r])
-            if added <= room[r]:
+            if size - len(prompt) > room[r]:  # not even its completions fit
+                continue
+            if size - max(_common_prefix(other, prompt) for other in prompts[r]) > room[r]:
+                continue
+            length = _row_length(sequences, _by_prompt(sequences, row + members), True)
+            if length <= pack_length:
                 row.extend(members)
                 prompts[r].append(prompt)
-                room[r] -= added
+                room[r] = pack_length - length
                 break
         else:  # a tree longer than pack_length gets a row of its own
             rows.append(list(members))
             prompts.append([prompt])
             room.append(pack_length - size)
-    return [sorted(row, key=lambda i: sequences[i].prompt_ids) for row in rows]
+    return [_by_prompt(sequences, row) for row in rows]
 
 
 def _first_fit_rows(lengths: list[int], pack_length: int) -> list[list[int]]:
@@ -200,7 +226,7 @@ def make_micro_batches(
 ) -> list[MicroBatch]:
     """Split `sequences` into micro-batches of at most `micro_batch_tokens` tokens (padding included).
 
-    layout: "shared_prefix" (sequences with one prompt share it, rows up to `pack_length` tokens),
+    layout: "shared_prefix" (rows of prefix trees up to `pack_length` tokens: see the module docstring),
     "packed" (rows of several sequences up to `pack_length` tokens) or "padded" (one right-padded
     sequence a row).
     """
@@ -230,9 +256,9 @@ def make_micro_batches(
 def layout_is_exact(
     score: Callable[[MicroBatch], torch.Tensor], vocab_size: int, pad_id: int, layout: str = "packed"
 ) -> bool:
-    """Probe whether a model computes ``layout`` exactly: the log-probs of four short sequences (two of
-    them sharing a prompt, a third the start of it) must equal those of the padded layout. `score(mb)`
-    returns (R*L,) log-probs."""
+    """Probe whether a model computes ``layout`` exactly: the log-probs of four short sequences (the third
+    repeating the first one's prompt, the fourth sharing its first two tokens) must equal those of the
+    padded layout. `score(mb)` returns (R*L,) log-probs."""
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(1, vocab_size, (22,), generator=generator).tolist()
     sequences = [
