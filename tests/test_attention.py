@@ -103,18 +103,26 @@ def test_unsupported_models_keep_their_attention() -> None:
     assert model.config._attn_implementation == "sdpa"  # restored on the way out of an error
 
 
-def test_attention_function_equals_causal_attention_per_segment_with_gqa_and_another_value_size() -> None:
-    """Called directly: 4 query heads over 2 key/value heads, head size 8 for q/k and 5 for v."""
-    g = torch.Generator().manual_seed(0)
-    position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 0, 1, 2], [0, 1, 2, 0, 1, 2, 3, 4, 5, 6]])
-    query = torch.randn(2, 4, 10, 8, generator=g)
-    key = torch.randn(2, 2, 10, 8, generator=g)
-    value = torch.randn(2, 2, 10, 5, generator=g)
-    token = attention._LAYOUT.set(attention.segment_layout(position_ids))
+def _attend(position_ids, seed: int, prefix_tree: bool = False):
+    """The registered attention function called directly on random (B, 4, T, 8) queries, (B, 2, T, 8) keys
+    and (B, 2, T, 5) values (grouped-query heads, another value size), scale 0.3; returns q, k, v, out."""
+    g = torch.Generator().manual_seed(seed)
+    batch, width = position_ids.shape
+    query = torch.randn(batch, 4, width, 8, generator=g)
+    key = torch.randn(batch, 2, width, 8, generator=g)
+    value = torch.randn(batch, 2, width, 5, generator=g)
+    token = attention._LAYOUT.set(attention.segment_layout(position_ids, prefix_tree))
     try:
         out, _ = attention._segment_attention_forward(torch.nn.Module(), query, key, value, None, scaling=0.3)
     finally:
         attention._LAYOUT.reset(token)
+    return query, key, value, out
+
+
+def test_attention_function_equals_causal_attention_per_segment_with_gqa_and_another_value_size() -> None:
+    """Called directly: 4 query heads over 2 key/value heads, head size 8 for q/k and 5 for v."""
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 0, 1, 2], [0, 1, 2, 0, 1, 2, 3, 4, 5, 6]])
+    query, key, value, out = _attend(position_ids, seed=0)
     assert out.shape == (2, 10, 4, 5)
     for row, bounds in ((0, [(0, 5), (5, 7), (7, 10)]), (1, [(0, 3), (3, 10)])):
         for start, end in bounds:
@@ -139,18 +147,10 @@ def test_models_with_attention_code_of_their_own_keep_their_mask() -> None:
 
 def test_tree_attention_equals_each_completion_attending_to_its_prompt_and_itself() -> None:
     """Called directly on shared-prefix rows: a naive loop over each completion as prompt + completion."""
-    g = torch.Generator().manual_seed(1)
     # row 0: a tree with a 3-token prompt and completions of 2, 1, 3 tokens, then a plain 2-token tree;
     # row 1: a tree with a 2-token prompt and two completions of 2 tokens
     position_ids = torch.tensor([[0, 1, 2, 3, 4, 3, 3, 4, 5, 0, 1], [0, 1, 2, 3, 2, 3, 0, 0, 0, 0, 0]])
-    query = torch.randn(2, 4, 11, 8, generator=g)
-    key = torch.randn(2, 2, 11, 8, generator=g)
-    value = torch.randn(2, 2, 11, 5, generator=g)
-    token = attention._LAYOUT.set(attention.segment_layout(position_ids, prefix_tree=True))
-    try:
-        out, _ = attention._segment_attention_forward(torch.nn.Module(), query, key, value, None, scaling=0.3)
-    finally:
-        attention._LAYOUT.reset(token)
+    query, key, value, out = _attend(position_ids, seed=1, prefix_tree=True)
 
     def naive(row: int, prompt: list[int], completion: list[int]) -> torch.Tensor:
         """Causal attention over the prompt's and the completion's tokens, for the completion's queries."""
@@ -175,18 +175,10 @@ def test_tree_attention_over_a_trie_sees_exactly_each_token_s_ancestors() -> Non
     path's parents are the hand-read ones."""
     from gspo.core.logprobs import _tree_parents
 
-    g = torch.Generator().manual_seed(2)
     # 0 -> 1 -> 2 -> 3 -> 4;  1 -> 5 -> 6 -> 7;  5 -> 8;  0 -> 9 -> 10;  then padding (a new root)
     position_ids = torch.tensor([[0, 1, 2, 3, 4, 2, 3, 4, 3, 1, 2, 0]])
     parents = [None, 0, 1, 2, 3, 1, 5, 6, 5, 0, 9, None]
-    query = torch.randn(1, 4, 12, 8, generator=g)
-    key = torch.randn(1, 2, 12, 8, generator=g)
-    value = torch.randn(1, 2, 12, 5, generator=g)
-    token = attention._LAYOUT.set(attention.segment_layout(position_ids, prefix_tree=True))
-    try:
-        out, _ = attention._segment_attention_forward(torch.nn.Module(), query, key, value, None, scaling=0.3)
-    finally:
-        attention._LAYOUT.reset(token)
+    query, key, value, out = _attend(position_ids, seed=2, prefix_tree=True)
     for t in range(12):
         seen = [t]
         while parents[seen[-1]] is not None:

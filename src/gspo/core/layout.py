@@ -134,15 +134,15 @@ def _tree_rows(sequences: list[Sequence], pack_length: int) -> list[list[int]]:
         by_prompt.setdefault(tuple(seq.prompt_ids), []).append(i)
     items: list[tuple[list[int], int]] = []  # (sequences, tokens) of one prompt
     for prompt, members in by_prompt.items():
+        tree, size = [], len(prompt)
         for i in members:
             n = len(sequences[i].completion_ids)
-            if (
-                not items
-                or sequences[items[-1][0][0]].prompt_ids != list(prompt)
-                or items[-1][1] + n > pack_length
-            ):
-                items.append(([], len(prompt)))
-            items[-1] = (items[-1][0] + [i], items[-1][1] + n)
+            if tree and size + n > pack_length:  # the rest of the group in another tree
+                items.append((tree, size))
+                tree, size = [], len(prompt)
+            tree.append(i)
+            size += n
+        items.append((tree, size))
     rows: list[list[int]] = []
     prompts: list[list[list[int]]] = []  # each row's prompts, one per item placed in it
     room: list[int] = []
@@ -233,13 +233,16 @@ def make_micro_batches(
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
     tree = layout == "shared_prefix"
-    if tree:  # longest first, as first-fit decreasing gives the packed rows
-        rows = sorted(_tree_rows(sequences, pack_length), key=lambda row: -_row_length(sequences, row, True))
+    if tree:
+        rows = _tree_rows(sequences, pack_length)
     elif layout == "padded":
-        rows = [[i] for i in sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))]
+        rows = [[i] for i in range(len(sequences))]
     else:
         rows = _first_fit_rows([len(seq) for seq in sequences], pack_length)
     lengths = [_row_length(sequences, row, tree) for row in rows]
+    if layout != "packed":  # longest first, as first-fit decreasing gives the packed rows
+        order = sorted(range(len(rows)), key=lambda k: -lengths[k])
+        rows, lengths = [rows[k] for k in order], [lengths[k] for k in order]
     batches: list[MicroBatch] = []
     current: list[int] = []
     for k in range(len(rows)):  # rows come (about) longest first
