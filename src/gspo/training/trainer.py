@@ -348,6 +348,11 @@ def train(
     elif config is None or isinstance(config, (str, Path)):
         config = load_config(config, overrides)
     try:
-        return Trainer(config, reward_functions=reward_functions, resume=resume, force=force).run()
+        result = Trainer(config, reward_functions=reward_functions, resume=resume, force=force).run()
+        # every rank done with the group before any rank destroys it: a gloo rank torn down while a peer
+        # still finishes its run aborted once in about a dozen torchrun runs here ("terminate called without an
+        # active exception"); on an error the ranks raise together and skip this
+        barrier()
+        return result
     finally:
         shutdown()  # only if the Trainer created the process group
