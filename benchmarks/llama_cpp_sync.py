@@ -75,9 +75,13 @@ def main() -> None:
             with LlamaCppServer(first, n_ctx=1024, threads=args.threads) as server:
                 sync = GGUFReload(server, Path(work) / "sync", quant=quant, source=default_model_file())
                 backend = OpenAIBackend(
-                    server.url, tokenizer, max_concurrency=1, timeout=3600, misaligned="resample",
+                    server.url,
+                    tokenizer,
+                    max_concurrency=1,
+                    timeout=3600,
+                    misaligned="resample",
                     sampling={**DEFAULT_SAMPLING, "logit_bias": {str(i): -1e9 for i in barred}},
-                )  # fmt: skip
+                )
                 for tokens in args.tokens:
                     timings = {}
                     if quant == args.quant[0]:

@@ -95,9 +95,12 @@ def main() -> None:
     with torch.no_grad():
         for mb in micro:
             logp = causal_lm_logprobs(
-                model, mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+                model,
+                mb.input_ids,
+                attention_mask=mb.attention_mask,
+                position_ids=mb.position_ids,
                 logprob_mask=mb.logprob_mask,
-            )  # fmt: skip
+            )
             for row, i in enumerate(mb.indices):
                 trainer_logprobs[i] = logp[row][mb.logprob_mask[row]].tolist()
     t_score = time.perf_counter() - t0

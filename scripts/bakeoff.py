@@ -104,17 +104,24 @@ def run_one(job: tuple[paper.Spec, Path, str, str, float, int, int]) -> dict[str
     torch.set_num_threads(threads)
     run_dir = runs_dir / run_name(phase, method, lr, seed)
     overrides = [
-        *paper.base_overrides(task), f"seed={seed}", f"train.lr={lr}",
-        f"model.path={runs_dir / 'cold_start' / 'model'}", f"output_dir={run_dir}",
+        *paper.base_overrides(task),
+        f"seed={seed}",
+        f"train.lr={lr}",
+        f"model.path={runs_dir / 'cold_start' / 'model'}",
+        f"output_dir={run_dir}",
         *(f"{key}={json.dumps(value)}" for key, value in METHODS[method].items()),
-    ]  # fmt: skip
+    ]
     checkpoint = latest_checkpoint(run_dir)
     start = load_trainer_state(checkpoint)["step"] if checkpoint is not None else 0
     t0, c0 = time.perf_counter(), time.process_time()
     if start < task.steps:
         Trainer(load_config(None, overrides), resume=run_dir if checkpoint is not None else None).run()
-    return {"run": run_dir.name, "steps": task.steps - start, "wall": time.perf_counter() - t0,
-            "cpu": time.process_time() - c0}  # fmt: skip
+    return {
+        "run": run_dir.name,
+        "steps": task.steps - start,
+        "wall": time.perf_counter() - t0,
+        "cpu": time.process_time() - c0,
+    }
 
 
 def train_all(jobs: list[tuple], workers: int) -> list[dict[str, Any]]:
@@ -133,9 +140,16 @@ def train_all(jobs: list[tuple], workers: int) -> list[dict[str, Any]]:
 
 # ---- results -----------------------------------------------------------------------------------------
 SUMMARY_KEYS = (
-    "clip_frac_token", "clip_frac_seq", "log_ratio_abs_mean", "ratio_token_max", "ratio_seq_max",
-    "ratio_seq_min", "grad_norm", "routing_expert_change_frac_after_1_updates", "routing_expert_change_frac",
-)  # fmt: skip
+    "clip_frac_token",
+    "clip_frac_seq",
+    "log_ratio_abs_mean",
+    "ratio_token_max",
+    "ratio_seq_max",
+    "ratio_seq_min",
+    "grad_norm",
+    "routing_expert_change_frac_after_1_updates",
+    "routing_expert_change_frac",
+)
 
 
 def summarise(records: list[list[dict[str, Any]]], steps: int) -> dict[str, list[float]]:
@@ -149,8 +163,10 @@ def summarise(records: list[list[dict[str, Any]]], steps: int) -> dict[str, list
         "accuracy_end": [e.get(steps, math.nan) for e in evals],
         "accuracy_best": [max(e.values(), default=math.nan) for e in evals],
         "eval_reward_end": [paper.series(r, "reward_mean", "eval").get(steps, math.nan) for r in records],
-        "ratio_token_max_max": [max(paper.series(r, "ratio_token_max").values(), default=math.nan) for r in records],
-    }  # fmt: skip
+        "ratio_token_max_max": [
+            max(paper.series(r, "ratio_token_max").values(), default=math.nan) for r in records
+        ],
+    }
     row |= {key: [paper.run_mean(r, key) for r in records] for key in SUMMARY_KEYS}
     return row
 
@@ -180,8 +196,10 @@ def verdicts(table: dict[str, dict[str, list[float]]]) -> list[tuple[str, str, s
             diff = paper.mean(table[method][key]) - paper.mean(table["gspo"][key])
             tol = paper.noise(table[method][key], table["gspo"][key])
             verdict = "better" if diff > tol else "worse" if diff < -tol else "no difference beyond the noise"
-            evidence = (f"{paper.fmt(table[method][key])} vs {paper.fmt(table['gspo'][key])}; difference "
-                        f"{diff:+.3f}, noise {tol:.3f}")  # fmt: skip
+            evidence = (
+                f"{paper.fmt(table[method][key])} vs {paper.fmt(table['gspo'][key])}; difference "
+                f"{diff:+.3f}, noise {tol:.3f}"
+            )
             out.append((LABELS[method], name, verdict, evidence))
     return out
 
@@ -203,8 +221,14 @@ def plot(
             x, y, lo, hi = paper.band(per_seed, key, kind, per_step, 1 if kind == "eval" else window)
             if not x:
                 continue
-            ax.plot(x, y, color=COLORS[method], label=f"{LABELS[method]} (lr {rates[method]:g})",
-                    marker="o" if kind == "eval" else None, ms=3)  # fmt: skip
+            ax.plot(
+                x,
+                y,
+                color=COLORS[method],
+                label=f"{LABELS[method]} (lr {rates[method]:g})",
+                marker="o" if kind == "eval" else None,
+                ms=3,
+            )
             if len(per_seed) > 1:
                 ax.fill_between(x, lo, hi, color=COLORS[method], alpha=0.12, linewidth=0)
         if log:
@@ -221,25 +245,46 @@ def plot(
 
 
 FIGURES = [
-    ("bakeoff_reward.png", "Held-out accuracy and reward, training reward", [
-        ("accuracy", "eval", "held-out greedy accuracy", False),
-        ("reward_mean", "eval", "held-out mean reward", False),
-        ("reward_mean", "train", "training reward (rollout batch mean)", False),
-    ]),
-    ("bakeoff_clipping.png", "Clipped, truncated or gated fraction (see docs/objectives.md, Metrics)", [
-        ("clip_frac_token", "train", "fraction of tokens", True),
-        ("clip_frac_seq", "train", "fraction of sequences", True),
-    ]),
-    ("bakeoff_ratios.png", "Importance ratios over the 4 minibatches of a step", [
-        ("log_ratio_abs_mean", "train", "mean |log token ratio|", True),
-        ("ratio_token_max", "train", "max token ratio", True),
-        ("ratio_seq_max", "train", "max sequence ratio s_i", False),
-    ]),
-    ("bakeoff_routing.png", "Routing volatility (completion tokens, all MoE layers)", [
-        ("routing_expert_change_frac_after_1_updates", "train", "activated experts changed, 1 update", True),
-        ("routing_expert_change_frac", "train", "activated experts changed, 4 updates", True),
-    ]),
-]  # fmt: skip
+    (
+        "bakeoff_reward.png",
+        "Held-out accuracy and reward, training reward",
+        [
+            ("accuracy", "eval", "held-out greedy accuracy", False),
+            ("reward_mean", "eval", "held-out mean reward", False),
+            ("reward_mean", "train", "training reward (rollout batch mean)", False),
+        ],
+    ),
+    (
+        "bakeoff_clipping.png",
+        "Clipped, truncated or gated fraction (see docs/objectives.md, Metrics)",
+        [
+            ("clip_frac_token", "train", "fraction of tokens", True),
+            ("clip_frac_seq", "train", "fraction of sequences", True),
+        ],
+    ),
+    (
+        "bakeoff_ratios.png",
+        "Importance ratios over the 4 minibatches of a step",
+        [
+            ("log_ratio_abs_mean", "train", "mean |log token ratio|", True),
+            ("ratio_token_max", "train", "max token ratio", True),
+            ("ratio_seq_max", "train", "max sequence ratio s_i", False),
+        ],
+    ),
+    (
+        "bakeoff_routing.png",
+        "Routing volatility (completion tokens, all MoE layers)",
+        [
+            (
+                "routing_expert_change_frac_after_1_updates",
+                "train",
+                "activated experts changed, 1 update",
+                True,
+            ),
+            ("routing_expert_change_frac", "train", "activated experts changed, 4 updates", True),
+        ],
+    ),
+]
 ROWS = [
     ("training reward, first step", "reward_first", False, 3),
     ("training reward, last 20% of steps", "reward_last", False, 3),
@@ -259,8 +304,16 @@ ROWS = [
 ]
 
 
-def write_report(report_dir: Path, bake: Bakeoff, table: dict, rates: dict, scores: dict, sft: dict,
-                 plots: list[Path], timing: dict[str, Any]) -> Path:  # fmt: skip
+def write_report(
+    report_dir: Path,
+    bake: Bakeoff,
+    table: dict,
+    rates: dict,
+    scores: dict,
+    sft: dict,
+    plots: list[Path],
+    timing: dict[str, Any],
+) -> Path:
     task, methods = bake.task, list(METHODS)
     lines = [
         "# The GSPO family side by side: GSPO, GRPO, GMPO, SAPO and CISPO on a tiny MoE",
@@ -296,8 +349,11 @@ def write_report(report_dir: Path, bake: Bakeoff, table: dict, rates: dict, scor
         "|---|" + "---|" * (len(bake.sweep_lrs) + 1),
     ]
     for m in methods:
-        lines.append(f"| {LABELS[m]} | " + " | ".join(f"{scores[m][lr]:.3f}" for lr in bake.sweep_lrs)
-                     + f" | {rates[m]:g} |")  # fmt: skip
+        lines.append(
+            f"| {LABELS[m]} | "
+            + " | ".join(f"{scores[m][lr]:.3f}" for lr in bake.sweep_lrs)
+            + f" | {rates[m]:g} |"
+        )
     lines += [
         "",
         "## Verdicts against GSPO",
@@ -309,15 +365,25 @@ def write_report(report_dir: Path, bake: Bakeoff, table: dict, rates: dict, scor
         "|---|---|---|---|",
     ]
     lines += [f"| {m} | {metric} | **{v}** | {e} |" for m, metric, v, e in verdicts(table)]
-    fell = [LABELS[m] for m in methods
-            if paper.mean(table[m]["accuracy_end"]) < paper.mean(table[m]["accuracy_start"]) - 0.02]  # fmt: skip
+    fell = [
+        LABELS[m]
+        for m in methods
+        if paper.mean(table[m]["accuracy_end"]) < paper.mean(table[m]["accuracy_start"]) - 0.02
+    ]
     if fell:
-        lines += ["", f"Held-out accuracy ended below its start ({paper.mean(table['gspo']['accuracy_start']):.2f}) "
-                  f"for {', '.join(fell)}: at this budget the runs raise the training reward but not (yet) the "
-                  "held-out accuracy, so the verdicts compare early training, not converged policies."]  # fmt: skip
-    lines += ["", "## Numbers (mean ± std over seeds; per-step metrics averaged over all steps)", "",
-              "| metric | " + " | ".join(f"{LABELS[m]} (lr {rates[m]:g})" for m in methods) + " |",
-              "|---|" + "---|" * len(methods)]  # fmt: skip
+        lines += [
+            "",
+            f"Held-out accuracy ended below its start ({paper.mean(table['gspo']['accuracy_start']):.2f}) "
+            f"for {', '.join(fell)}: at this budget the runs raise the training reward but not (yet) the "
+            "held-out accuracy, so the verdicts compare early training, not converged policies.",
+        ]
+    lines += [
+        "",
+        "## Numbers (mean ± std over seeds; per-step metrics averaged over all steps)",
+        "",
+        "| metric | " + " | ".join(f"{LABELS[m]} (lr {rates[m]:g})" for m in methods) + " |",
+        "|---|" + "---|" * len(methods),
+    ]
     for label, key, percent, digits in ROWS:
         lines.append(
             f"| {label} | " + " | ".join(paper.fmt(table[m][key], percent, digits) for m in methods) + " |"
@@ -385,8 +451,10 @@ class LoadMonitor(threading.Thread):
             if mean_load > cores
             else "the machine was otherwise about idle"
         )
-        return (f"The machine's 1-minute load average, sampled every {self.every:.0f} s, averaged {mean_load:.1f} "
-                f"(max {max(self.samples):.1f}) on {cores} cores: {busy}. ")  # fmt: skip
+        return (
+            f"The machine's 1-minute load average, sampled every {self.every:.0f} s, averaged {mean_load:.1f} "
+            f"(max {max(self.samples):.1f}) on {cores} cores: {busy}. "
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -410,8 +478,11 @@ def main(argv: list[str] | None = None) -> int:
     threads = max(1, torch.get_num_threads() // args.workers)
 
     sweep_task = dataclasses.replace(bake.task, steps=bake.sweep_steps)
-    jobs = [(sweep_task, args.runs_dir, "sweep", m, lr, bake.sweep_seed, threads)
-            for lr in bake.sweep_lrs for m in METHODS]  # fmt: skip
+    jobs = [
+        (sweep_task, args.runs_dir, "sweep", m, lr, bake.sweep_seed, threads)
+        for lr in bake.sweep_lrs
+        for m in METHODS
+    ]
     done = train_all(jobs, args.workers)
     rates, scores = choose_rates(bake, args.runs_dir)
     print("chosen learning rates: " + ", ".join(f"{m} {lr:g}" for m, lr in rates.items()), flush=True)
@@ -431,15 +502,20 @@ def main(argv: list[str] | None = None) -> int:
     ]
     trained = sum(r["steps"] for r in done)
     timing = {
-        "total_seconds": time.perf_counter() - t0, "workers": args.workers, "threads": threads,
-        "reduced": args.reduced, "steps_trained": trained, "runs": len(done),
+        "total_seconds": time.perf_counter() - t0,
+        "workers": args.workers,
+        "threads": threads,
+        "reduced": args.reduced,
+        "steps_trained": trained,
+        "runs": len(done),
         "note": load.sentence() + (f"{args.note.strip()} " if args.note.strip() else ""),
-        "cpu_seconds": sum(r["cpu"] for r in done), "cold_start_reused": reused,
+        "cpu_seconds": sum(r["cpu"] for r in done),
+        "cold_start_reused": reused,
         "command": f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')} python scripts/bakeoff.py "
         + " ".join(sys.argv[1:] if argv is None else argv),
         "wall_per_step": sum(r["wall"] for r in done) / max(1, trained),
         "cpu_per_step": sum(r["cpu"] for r in done) / max(1, trained),
-    }  # fmt: skip
+    }
     report = write_report(args.report_dir, bake, table, rates, scores, sft, plots, timing)
     print(
         f"report: {report} ({timing['total_seconds']:.0f} s wall, {timing['cpu_seconds']:.0f} s CPU in runs)"

@@ -53,9 +53,17 @@ def train_default(run_dir: Path, split: str, seed: int) -> float:
         return 0.0
     t0 = time.perf_counter()
     command = [
-        sys.executable, "-m", "gspo", "train", f"output_dir={run_dir}", f"seed={seed}",
-        f"train.minibatch_split={split}", "checkpoint.every=0", "tensorboard=false", "progress=false",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "gspo",
+        "train",
+        f"output_dir={run_dir}",
+        f"seed={seed}",
+        f"train.minibatch_split={split}",
+        "checkpoint.every=0",
+        "tensorboard=false",
+        "progress=false",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     log = run_dir.with_suffix(".log")
     run_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -120,9 +128,19 @@ def favoured(group: list[float], sample: list[float], what: str) -> str:
 def paper(split: str, runs: Path, workers: int) -> dict:
     out = runs / f"paper-{split}"
     command = [
-        sys.executable, str(ROOT / "scripts" / "reproduce_paper.py"), "--split", split, "--lrs", "1e-3",
-        "--runs-dir", str(out), "--report-dir", str(out / "report"), "--workers", str(workers),
-    ]  # fmt: skip
+        sys.executable,
+        str(ROOT / "scripts" / "reproduce_paper.py"),
+        "--split",
+        split,
+        "--lrs",
+        "1e-3",
+        "--runs-dir",
+        str(out),
+        "--report-dir",
+        str(out / "report"),
+        "--workers",
+        str(workers),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": str(workers), "HF_HUB_OFFLINE": "1"}
     with (runs / f"paper-{split}.log").open("w") as log:
         subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)

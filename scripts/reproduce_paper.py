@@ -102,10 +102,22 @@ class Spec:
 
 FULL = Spec()
 REDUCED = Spec(
-    hidden=32, layers=2, operand_max=9, num_eval=20, sft_batch=32, sft_max_steps=40, sft_target=1.0,
-    sft_check_every=40, seeds=(0,), steps=3, prompts_per_step=4, group_size=4, eval_every=3,
-    checkpoint_every=0, lrs=(3e-4, 1e-3),
-)  # fmt: skip
+    hidden=32,
+    layers=2,
+    operand_max=9,
+    num_eval=20,
+    sft_batch=32,
+    sft_max_steps=40,
+    sft_target=1.0,
+    sft_check_every=40,
+    seeds=(0,),
+    steps=3,
+    prompts_per_step=4,
+    group_size=4,
+    eval_every=3,
+    checkpoint_every=0,
+    lrs=(3e-4, 1e-3),
+)
 
 
 # ---- model and cold start ---------------------------------------------------------------------------
@@ -115,13 +127,23 @@ def build_model(spec: Spec, tokenizer: Any, seed: int) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=spec.hidden, intermediate_size=2 * spec.hidden,
-        moe_intermediate_size=spec.hidden, num_hidden_layers=spec.layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=spec.hidden // 4, num_experts=spec.experts,
-        num_experts_per_tok=spec.top_k, norm_topk_prob=True, max_position_embeddings=256,
-        tie_word_embeddings=True, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden,
+        intermediate_size=2 * spec.hidden,
+        moe_intermediate_size=spec.hidden,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=spec.hidden // 4,
+        num_experts=spec.experts,
+        num_experts_per_tok=spec.top_k,
+        norm_topk_prob=True,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
+    )
     model = Qwen3MoeForCausalLM(config)
     model.config.use_cache = False
     return model
@@ -200,15 +222,26 @@ def cold_start(spec: Spec, runs_dir: Path, base: Config) -> dict[str, Any]:
 # ---- RL runs -----------------------------------------------------------------------------------------
 def base_overrides(spec: Spec) -> list[str]:
     return [
-        "task.name=arithmetic", "task.operand_min=0", f"task.operand_max={spec.operand_max}",
-        f"task.num_train={(spec.operand_max + 1) ** 2 - spec.num_eval}", f"task.num_eval={spec.num_eval}",
-        "rewards={exact_answer: 1.0}", f"rollout.prompts_per_step={spec.prompts_per_step}",
-        f"rollout.group_size={spec.group_size}", "rollout.max_new_tokens=4", "rollout.temperature=1.0",
-        f"train.steps={spec.steps}", f"train.minibatches_per_rollout={spec.minibatches}",
-        "train.max_grad_norm=1.0", f"eval.every={spec.eval_every}", "eval.max_new_tokens=4",
+        "task.name=arithmetic",
+        "task.operand_min=0",
+        f"task.operand_max={spec.operand_max}",
+        f"task.num_train={(spec.operand_max + 1) ** 2 - spec.num_eval}",
+        f"task.num_eval={spec.num_eval}",
+        "rewards={exact_answer: 1.0}",
+        f"rollout.prompts_per_step={spec.prompts_per_step}",
+        f"rollout.group_size={spec.group_size}",
+        "rollout.max_new_tokens=4",
+        "rollout.temperature=1.0",
+        f"train.steps={spec.steps}",
+        f"train.minibatches_per_rollout={spec.minibatches}",
+        "train.max_grad_norm=1.0",
+        f"eval.every={spec.eval_every}",
+        "eval.max_new_tokens=4",
         f"train.minibatch_split={spec.minibatch_split}",
-        f"checkpoint.every={spec.checkpoint_every}", "tensorboard=false", "progress=false",
-    ]  # fmt: skip
+        f"checkpoint.every={spec.checkpoint_every}",
+        "tensorboard=false",
+        "progress=false",
+    ]
 
 
 def run_name(method: str, lr: float, seed: int) -> str:
@@ -217,10 +250,13 @@ def run_name(method: str, lr: float, seed: int) -> str:
 
 def run_config(spec: Spec, runs_dir: Path, method: str, lr: float, seed: int) -> Config:
     overrides = [
-        *base_overrides(spec), f"seed={seed}", f"train.lr={lr}", f"model.path={runs_dir / 'cold_start' / 'model'}",
+        *base_overrides(spec),
+        f"seed={seed}",
+        f"train.lr={lr}",
+        f"model.path={runs_dir / 'cold_start' / 'model'}",
         f"output_dir={runs_dir / run_name(method, lr, seed)}",
         *(f"{key}={json.dumps(value)}" for key, value in METHODS[method].items()),
-    ]  # fmt: skip
+    ]
     return load_config(None, overrides)
 
 
@@ -240,9 +276,11 @@ def run_one(job: tuple[Spec, Path, str, float, int, int]) -> dict[str, Any]:
     if start < spec.steps:
         Trainer(config, resume=run_dir if checkpoint is not None else None).run()
     return {
-        "run": run_dir.name, "steps": spec.steps - start, "wall": time.perf_counter() - t0,
+        "run": run_dir.name,
+        "steps": spec.steps - start,
+        "wall": time.perf_counter() - t0,
         "cpu": time.process_time() - c0,
-    }  # fmt: skip
+    }
 
 
 # ---- results -----------------------------------------------------------------------------------------
@@ -294,11 +332,22 @@ def summarise(spec: Spec, runs: Runs) -> dict[str, dict[str, Any]]:
         add("accuracy_end", [series(r, "accuracy", "eval").get(spec.steps, float("nan")) for r in per_seed])
         add("accuracy_best", [max(series(r, "accuracy", "eval").values()) for r in per_seed])
         for key in (
-            "clip_frac_token", "clip_frac_seq", "log_ratio_abs_mean", "ratio_token_max", "ratio_token_min",
-            "ratio_seq_max", "ratio_seq_min", "routing_volatility", "routing_expert_change_frac",
-            "routing_volatility_after_1_updates", "routing_expert_change_frac_after_1_updates",
-            "time_rollout", "time_old_logprobs", "time_update", "time_routing",
-        ):  # fmt: skip
+            "clip_frac_token",
+            "clip_frac_seq",
+            "log_ratio_abs_mean",
+            "ratio_token_max",
+            "ratio_token_min",
+            "ratio_seq_max",
+            "ratio_seq_min",
+            "routing_volatility",
+            "routing_expert_change_frac",
+            "routing_volatility_after_1_updates",
+            "routing_expert_change_frac_after_1_updates",
+            "time_rollout",
+            "time_old_logprobs",
+            "time_update",
+            "time_routing",
+        ):
             add(key, [run_mean(r, key) for r in per_seed])
         add(
             "ratio_token_max_max",
@@ -384,25 +433,46 @@ def plot_panels(
 
 def make_plots(report_dir: Path, by_lr: dict[float, Runs], spec: Spec) -> list[Path]:
     figures = [
-        ("paper_reward.png", "Reward and held-out accuracy", [
-            ("reward_mean", "train", "training reward (rollout batch mean)", False),
-            ("accuracy", "eval", "held-out greedy accuracy", False),
-        ]),
-        ("paper_clipping.png", "Clipped fraction (gradient zeroed by clipping)", [
-            ("clip_frac_token", "train", "clipped fraction of tokens (paper's)", True),
-            ("clip_frac_seq", "train", "clipped fraction of sequences", True),
-        ]),
-        ("paper_ratios.png", "Importance ratios over the 4 minibatches of a step", [
-            ("log_ratio_abs_mean", "train", "mean |log token ratio|", True),
-            ("ratio_token_max", "train", "max token ratio", False),
-            ("ratio_seq_max", "train", "max sequence ratio s_i", False),
-        ]),
-        ("paper_routing.png", "Routing volatility (completion tokens, all MoE layers)", [
-            ("routing_expert_change_frac_after_1_updates", "train", "activated experts changed, 1 update", True),
-            ("routing_expert_change_frac", "train", "activated experts changed, 4 updates", True),
-            ("routing_volatility", "train", "(token, layer) expert sets changed, 4 updates", True),
-        ]),
-    ]  # fmt: skip
+        (
+            "paper_reward.png",
+            "Reward and held-out accuracy",
+            [
+                ("reward_mean", "train", "training reward (rollout batch mean)", False),
+                ("accuracy", "eval", "held-out greedy accuracy", False),
+            ],
+        ),
+        (
+            "paper_clipping.png",
+            "Clipped fraction (gradient zeroed by clipping)",
+            [
+                ("clip_frac_token", "train", "clipped fraction of tokens (paper's)", True),
+                ("clip_frac_seq", "train", "clipped fraction of sequences", True),
+            ],
+        ),
+        (
+            "paper_ratios.png",
+            "Importance ratios over the 4 minibatches of a step",
+            [
+                ("log_ratio_abs_mean", "train", "mean |log token ratio|", True),
+                ("ratio_token_max", "train", "max token ratio", False),
+                ("ratio_seq_max", "train", "max sequence ratio s_i", False),
+            ],
+        ),
+        (
+            "paper_routing.png",
+            "Routing volatility (completion tokens, all MoE layers)",
+            [
+                (
+                    "routing_expert_change_frac_after_1_updates",
+                    "train",
+                    "activated experts changed, 1 update",
+                    True,
+                ),
+                ("routing_expert_change_frac", "train", "activated experts changed, 4 updates", True),
+                ("routing_volatility", "train", "(token, layer) expert sets changed, 4 updates", True),
+            ],
+        ),
+    ]
     written = []
     for name, title, panels in figures:
         path = plot_panels(report_dir / name, title, panels, by_lr, spec)
@@ -444,12 +514,14 @@ def verdicts(table: dict[str, dict[str, list[float]]]) -> list[tuple[str, str, s
         verdict = "partly reproduced (GSPO clips more, but less than 30x more)"
     else:
         verdict = "not reproduced"
-    out.append((
-        "GSPO clips about two orders of magnitude more tokens than GRPO (paper: ~15% vs ~0.13%).",
-        verdict,
-        f"clipped token fraction, mean over steps and seeds: GSPO {100 * clip_s:.3g}%, GRPO {100 * clip_g:.3g}% "
-        f"(factor {factor:.3g}; 'reproduced' needs >= 30x).",
-    ))  # fmt: skip
+    out.append(
+        (
+            "GSPO clips about two orders of magnitude more tokens than GRPO (paper: ~15% vs ~0.13%).",
+            verdict,
+            f"clipped token fraction, mean over steps and seeds: GSPO {100 * clip_s:.3g}%, GRPO {100 * clip_g:.3g}% "
+            f"(factor {factor:.3g}; 'reproduced' needs >= 30x).",
+        )
+    )
 
     for key, name in (
         ("reward_last", "training reward (last 20% of steps)"),
@@ -460,40 +532,48 @@ def verdicts(table: dict[str, dict[str, list[float]]]) -> list[tuple[str, str, s
         verdict = "reproduced" if diff >= -tol else "not reproduced"
         if diff > tol:
             verdict += " (GSPO better beyond the noise)"
-        out.append((
-            f"Despite clipping more, GSPO learns at least as well as GRPO: {name}.",
-            verdict,
-            f"GSPO {fmt(gspo[key])}, GRPO {fmt(grpo[key])} (mean ± std over seeds); difference {diff:+.3f}, "
-            f"noise {tol:.3f} (standard error of the difference, at least 0.02); 'at least as well' = "
-            "difference >= -noise.",
-        ))  # fmt: skip
+        out.append(
+            (
+                f"Despite clipping more, GSPO learns at least as well as GRPO: {name}.",
+                verdict,
+                f"GSPO {fmt(gspo[key])}, GRPO {fmt(grpo[key])} (mean ± std over seeds); difference {diff:+.3f}, "
+                f"noise {tol:.3f} (standard error of the difference, at least 0.02); 'at least as well' = "
+                "difference >= -noise.",
+            )
+        )
 
     change = mean(grpo["routing_expert_change_frac_after_1_updates"])
     verdict = "reproduced (same order)" if 0.03 <= change <= 0.3 else "not reproduced (different order)"
-    out.append((
-        "In an MoE model about 10% of the activated experts change after one gradient update, for the same tokens.",
-        verdict,
-        f"GRPO runs: {fmt(grpo['routing_expert_change_frac_after_1_updates'], percent=True)} of activated experts "
-        f"(token, layer, slot) changed after one update; {fmt(grpo['routing_volatility_after_1_updates'], percent=True)} "
-        f"of (token, layer) expert sets; after the 4 updates of a step "
-        f"{fmt(grpo['routing_expert_change_frac'], percent=True)}. GSPO runs: "
-        f"{fmt(gspo['routing_expert_change_frac_after_1_updates'], percent=True)} after one update. 'Same order' = "
-        "3% to 30%. The value scales with the learning rate; ours is sized for a tiny model.",
-    ))  # fmt: skip
+    out.append(
+        (
+            "In an MoE model about 10% of the activated experts change after one gradient update, for the same tokens.",
+            verdict,
+            f"GRPO runs: {fmt(grpo['routing_expert_change_frac_after_1_updates'], percent=True)} of activated experts "
+            f"(token, layer, slot) changed after one update; {fmt(grpo['routing_volatility_after_1_updates'], percent=True)} "
+            f"of (token, layer) expert sets; after the 4 updates of a step "
+            f"{fmt(grpo['routing_expert_change_frac'], percent=True)}. GSPO runs: "
+            f"{fmt(gspo['routing_expert_change_frac_after_1_updates'], percent=True)} after one update. 'Same order' = "
+            "3% to 30%. The value scales with the learning rate; ours is sized for a tiny model.",
+        )
+    )
 
     noisy, steady = mean(grpo["log_ratio_abs_mean"]), mean(replay["log_ratio_abs_mean"])
-    se = math.sqrt(spread(grpo["log_ratio_abs_mean"]) ** 2 / len(grpo["log_ratio_abs_mean"])
-                   + spread(replay["log_ratio_abs_mean"]) ** 2 / len(replay["log_ratio_abs_mean"]))  # fmt: skip
+    se = math.sqrt(
+        spread(grpo["log_ratio_abs_mean"]) ** 2 / len(grpo["log_ratio_abs_mean"])
+        + spread(replay["log_ratio_abs_mean"]) ** 2 / len(replay["log_ratio_abs_mean"])
+    )
     tol = max(se, 0.05 * steady)
     verdict = "reproduced" if noisy - steady > tol else "not reproduced"
-    out.append((
-        "Routing changes make GRPO's token-level ratios noisier; Routing Replay removes that part.",
-        verdict,
-        f"mean |log token ratio|: GRPO {fmt(grpo['log_ratio_abs_mean'], digits=4)}, GRPO + Replay "
-        f"{fmt(replay['log_ratio_abs_mean'], digits=4)} ('reproduced' = GRPO higher by more than {tol:.4f}: 5% "
-        f"or the seeds' standard error); max token ratio (max over the run) GRPO "
-        f"{fmt(grpo['ratio_token_max_max'], digits=2)}, GRPO + Replay {fmt(replay['ratio_token_max_max'], digits=2)}.",
-    ))  # fmt: skip
+    out.append(
+        (
+            "Routing changes make GRPO's token-level ratios noisier; Routing Replay removes that part.",
+            verdict,
+            f"mean |log token ratio|: GRPO {fmt(grpo['log_ratio_abs_mean'], digits=4)}, GRPO + Replay "
+            f"{fmt(replay['log_ratio_abs_mean'], digits=4)} ('reproduced' = GRPO higher by more than {tol:.4f}: 5% "
+            f"or the seeds' standard error); max token ratio (max over the run) GRPO "
+            f"{fmt(grpo['ratio_token_max_max'], digits=2)}, GRPO + Replay {fmt(replay['ratio_token_max_max'], digits=2)}.",
+        )
+    )
 
     diff = mean(replay["reward_last"]) - mean(grpo["reward_last"])
     tol = noise(replay["reward_last"], grpo["reward_last"])
@@ -504,23 +584,27 @@ def verdicts(table: dict[str, dict[str, list[float]]]) -> list[tuple[str, str, s
         if diff >= -tol
         else "not reproduced (GRPO without replay is better)"
     )
-    out.append((
-        "GRPO on an MoE model needs Routing Replay to train well.",
-        verdict,
-        f"training reward, last 20% of steps: GRPO + Replay {fmt(replay['reward_last'])}, GRPO "
-        f"{fmt(grpo['reward_last'])}; difference {diff:+.3f}, noise {tol:.3f}. 'Needs' = replay better "
-        "by more than the noise.",
-    ))  # fmt: skip
+    out.append(
+        (
+            "GRPO on an MoE model needs Routing Replay to train well.",
+            verdict,
+            f"training reward, last 20% of steps: GRPO + Replay {fmt(replay['reward_last'])}, GRPO "
+            f"{fmt(grpo['reward_last'])}; difference {diff:+.3f}, noise {tol:.3f}. 'Needs' = replay better "
+            "by more than the noise.",
+        )
+    )
 
     diff = mean(gspo["reward_last"]) - mean(replay["reward_last"])
     tol = noise(gspo["reward_last"], replay["reward_last"])
     verdict = "reproduced" if diff >= -tol else "not reproduced"
-    out.append((
-        "GSPO does not need Routing Replay: without it, it trains at least as well as GRPO with it.",
-        verdict,
-        f"training reward, last 20% of steps: GSPO {fmt(gspo['reward_last'])}, GRPO + Replay "
-        f"{fmt(replay['reward_last'])}; difference {diff:+.3f}, noise {tol:.3f}.",
-    ))  # fmt: skip
+    out.append(
+        (
+            "GSPO does not need Routing Replay: without it, it trains at least as well as GRPO with it.",
+            verdict,
+            f"training reward, last 20% of steps: GSPO {fmt(gspo['reward_last'])}, GRPO + Replay "
+            f"{fmt(replay['reward_last'])}; difference {diff:+.3f}, noise {tol:.3f}.",
+        )
+    )
     return out
 
 
@@ -549,9 +633,13 @@ TABLE_ROWS = [
 
 
 def write_report(
-    report_dir: Path, spec: Spec, tables: dict[float, dict[str, Any]], sft: dict[str, Any], plots: list[Path],
+    report_dir: Path,
+    spec: Spec,
+    tables: dict[float, dict[str, Any]],
+    sft: dict[str, Any],
+    plots: list[Path],
     timing: dict[str, Any],
-) -> Path:  # fmt: skip
+) -> Path:
     seeds = ", ".join(map(str, spec.seeds))
     lrs = ", ".join(f"{lr:g}" for lr in spec.lrs)
     judged = {lr: verdicts(table) for lr, table in tables.items()}
@@ -684,8 +772,11 @@ def main(argv: list[str] | None = None) -> int:
     args.report_dir.mkdir(parents=True, exist_ok=True)
     base = load_config(None, [*base_overrides(spec), "seed=0"])
     sft = cold_start(spec, args.runs_dir, base)
-    print(f"cold start: {sft['steps']} SFT steps, train accuracy {sft['train_accuracy']:.2f}, "
-          f"held-out {sft['eval_accuracy']:.2f} ({sft['seconds']:.0f} s)", flush=True)  # fmt: skip
+    print(
+        f"cold start: {sft['steps']} SFT steps, train accuracy {sft['train_accuracy']:.2f}, "
+        f"held-out {sft['eval_accuracy']:.2f} ({sft['seconds']:.0f} s)",
+        flush=True,
+    )
 
     # parallel runs get one share of the threads each (tiny models: processes scale better than threads)
     threads = max(1, torch.get_num_threads() // args.workers)
@@ -706,8 +797,10 @@ def main(argv: list[str] | None = None) -> int:
             results = pool.imap_unordered(run_one, jobs)
         for result in results:
             done.append(result)
-            print(f"{result['run']}: {result['steps']} steps, {result['wall']:.0f} s wall, {result['cpu']:.0f} s CPU",
-                  flush=True)  # fmt: skip
+            print(
+                f"{result['run']}: {result['steps']} steps, {result['wall']:.0f} s wall, {result['cpu']:.0f} s CPU",
+                flush=True,
+            )
 
     by_lr = {lr: load_runs(spec, args.runs_dir, lr) for lr in spec.lrs}
     tables = {lr: summarise(spec, runs) for lr, runs in by_lr.items()}
@@ -717,14 +810,19 @@ def main(argv: list[str] | None = None) -> int:
     plots = make_plots(args.report_dir, by_lr, spec)
     trained = sum(r["steps"] for r in done)
     timing = {
-        "total_seconds": time.perf_counter() - t0, "workers": args.workers, "threads": threads,
-        "reduced": args.reduced, "steps_trained": trained,
+        "total_seconds": time.perf_counter() - t0,
+        "workers": args.workers,
+        "threads": threads,
+        "reduced": args.reduced,
+        "steps_trained": trained,
         "wall_per_step": sum(r["wall"] for r in done) / max(1, trained),
         "cpu_per_step": sum(r["cpu"] for r in done) / max(1, trained),
-    }  # fmt: skip
+    }
     report = write_report(args.report_dir, spec, tables, sft, plots, timing)
-    print(f"report: {report} ({timing['total_seconds']:.0f} s; per RL step, run overheads included: "
-          f"{timing['wall_per_step']:.2f} s wall, {timing['cpu_per_step']:.2f} s CPU per worker)")  # fmt: skip
+    print(
+        f"report: {report} ({timing['total_seconds']:.0f} s; per RL step, run overheads included: "
+        f"{timing['wall_per_step']:.2f} s wall, {timing['cpu_per_step']:.2f} s CPU per worker)"
+    )
     for lr, table in tables.items():
         for claim, verdict, _ in verdicts(table):
             print(f"  lr {lr:g}: {verdict}: {claim}")

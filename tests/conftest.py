@@ -31,9 +31,12 @@ def rollout_logprobs() -> Callable[..., list[torch.Tensor]]:
         )
         with torch.no_grad():
             logp = causal_lm_logprobs(
-                model, mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+                model,
+                mb.input_ids,
+                attention_mask=mb.attention_mask,
+                position_ids=mb.position_ids,
                 logprob_mask=mb.logprob_mask,
-            )  # fmt: skip
+            )
         out = [torch.empty(0)] * len(mb.indices)
         for row, i in enumerate(mb.indices):
             out[i] = logp[row][mb.logprob_mask[row]]

@@ -42,9 +42,12 @@ def _sequences(seed: int) -> list[Sequence]:
 def _logprobs_and_grads(model, mb, weights):
     model.zero_grad(set_to_none=True)
     logp = causal_lm_logprobs(
-        model, mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+        model,
+        mb.input_ids,
+        attention_mask=mb.attention_mask,
+        position_ids=mb.position_ids,
         logprob_mask=mb.logprob_mask,
-    )  # fmt: skip
+    )
     (logp * weights).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     # completion-token log-probs in sequence order, whatever the layout
@@ -215,9 +218,13 @@ def _groups(seed: int) -> list[Sequence]:
 def _shared_logprobs_and_grads(model, mb):
     model.zero_grad(set_to_none=True)
     logp = causal_lm_logprobs(
-        model, mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-        logprob_mask=mb.logprob_mask, prefix_tree=mb.prefix_tree,
-    )  # fmt: skip
+        model,
+        mb.input_ids,
+        attention_mask=mb.attention_mask,
+        position_ids=mb.position_ids,
+        logprob_mask=mb.logprob_mask,
+        prefix_tree=mb.prefix_tree,
+    )
     flat = logp.reshape(-1)
     per_sequence = {i: flat[mb.segment_ids == k] for k, i in enumerate(mb.indices)}
     values = torch.cat([per_sequence[i] for i in sorted(per_sequence)])

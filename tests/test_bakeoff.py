@@ -14,9 +14,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_reduced_bakeoff_writes_its_report(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
     command = [
-        sys.executable, str(ROOT / "scripts" / "bakeoff.py"), "--reduced",
-        "--runs-dir", str(tmp_path / "runs"), "--report-dir", str(tmp_path / "report"),
-    ]  # fmt: skip
+        sys.executable,
+        str(ROOT / "scripts" / "bakeoff.py"),
+        "--reduced",
+        "--runs-dir",
+        str(tmp_path / "runs"),
+        "--report-dir",
+        str(tmp_path / "report"),
+    ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     report = (tmp_path / "report" / "bakeoff.md").read_text()

@@ -43,9 +43,13 @@ def forkserver(tmp_path_factory) -> Iterator[Callable[..., int]]:
     """run(log, argv=... | code=..., kill=None) -> the child's exit status (-9: killed)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
     server = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "forkrun.py")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        env=env, text=True, cwd=tmp_path_factory.mktemp("forkrun"),
-    )  # fmt: skip
+        [sys.executable, str(ROOT / "tests" / "forkrun.py")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+        text=True,
+        cwd=tmp_path_factory.mktemp("forkrun"),
+    )
 
     def run(log: Path, *, argv: list[str] | None = None, code: str | None = None, kill=None) -> int:
         job = {"log": str(log), "kill": kill, **({"argv": argv} if argv is not None else {"code": code})}
@@ -82,8 +86,15 @@ def _lines(run_dir: Path) -> list[dict]:
 def test_a_run_killed_at_every_phase_of_a_checkpoint_save_resumes_to_the_uninterrupted_run(
     tmp_path: Path, forkserver
 ) -> None:
-    common = [str(TINY), "train.steps=2", "checkpoint.every=1", "checkpoint.keep=3", "eval.every=0",
-              "tensorboard=false", "task.num_eval=4"]  # fmt: skip
+    common = [
+        str(TINY),
+        "train.steps=2",
+        "checkpoint.every=1",
+        "checkpoint.keep=3",
+        "eval.every=0",
+        "tensorboard=false",
+        "task.num_eval=4",
+    ]
     ref, run = tmp_path / "ref", tmp_path / "run"
     assert forkserver(tmp_path / "ref.log", argv=["train", *common, f"output_dir={ref}"]) == 0
     # Each kill continues the same run: a fresh start, then `--resume`s, and a last resume that finishes it.
@@ -204,8 +215,9 @@ def test_a_checkpoint_without_its_model_files_is_not_complete(tmp_path: Path) ->
     tokenizer = tiny_tokenizer()
     run = tmp_path / "run"
     for step in (1, 2):
-        save_checkpoint(run, step, model=tiny_model("llama", len(tokenizer), 0), tokenizer=tokenizer,
-                        state={}, keep=2)  # fmt: skip
+        save_checkpoint(
+            run, step, model=tiny_model("llama", len(tokenizer), 0), tokenizer=tokenizer, state={}, keep=2
+        )
     (run / "checkpoints" / "step_000002" / "model" / "model.safetensors").unlink()
     assert latest_checkpoint(run) == run / "checkpoints" / "step_000001"  # the newest complete one
     (run / "checkpoints" / "step_000001" / "model" / "config.json").unlink()

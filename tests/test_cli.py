@@ -39,8 +39,10 @@ def test_a_model_that_is_not_a_model_is_one_line_with_the_input_code(tmp_path: P
     (tmp_path / "folder").mkdir()
     (tmp_path / "folder" / "notes.txt").write_text("hello")
     (tmp_path / "model.gguf").write_bytes(b"GGUF" + bytes(12))  # a header and nothing after it
-    for path, message in ((tmp_path / "folder", "is not a Hugging Face model directory"),
-                          (tmp_path / "model.gguf", "cannot be read, it is truncated or corrupt")):  # fmt: skip
+    for path, message in (
+        (tmp_path / "folder", "is not a Hugging Face model directory"),
+        (tmp_path / "model.gguf", "cannot be read, it is truncated or corrupt"),
+    ):
         code, err = _run(
             capsys, TINY, "model.tiny=null", f"model.path={path}", f"output_dir={tmp_path / 'run'}"
         )
@@ -50,8 +52,14 @@ def test_a_model_that_is_not_a_model_is_one_line_with_the_input_code(tmp_path: P
 def test_a_reward_too_large_for_float32_is_one_line_with_the_reward_code(tmp_path: Path, capsys) -> None:
     rewards = tmp_path / "huge.py"
     rewards.write_text("def reward(prompts, completions, **_):\n    return [1e39] * len(completions)\n")
-    code, err = _run(capsys, TINY, f"output_dir={tmp_path / 'run'}", f"rewards={{{rewards}:reward: 1.0}}",
-                     "tensorboard=false", "task.num_eval=2")  # fmt: skip
+    code, err = _run(
+        capsys,
+        TINY,
+        f"output_dir={tmp_path / 'run'}",
+        f"rewards={{{rewards}:reward: 1.0}}",
+        "tensorboard=false",
+        "task.num_eval=2",
+    )
     assert code == EXIT_CODES["reward"] and "beyond float32's range" in err
 
 

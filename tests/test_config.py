@@ -101,8 +101,14 @@ def test_bad_input_names_the_field(override: str, message: str) -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["train.objective=sapo", "train.eps_low=0.2"], "train.eps_low is a clip range, but train.objective=sapo"),
-        (["train.sapo_tau_pos=2"], "train.sapo_tau_pos is SAPO's gate temperature; train.objective=gspo does not"),
+        (
+            ["train.objective=sapo", "train.eps_low=0.2"],
+            "train.eps_low is a clip range, but train.objective=sapo",
+        ),
+        (
+            ["train.sapo_tau_pos=2"],
+            "train.sapo_tau_pos is SAPO's gate temperature; train.objective=gspo does not",
+        ),
         (["train.objective=sapo", "train.sapo_tau_neg=0"], "train.sapo_tau_neg must be > 0"),
         (["train.objective=cispo", "train.eps_low=1.5"], "train.eps_low must be <= 1 for cispo"),
         (
@@ -115,14 +121,18 @@ def test_bad_input_names_the_field(override: str, message: str) -> None:
         ),
         (["train.sampler_correction_max=3"], "set train.sampler_correction too"),
         (
-            ["train.sampler_correction=token_mask", "train.objective=grpo", "train.sampler_correction_min=2",
-             "train.sampler_correction_max=1"],
+            [
+                "train.sampler_correction=token_mask",
+                "train.objective=grpo",
+                "train.sampler_correction_min=2",
+                "train.sampler_correction_max=1",
+            ],
             "train.sampler_correction_min=2.0 exceeds train.sampler_correction_max=1.0",
         ),
         (["train.opsm_delta=-1"], "train.opsm_delta must be >= 0"),
         (["train.sampler_is_cap=2"], "unknown config key 'train.sampler_is_cap'"),
     ],
-)  # fmt: skip
+)
 def test_wrong_objective_and_correction_combinations_name_the_fix(overrides, message) -> None:
     with pytest.raises(ConfigError) as error:
         load_config(None, overrides)

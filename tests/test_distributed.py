@@ -84,15 +84,23 @@ def _split_loss(
     logp = torch.log_softmax(logits, -1).gather(1, inputs["targets"][tokens, None]).squeeze(1)
     logp.retain_grad()
     kwargs = dict(
-        eps_low=0.03, eps_high=0.04, aggregation=aggregation, beta=beta,
+        eps_low=0.03,
+        eps_high=0.04,
+        aggregation=aggregation,
+        beta=beta,
         ref_logp=inputs["ref_logp"][tokens] if beta else None,
-    )  # fmt: skip
+    )
     if part is not None:  # the per-segment sums are all-reduced, differentiably, before any ratio
         kwargs["segment_sum_reduce"] = functools.partial(all_reduce, op=dist.ReduceOp.SUM)
     loss, metrics = policy_loss(
-        objective, logp, inputs["old_logp"][tokens], inputs["advantages"],
-        segment_ids=inputs["segment_ids"][tokens], num_segments=5, **kwargs,
-    )  # fmt: skip
+        objective,
+        logp,
+        inputs["old_logp"][tokens],
+        inputs["advantages"],
+        segment_ids=inputs["segment_ids"][tokens],
+        num_segments=5,
+        **kwargs,
+    )
     loss.backward()
     return loss.detach(), metrics, logp.grad, weight.grad
 
@@ -119,10 +127,14 @@ def _config(run_dir: Path, *overrides: str):
 
 def _learn_config(run_dir: Path, wrapper: str, precision: str = "none"):
     return _config(
-        run_dir, f"distributed.wrapper={wrapper}", "train.micro_batch_tokens=40", "train.pack_length=20",
+        run_dir,
+        f"distributed.wrapper={wrapper}",
+        "train.micro_batch_tokens=40",
+        "train.pack_length=20",
         "train.old_logprobs=recompute",
-        f"train.mixed_precision={precision}", *LEARN_OVERRIDES[wrapper],
-    )  # fmt: skip
+        f"train.mixed_precision={precision}",
+        *LEARN_OVERRIDES[wrapper],
+    )
 
 
 # whole groups on each rank (10 sequences, then 6), as in gspo train
@@ -373,8 +385,11 @@ def test_a_reward_failing_on_one_rank_stops_every_rank_at_a_checkpoint(distribut
 def test_a_batch_that_does_not_divide_across_ranks_names_the_fix():
     config = load_config(TINY, ["rollout.prompts_per_step=6"])
     validate_setup(config, num_processes=2, is_moe=False)  # 6 prompts on 2 ranks: fine
-    with pytest.raises(ConfigError, match=r"rollout.prompts_per_step=6 does not divide across 4 processes.*"
-                       r"set rollout.prompts_per_step=8"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout.prompts_per_step=6 does not divide across 4 processes.*"
+        r"set rollout.prompts_per_step=8",
+    ):
         validate_setup(config, num_processes=4, is_moe=False)
     lora = dataclasses.replace(config, lora=dataclasses.replace(config.lora, rank=4))
     lora.distributed.wrapper = "fsdp2"
@@ -385,10 +400,21 @@ def test_a_batch_that_does_not_divide_across_ranks_names_the_fix():
 def test_torchrun_runs_the_cli_on_two_processes(tmp_path):
     run = tmp_path / "run"
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD),
-        "-m", "gspo", "train", str(TINY), f"output_dir={run}", "train.steps=2",
-        "distributed.wrapper=fsdp2", "tensorboard=false",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(WORLD),
+        "-m",
+        "gspo",
+        "train",
+        str(TINY),
+        f"output_dir={run}",
+        "train.steps=2",
+        "distributed.wrapper=fsdp2",
+        "tensorboard=false",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-4000:]

@@ -159,9 +159,17 @@ def test_gspo_eval_samples_data_file_and_overrides(tiny_run: Path, tmp_path: Pat
         "".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(3))
     )
     out = _gspo(
-        "eval", str(tiny_run), "--samples", "4", "--data", str(data), "--output", "r.json",
-        "eval.max_new_tokens=3", cwd=tmp_path,
-    )  # fmt: skip
+        "eval",
+        str(tiny_run),
+        "--samples",
+        "4",
+        "--data",
+        str(data),
+        "--output",
+        "r.json",
+        "eval.max_new_tokens=3",
+        cwd=tmp_path,
+    )
     assert (
         "pass@1 " in out and "pass@4 " in out and "mean@4 " in out and "4 samples at temperature 1.0" in out
     )

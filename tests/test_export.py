@@ -189,9 +189,16 @@ def test_vocabulary_built_from_the_hf_tokenizer_equals_the_source_ggufs(smollm2_
     built = gguf.GGUFReader(tmp_path / "built.gguf").fields
     source = gguf.GGUFReader(default_model_file()).fields
     for key in (
-        "tokens", "token_type", "merges", "model", "bos_token_id", "eos_token_id", "padding_token_id",
-        "unknown_token_id", "add_bos_token",
-    ):  # fmt: skip
+        "tokens",
+        "token_type",
+        "merges",
+        "model",
+        "bos_token_id",
+        "eos_token_id",
+        "padding_token_id",
+        "unknown_token_id",
+        "add_bos_token",
+    ):
         assert built[f"tokenizer.ggml.{key}"].contents() == source[f"tokenizer.ggml.{key}"].contents(), key
     assert built["tokenizer.chat_template"].contents() == source["tokenizer.chat_template"].contents()
     for key in ("block_count", "embedding_length", "attention.head_count_kv", "rope.freq_base"):
@@ -231,7 +238,9 @@ def test_exported_gguf_in_llama_cpp_matches_the_trainer(smollm2_run, quant: str)
         assert all(m < 2 * max_tol for m in margins) and sum(result["same"]) >= 0.8 * len(prompts)
     # the trainer's evaluation saw these very completions
     scored = evaluation.evaluate(
-        HFSampler(trainer.policy.model, trainer.tokenizer), trainer.eval_examples, trainer.rewards,
+        HFSampler(trainer.policy.model, trainer.tokenizer),
+        trainer.eval_examples,
+        trainer.rewards,
         max_new_tokens=config.eval.max_new_tokens,
-    )  # fmt: skip
+    )
     assert [p["completions"][0] for p in scored.problems] == result["ours"].completions

@@ -191,9 +191,16 @@ def test_shared_prefix_updates_equal_the_padded_layout_s(family, objective, opti
     for layout in ("shared_prefix", "padded"):
         policy = _model_policy(family, beta)
         spec = UpdateSpec(
-            objective=objective, eps_low=0.02, eps_high=0.02, minibatches=3, beta=beta, layout=layout,
-            minibatch_split="group", routing_replay=options.get("routing_replay", False), max_grad_norm=0.0,
-        )  # fmt: skip
+            objective=objective,
+            eps_low=0.02,
+            eps_high=0.02,
+            minibatches=3,
+            beta=beta,
+            layout=layout,
+            minibatch_split="group",
+            routing_replay=options.get("routing_replay", False),
+            max_grad_norm=0.0,
+        )
         batch = _group_batch(per_token)
         metrics = learn(policy, spec, batch, seed=11)
         results[layout] = (_params(policy), metrics)
@@ -293,21 +300,32 @@ def test_reduce_metrics_reads_tensors_back_with_one_sync(monkeypatch):
 
 @pytest.mark.parametrize(
     ("objective", "correction", "opsm_delta"),
-    [("gmpo", None, None), ("sapo", "token_mask", None), ("sapo_seq", "sequence_truncate", 0.0),
-     ("cispo", "token_truncate", None), ("gspo", "sequence_mask", 0.5)],
-)  # fmt: skip
+    [
+        ("gmpo", None, None),
+        ("sapo", "token_mask", None),
+        ("sapo_seq", "sequence_truncate", 0.0),
+        ("cispo", "token_truncate", None),
+        ("gspo", "sequence_mask", 0.5),
+    ],
+)
 def test_every_objective_and_correction_trains_through_the_learner(objective, correction, opsm_delta):
     batch = _batch()
     g = torch.Generator().manual_seed(3)  # the sampler's log-probs: some known, a few missing
     batch.sampler_logprobs = [
-        [float("nan") if torch.rand((), generator=g) < 0.2 else -2.0 - float(torch.rand((), generator=g))
-         for _ in s.completion_ids]
+        [
+            float("nan") if torch.rand((), generator=g) < 0.2 else -2.0 - float(torch.rand((), generator=g))
+            for _ in s.completion_ids
+        ]
         for s in batch.sequences
-    ]  # fmt: skip
+    ]
     spec = UpdateSpec(
-        objective=objective, minibatches=2, old_logprobs="recompute", correction=correction,
-        correction_bounds=None if correction is None else (0.0, 50.0), opsm_delta=opsm_delta,
-    )  # fmt: skip
+        objective=objective,
+        minibatches=2,
+        old_logprobs="recompute",
+        correction=correction,
+        correction_bounds=None if correction is None else (0.0, 50.0),
+        opsm_delta=opsm_delta,
+    )
     policy = _policy()
     before = _params(policy)
     metrics = learn(policy, spec, batch, seed=3)

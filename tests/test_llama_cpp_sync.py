@@ -76,11 +76,17 @@ def test_gspo_train_with_the_llama_cpp_engine_syncs_every_n_steps(tmp_path: Path
     config = load_config(
         ROOT / "configs" / "tiny.yaml",
         [
-            f"output_dir={tmp_path / 'run'}", "tensorboard=false", "train.lr=0.01", "eval.every=0", "train.steps=3",
-            "rollout.engine=llama_cpp", "rollout.server.sync_every=2", "rollout.server.gguf_quant=f32",
+            f"output_dir={tmp_path / 'run'}",
+            "tensorboard=false",
+            "train.lr=0.01",
+            "eval.every=0",
+            "train.steps=3",
+            "rollout.engine=llama_cpp",
+            "rollout.server.sync_every=2",
+            "rollout.server.gguf_quant=f32",
             "checkpoint.every=0",
         ],
-    )  # fmt: skip
+    )
     trainer = Trainer(config)
     sync = trainer.sampler.weight_sync
     try:

@@ -43,9 +43,12 @@ def _packed() -> list[MicroBatch]:
 
 def _logprobs(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
     return causal_lm_logprobs(
-        model, mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+        model,
+        mb.input_ids,
+        attention_mask=mb.attention_mask,
+        position_ids=mb.position_ids,
         logprob_mask=mb.logprob_mask,
-    )  # fmt: skip
+    )
 
 
 def _router_inputs(model: torch.nn.Module, mb: MicroBatch) -> list[torch.Tensor]:
@@ -162,15 +165,22 @@ def test_replay_refuses_another_layout() -> None:
 
 def test_trainer_logs_routing_volatility_and_replays(tmp_path: Path) -> None:
     overrides = [
-        "model.tiny=qwen3_moe", "tensorboard=false", "train.steps=1", "checkpoint.every=0",
-        "train.minibatches_per_rollout=2", "train.objective=grpo", "train.routing_replay=true",
-    ]  # fmt: skip
+        "model.tiny=qwen3_moe",
+        "tensorboard=false",
+        "train.steps=1",
+        "checkpoint.every=0",
+        "train.minibatches_per_rollout=2",
+        "train.objective=grpo",
+        "train.routing_replay=true",
+    ]
     trainer = Trainer(load_config(TINY, [f"output_dir={tmp_path / 'run'}", *overrides]))
     metrics = trainer.train_step()
     for key in (
-        "routing_volatility", "routing_expert_change_frac", "routing_volatility_after_1_updates",
+        "routing_volatility",
+        "routing_expert_change_frac",
+        "routing_volatility_after_1_updates",
         "routing_expert_change_frac_after_1_updates",
-    ):  # fmt: skip
+    ):
         assert 0.0 <= metrics[key] <= 1.0, (key, metrics)
     assert not any(key.startswith("live_") for key in metrics)
 
@@ -186,9 +196,14 @@ def test_routing_replay_on_a_dense_model_is_a_config_error(tmp_path: Path) -> No
 def test_reduced_paper_experiment_writes_its_report(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
     command = [
-        sys.executable, str(ROOT / "scripts" / "reproduce_paper.py"), "--reduced",
-        "--runs-dir", str(tmp_path / "runs"), "--report-dir", str(tmp_path / "report"),
-    ]  # fmt: skip
+        sys.executable,
+        str(ROOT / "scripts" / "reproduce_paper.py"),
+        "--reduced",
+        "--runs-dir",
+        str(tmp_path / "runs"),
+        "--report-dir",
+        str(tmp_path / "report"),
+    ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     report = (tmp_path / "report" / "paper_reproduction.md").read_text()

@@ -93,8 +93,24 @@ def make_batch(seed, B=4, T=6, spread=0.3, per_token_adv=False, dtype=torch.floa
     return logp.to(dtype).requires_grad_(), old.to(dtype), adv.to(dtype), mask, ref.to(dtype)
 
 
-def naive_loss(kind, logp, old, adv, mask, eps_low, eps_high, aggregation, ref=None, beta=0.0, *, tau=None,
-               sampler=None, correction=None, bounds=(None, None), opsm_delta=None):  # fmt: skip
+def naive_loss(
+    kind,
+    logp,
+    old,
+    adv,
+    mask,
+    eps_low,
+    eps_high,
+    aggregation,
+    ref=None,
+    beta=0.0,
+    *,
+    tau=None,
+    sampler=None,
+    correction=None,
+    bounds=(None, None),
+    opsm_delta=None,
+):
     """The papers' formulas, one sequence at a time, with min() and clamp() as written; tau = SAPO's (pos, neg)."""
     B = logp.shape[0]
     terms, weights, total_tokens = [], [], 0
@@ -458,10 +474,20 @@ def test_corrections_match_naive_loop(kind, correction, bounds, opsm_delta, aggr
 
         bounds = CORRECTION_BOUNDS[correction]
     expected = naive_loss(
-        kind, logp, old, adv, mask, default.get("eps_low"), default.get("eps_high"), aggregation,
-        tau=(default.get("tau_pos"), default.get("tau_neg")), sampler=sampler, correction=correction,
-        bounds=bounds or (None, None), opsm_delta=opsm_delta,
-    )  # fmt: skip
+        kind,
+        logp,
+        old,
+        adv,
+        mask,
+        default.get("eps_low"),
+        default.get("eps_high"),
+        aggregation,
+        tau=(default.get("tau_pos"), default.get("tau_neg")),
+        sampler=sampler,
+        correction=correction,
+        bounds=bounds or (None, None),
+        opsm_delta=opsm_delta,
+    )
     torch.testing.assert_close(loss, expected)
     torch.testing.assert_close(grad_of(loss, logp), grad_of(expected, logp))
     if correction is not None:
@@ -525,9 +551,15 @@ def test_packed_equals_padded(kind, per_token_adv, correction):
         p_logp, p_old, p_adv, seg, p_ref = to_packed(logp, old, adv, mask, ref)
         kwargs["ref_logp"] = p_ref
         p_loss, p_m = PACKED_OBJECTIVES[kind](
-            p_logp, p_old, p_adv, seg, 5, aggregation=aggregation, sampler_logp=p_sampler if correction else None,
+            p_logp,
+            p_old,
+            p_adv,
+            seg,
+            5,
+            aggregation=aggregation,
+            sampler_logp=p_sampler if correction else None,
             **kwargs,
-        )  # fmt: skip
+        )
         kwargs["ref_logp"] = ref
         torch.testing.assert_close(p_loss, loss)
         assert p_m.keys() == m.keys()
@@ -566,9 +598,14 @@ def test_minibatch_accumulation_equals_full_batch(kind, aggregation):
     for rows in (slice(0, 2), slice(2, 4), slice(4, 6)):
         kwargs["ref_logp"] = ref[rows]
         part, _ = OBJECTIVES[kind](
-            logp[rows], old[rows], adv[rows], mask[rows], normalizer=normalizer, sampler_logp=sampler[rows],
+            logp[rows],
+            old[rows],
+            adv[rows],
+            mask[rows],
+            normalizer=normalizer,
+            sampler_logp=sampler[rows],
             **kwargs,
-        )  # fmt: skip
+        )
         total = total + part
     torch.testing.assert_close(total, full)
     torch.testing.assert_close(grad_of(total, logp), grad_of(full, logp))
@@ -847,17 +884,26 @@ def test_sequence_parallel_refuses_what_needs_more_all_reduces():
         )
     with pytest.raises(ValueError, match="supports neither gmpo nor the mismatch corrections"):
         policy_loss(
-            "grpo", p_logp, p_old, adv, segment_ids=seg, num_segments=3, segment_sum_reduce=lambda x: x,
+            "grpo",
+            p_logp,
+            p_old,
+            adv,
+            segment_ids=seg,
+            num_segments=3,
+            segment_sum_reduce=lambda x: x,
             opsm_delta=0.1,
-        )  # fmt: skip
+        )
 
 
 def test_objective_names_defaults_and_entry_point_errors():
     assert KINDS == ("gspo", "gspo_token", "grpo", "gmpo", "sapo", "sapo_seq", "cispo")
     assert PAPER_CLIP == {
-        "gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.27), "gmpo": (0.4, 0.4),
+        "gspo": (3e-4, 4e-4),
+        "gspo_token": (3e-4, 4e-4),
+        "grpo": (0.2, 0.27),
+        "gmpo": (0.4, 0.4),
         "cispo": (1.0, 4.0),
-    }  # fmt: skip
+    }
     assert PAPER_DEFAULTS["sapo"] == PAPER_DEFAULTS["sapo_seq"] == {"tau_pos": 1.0, "tau_neg": 1.05}
     assert AGGREGATIONS == (
         "seq-mean-token-mean",

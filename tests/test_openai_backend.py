@@ -259,11 +259,21 @@ def test_gspo_train_samples_from_the_real_server(engine, tmp_path) -> None:
     config = load_config(
         root / "configs" / "tiny.yaml",
         [
-            "model.tiny=null", "rollout.engine=openai", f"rollout.server.url={url}", f"output_dir={tmp_path / 'run'}",
-            "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=4", "train.steps=1",
-            "task.num_eval=2", "eval.every=0", "checkpoint.every=0", "tensorboard=false", "train.lr=1e-4",
+            "model.tiny=null",
+            "rollout.engine=openai",
+            f"rollout.server.url={url}",
+            f"output_dir={tmp_path / 'run'}",
+            "rollout.prompts_per_step=2",
+            "rollout.group_size=2",
+            "rollout.max_new_tokens=4",
+            "train.steps=1",
+            "task.num_eval=2",
+            "eval.every=0",
+            "checkpoint.every=0",
+            "tensorboard=false",
+            "train.lr=1e-4",
         ],
-    )  # fmt: skip
+    )
     with pytest.warns(UserWarning, match="does not update"):
         trainer = Trainer(config)
     before = [p.detach().clone() for p in trainer.policy.model.parameters()]
@@ -380,14 +390,30 @@ def test_the_timeout_is_a_deadline_on_the_whole_request_however_slowly_the_serve
 @pytest.mark.parametrize(
     ("status", "body", "content_type", "message"),
     [
-        (200, b"<html><body>502 Bad Gateway</body></html>", "text/html", r"the answer is not JSON: '<html><body>502"),
+        (
+            200,
+            b"<html><body>502 Bad Gateway</body></html>",
+            "text/html",
+            r"the answer is not JSON: '<html><body>502",
+        ),
         (200, b'[{"text": "1"}]', "application/json", r"the answer is a JSON list, not an object"),
         (200, b'{"choices": "none"}', "application/json", r"malformed completion answer: no list of choices"),
-        (200, json.dumps({"choices": [{"text": "1", "logprobs": {"tokens": [1], "token_logprobs": [0.0]}}]}).encode(),
-         "application/json", r"logprobs are not lists of tokens"),
-        (200, json.dumps({"choices": [], "padding": "x" * 2_000_000}).encode(), "application/json", r"no list of choices: '\{"),
+        (
+            200,
+            json.dumps(
+                {"choices": [{"text": "1", "logprobs": {"tokens": [1], "token_logprobs": [0.0]}}]}
+            ).encode(),
+            "application/json",
+            r"logprobs are not lists of tokens",
+        ),
+        (
+            200,
+            json.dumps({"choices": [], "padding": "x" * 2_000_000}).encode(),
+            "application/json",
+            r"no list of choices: '\{",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_malformed_answer_is_a_server_error_with_the_url_and_a_short_excerpt(
     status, body, content_type, message
 ):
@@ -407,8 +433,10 @@ def test_an_answer_over_the_size_limit_is_refused_without_reading_it_all() -> No
             wfile.write(b"2710\r\n" + b"x" * 10_000 + b"\r\n")
         wfile.write(b"0\r\n\r\n")
 
-    for respond, message in ((big, r"is 3,000,030 bytes, over max_response_bytes=1,000,000"),
-                             (big_chunked, r"over max_response_bytes=1,000,000 bytes")):  # fmt: skip
+    for respond, message in (
+        (big, r"is 3,000,030 bytes, over max_response_bytes=1,000,000"),
+        (big_chunked, r"over max_response_bytes=1,000,000 bytes"),
+    ):
         with _raw_server(respond) as (url, _):
             backend = OpenAIBackend(url, tiny_tokenizer(), timeout=10, max_response_bytes=1_000_000)
             with pytest.raises(ServerError, match=message):

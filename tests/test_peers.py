@@ -50,28 +50,63 @@ class _Accelerator:
         return x
 
 
-def trl_loss(loss_type, level, logp, old, adv, mask, *, eps_low=0.2, eps_high=0.2, max_len=None, tau=(1.0, 1.05),
-             is_mode=None, is_bounds=(None, 3.0), sampler=None, opsm=None):  # fmt: skip
+def trl_loss(
+    loss_type,
+    level,
+    logp,
+    old,
+    adv,
+    mask,
+    *,
+    eps_low=0.2,
+    eps_high=0.2,
+    max_len=None,
+    tau=(1.0, 1.05),
+    is_mode=None,
+    is_bounds=(None, 3.0),
+    sampler=None,
+    opsm=None,
+):
     """TRL's GRPOTrainer._compute_loss on these tensors: (loss, d loss / d logp)."""
     logp = logp.detach().clone().requires_grad_()
     stub = SimpleNamespace(
-        top_entropy_quantile=1.0, aux_loss_enabled=False, off_policy_mask_threshold=opsm,
-        importance_sampling_level=level, beta=0.0, loss_type=loss_type, epsilon_low=eps_low,
-        epsilon_high=eps_high, use_vllm=is_mode is not None, vllm_importance_sampling_correction=is_mode is not None,
-        model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
-        max_completion_length=max_len or mask.shape[1], accelerator=_Accelerator(), _entropy_bonus_enabled=False,
-        _metrics=defaultdict(lambda: defaultdict(list)), get_off_policy_mask=GRPOTrainer.get_off_policy_mask,
-        args=SimpleNamespace(delta=None, sapo_temperature_pos=tau[0], sapo_temperature_neg=tau[1],
-                             use_bias_correction_kl=False, steps_per_generation=1),
-    )  # fmt: skip
+        top_entropy_quantile=1.0,
+        aux_loss_enabled=False,
+        off_policy_mask_threshold=opsm,
+        importance_sampling_level=level,
+        beta=0.0,
+        loss_type=loss_type,
+        epsilon_low=eps_low,
+        epsilon_high=eps_high,
+        use_vllm=is_mode is not None,
+        vllm_importance_sampling_correction=is_mode is not None,
+        model=SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=1,
+        max_completion_length=max_len or mask.shape[1],
+        accelerator=_Accelerator(),
+        _entropy_bonus_enabled=False,
+        _metrics=defaultdict(lambda: defaultdict(list)),
+        get_off_policy_mask=GRPOTrainer.get_off_policy_mask,
+        args=SimpleNamespace(
+            delta=None,
+            sapo_temperature_pos=tau[0],
+            sapo_temperature_neg=tau[1],
+            use_bias_correction_kl=False,
+            steps_per_generation=1,
+        ),
+    )
     stub._get_per_token_logps_and_entropies = lambda *args, **kwargs: (logp, torch.zeros_like(logp), None)
     B, T = mask.shape
     fmask = mask.to(logp.dtype)
     inputs = {
-        "prompt_ids": torch.zeros(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1),
-        "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": fmask,
-        "advantages": adv, "old_per_token_logps": old, "num_items_in_batch": fmask.sum(),
-    }  # fmt: skip
+        "prompt_ids": torch.zeros(B, 1, dtype=torch.long),
+        "prompt_mask": torch.ones(B, 1),
+        "completion_ids": torch.zeros(B, T, dtype=torch.long),
+        "completion_mask": fmask,
+        "advantages": adv,
+        "old_per_token_logps": old,
+        "num_items_in_batch": fmask.sum(),
+    }
     if sampler is not None:
         inputs["sampling_per_token_logps"] = sampler
     if is_mode is not None:
@@ -95,8 +130,15 @@ def trl_importance_ratio(stub, old, sampler, mask):
         if "# Compute the per-token log probabilities for the reference" in line
     )
     block = textwrap.dedent("\n".join(lines[start:end]))
-    scope = {"self": stub, "old_per_token_logps": old, "sampling_per_token_logps": sampler,
-             "completion_mask": mask, "tool_mask": None, "torch": torch, "math": math}  # fmt: skip
+    scope = {
+        "self": stub,
+        "old_per_token_logps": old,
+        "sampling_per_token_logps": sampler,
+        "completion_mask": mask,
+        "tool_mask": None,
+        "torch": torch,
+        "math": math,
+    }
     exec(block, scope)
     return scope["vllm_importance_sampling_ratio"]
 
@@ -173,13 +215,42 @@ def test_token_importance_sampling_equals_trls(mode, objective):
         kwargs = {"eps_low": 0.2, "eps_high": 0.2}
     aggregation = "token-mean" if objective == "cispo" else "seq-mean-token-mean"
     loss_type = {"grpo": "grpo", "cispo": "cispo", "sapo": "sapo"}[objective]
-    expected = trl_loss(loss_type, "token", logp, old, adv, mask, is_mode=mode, is_bounds=bounds, sampler=sampler,
-                        **trl_kwargs)  # fmt: skip
-    got = ours(objective, logp, old, adv, mask, sampler_logp=sampler, correction=mode, correction_bounds=bounds,
-               aggregation=aggregation, **kwargs)  # fmt: skip
+    expected = trl_loss(
+        loss_type,
+        "token",
+        logp,
+        old,
+        adv,
+        mask,
+        is_mode=mode,
+        is_bounds=bounds,
+        sampler=sampler,
+        **trl_kwargs,
+    )
+    got = ours(
+        objective,
+        logp,
+        old,
+        adv,
+        mask,
+        sampler_logp=sampler,
+        correction=mode,
+        correction_bounds=bounds,
+        aggregation=aggregation,
+        **kwargs,
+    )
     assert_same(got, expected)
-    _, m = policy_loss(objective, logp, old, adv, mask, sampler_logp=sampler, correction=mode,
-                       correction_bounds=bounds, **kwargs)  # fmt: skip
+    _, m = policy_loss(
+        objective,
+        logp,
+        old,
+        adv,
+        mask,
+        sampler_logp=sampler,
+        correction=mode,
+        correction_bounds=bounds,
+        **kwargs,
+    )
     changed = m["sampler_is_truncated_frac_token"] + m["sampler_is_masked_frac_token"]
     assert 0 < changed < 1  # the bounds bite on some tokens, not all
 
@@ -194,11 +265,33 @@ def test_sequence_importance_sampling_is_trls_on_the_length_normalised_ratio(mod
     n = mask.sum(1, keepdim=True).to(old.dtype)
     scaled = old - (old - sampler) / n  # log rho'_t = log rho_t / |y_i|: sum_t log rho'_t = mean_t log rho_t
     got = ours("gspo", logp, old, adv, mask, sampler_logp=sampler, correction=mode, correction_bounds=bounds)
-    same = trl_loss("grpo", "sequence", logp, old, adv, mask, eps_low=3e-4, eps_high=4e-4, is_mode=mode,
-                    is_bounds=bounds, sampler=scaled)  # fmt: skip
+    same = trl_loss(
+        "grpo",
+        "sequence",
+        logp,
+        old,
+        adv,
+        mask,
+        eps_low=3e-4,
+        eps_high=4e-4,
+        is_mode=mode,
+        is_bounds=bounds,
+        sampler=scaled,
+    )
     assert_same(got, same)
-    raw = trl_loss("grpo", "sequence", logp, old, adv, mask, eps_low=3e-4, eps_high=4e-4, is_mode=mode,
-                   is_bounds=bounds, sampler=sampler)  # fmt: skip
+    raw = trl_loss(
+        "grpo",
+        "sequence",
+        logp,
+        old,
+        adv,
+        mask,
+        eps_low=3e-4,
+        eps_high=4e-4,
+        is_mode=mode,
+        is_bounds=bounds,
+        sampler=sampler,
+    )
     assert (got[0] - raw[0]).abs() > 1e-4
 
 
@@ -209,10 +302,12 @@ def test_off_policy_sequence_masking_equals_trls(loss_type, level, objective):
     logp, old, sampler, adv, mask = batch(4, spread=0.5)
     sampler = sampler + 0.3  # the sampler more confident than the current policy: KL_i > 0 for some
     eps = (0.2, 0.2) if level == "token" else (0.02, 0.03)
-    expected = trl_loss(loss_type, level, logp, old, adv, mask, eps_low=eps[0], eps_high=eps[1], sampler=sampler,
-                        opsm=0.3)  # fmt: skip
-    got = ours(objective, logp, old, adv, mask, eps_low=eps[0], eps_high=eps[1], sampler_logp=sampler,
-               opsm_delta=0.3)  # fmt: skip
+    expected = trl_loss(
+        loss_type, level, logp, old, adv, mask, eps_low=eps[0], eps_high=eps[1], sampler=sampler, opsm=0.3
+    )
+    got = ours(
+        objective, logp, old, adv, mask, eps_low=eps[0], eps_high=eps[1], sampler_logp=sampler, opsm_delta=0.3
+    )
     assert_same(got, expected)
     _, m = policy_loss(objective, logp, old, adv, mask, sampler_logp=sampler, opsm_delta=0.3)
     assert 0 < m["opsm_masked_frac_seq"] < 1

@@ -28,9 +28,17 @@ def test_a_streak_warns_once_when_it_reaches_its_length_and_shows_in_the_progres
 def test_a_run_with_no_reward_spread_warns_on_stderr(tmp_path: Path, capsys) -> None:
     config = load_config(
         ROOT / "configs" / "tiny.yaml",
-        [f"output_dir={tmp_path / 'run'}", "tensorboard=false", "rewards={same: 1.0}", "train.steps=2",
-         "train.warn_after_flat_steps=2", "eval.every=0", "checkpoint.every=0", "task.num_eval=2"],
-    )  # fmt: skip
+        [
+            f"output_dir={tmp_path / 'run'}",
+            "tensorboard=false",
+            "rewards={same: 1.0}",
+            "train.steps=2",
+            "train.warn_after_flat_steps=2",
+            "eval.every=0",
+            "checkpoint.every=0",
+            "task.num_eval=2",
+        ],
+    )
     Trainer(
         config, reward_functions={"same": lambda prompts, completions, **_: [1.0] * len(completions)}
     ).run()

@@ -177,9 +177,13 @@ def test_reward_error_names_the_function_and_leaves_a_loadable_checkpoint(tmp_pa
 
 def _cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "gspo", *args], cwd=cwd, env={**ENV, **(env or {})}, capture_output=True, text=True,
+        [sys.executable, "-m", "gspo", *args],
+        cwd=cwd,
+        env={**ENV, **(env or {})},
+        capture_output=True,
+        text=True,
         timeout=300,
-    )  # fmt: skip
+    )
 
 
 def test_cli_reports_config_errors_clearly(tmp_path: Path) -> None:
@@ -209,12 +213,21 @@ def reward(prompts, completions, **fields):
 
 def test_sigkill_and_resume_equals_an_uninterrupted_run(tmp_path: Path) -> None:
     (tmp_path / "killer.py").write_text(KILLER)
-    common = ["train.steps=4", "eval.every=2", "checkpoint.every=1", "tensorboard=false",
-              f"rewards={{{tmp_path / 'killer.py'}:reward: 1.0}}"]  # fmt: skip
+    common = [
+        "train.steps=4",
+        "eval.every=2",
+        "checkpoint.every=1",
+        "tensorboard=false",
+        f"rewards={{{tmp_path / 'killer.py'}:reward: 1.0}}",
+    ]
     full = _cli(
-        "train", str(TINY), f"output_dir={tmp_path / 'full'}", *common, cwd=tmp_path,
+        "train",
+        str(TINY),
+        f"output_dir={tmp_path / 'full'}",
+        *common,
+        cwd=tmp_path,
         env={"KILL_COUNTER": str(tmp_path / "count_full")},
-    )  # fmt: skip
+    )
     assert full.returncode == 0, full.stderr
 
     env_kill = {

@@ -244,9 +244,11 @@ def test_constant_per_token_advantages_train_like_per_sequence_ones(tmp_path: Pa
 
 def test_truncated_is_correction_reports_its_weights(tmp_path: Path) -> None:
     trainer = _trainer(
-        tmp_path, "train.sampler_correction=sequence_truncate", "train.sampler_correction_max=1.05",
+        tmp_path,
+        "train.sampler_correction=sequence_truncate",
+        "train.sampler_correction_max=1.05",
         "train.minibatches_per_rollout=1",
-    )  # fmt: skip
+    )
     groups = _with_logprobs(trainer, _groups(trainer.tokenizer))
     shift = [0.1, -0.1, 0.02, 0.0]  # sampler log-probs = trainer's - shift: log rho_i = shift_i
     for t, s in zip([t for g in groups for t in g.trajectories], shift, strict=True):

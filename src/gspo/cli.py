@@ -112,9 +112,14 @@ def _eval(args: argparse.Namespace) -> int:
             return 2
     try:
         result, header = evaluate_target(
-            target, config, overrides, step=args.step, data=args.data, samples=args.samples,
+            target,
+            config,
+            overrides,
+            step=args.step,
+            data=args.data,
+            samples=args.samples,
             temperature=args.temperature,
-        )  # fmt: skip
+        )
     except (ConfigError, FileNotFoundError, ImportError, RewardError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

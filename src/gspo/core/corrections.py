@@ -88,7 +88,22 @@ def check_corrections(name, objective, sampler_logp, correction, bounds, opsm_de
     return low, high
 
 
-def correction_weights(level, lp, olp, sampler_logp, valid, count, adv_seq, adv_token, segment_sum, per_token, correction, bounds, opsm_delta, dtype):  # fmt: skip
+def correction_weights(
+    level,
+    lp,
+    olp,
+    sampler_logp,
+    valid,
+    count,
+    adv_seq,
+    adv_token,
+    segment_sum,
+    per_token,
+    correction,
+    bounds,
+    opsm_delta,
+    dtype,
+):
     """The mismatch corrections' weight of each term ((S,) for sequence terms, else (N,)) and their metrics.
 
     A token the sampler gave no log-prob for (NaN) has log rho_t = 0 (ratio 1) and still counts in |y_i|.

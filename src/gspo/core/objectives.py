@@ -44,7 +44,12 @@ _HINTS = {
 }
 
 
-def _check_finite(name: str, checks: list[tuple[str, Tensor, Tensor, str]], segment_ids: Tensor | None = None, num_segments: int = 0) -> None:  # fmt: skip
+def _check_finite(
+    name: str,
+    checks: list[tuple[str, Tensor, Tensor, str]],
+    segment_ids: Tensor | None = None,
+    num_segments: int = 0,
+) -> None:
     """Raise ValueError naming the first non-finite value at a valid position. The only host sync.
 
     ``checks``: (tensor name, tensor, valid mask of the same shape, unit) with unit "row" (padded, position
@@ -161,9 +166,21 @@ def _packed_loss(
     weight = None  # (S,) or (N,), the corrections' weight of each term
     if correction is not None or opsm_delta is not None:
         weight, metrics = correction_weights(
-            terms.level, lp, olp, sampler_logp, valid, count, adv_seq, adv_token, segment_sum, per_token,
-            correction, correction_bounds, opsm_delta, dtype,
-        )  # fmt: skip
+            terms.level,
+            lp,
+            olp,
+            sampler_logp,
+            valid,
+            count,
+            adv_seq,
+            adv_token,
+            segment_sum,
+            per_token,
+            correction,
+            correction_bounds,
+            opsm_delta,
+            dtype,
+        )
     term_loss = terms.loss if weight is None else weight * terms.loss
     if terms.level == "sequence":
         # a rank weighs L_i by its share of the tokens of i
@@ -291,9 +308,14 @@ def policy_loss(
             "mismatch corrections: their per-sequence means would need further all-reduces"
         )
     kwargs = dict(
-        params=params, aggregation=aggregation, normalizer=normalizer, beta=beta, correction=correction,
-        correction_bounds=bounds, opsm_delta=opsm_delta,
-    )  # fmt: skip
+        params=params,
+        aggregation=aggregation,
+        normalizer=normalizer,
+        beta=beta,
+        correction=correction,
+        correction_bounds=bounds,
+        opsm_delta=opsm_delta,
+    )
     if (mask is None) == (segment_ids is None):
         raise ValueError(f"{name}: pass either mask (padded) or segment_ids and num_segments (packed)")
     if mask is not None:
@@ -305,9 +327,19 @@ def policy_loss(
     if num_segments is None:
         raise ValueError(f"{name}: segment_ids needs num_segments")
     return _packed(
-        objective, name, logp, old_logp, advantages, segment_ids, num_segments, check_finite, ref_logp,
-        sampler_logp, segment_sum_reduce, kwargs,
-    )  # fmt: skip
+        objective,
+        name,
+        logp,
+        old_logp,
+        advantages,
+        segment_ids,
+        num_segments,
+        check_finite,
+        ref_logp,
+        sampler_logp,
+        segment_sum_reduce,
+        kwargs,
+    )
 
 
 def _padded(objective, name, logp, old_logp, advantages, mask, check_finite, ref_logp, sampler_logp, kwargs):
@@ -335,14 +367,34 @@ def _padded(objective, name, logp, old_logp, advantages, mask, check_finite, ref
     rows = torch.arange(B, device=logp.device).unsqueeze(1).expand(B, T)
     segment_ids = torch.where(mask, rows, -1).reshape(-1)
     return _packed_loss(
-        objective, logp.reshape(-1), old_logp.reshape(-1), advantages.reshape(-1) if per_token_adv else advantages,
-        segment_ids, B, per_token_adv, ref_logp=None if ref_logp is None else ref_logp.reshape(-1),
-        sampler_logp=None if sampler_logp is None else sampler_logp.reshape(-1), segment_sum_reduce=None,
+        objective,
+        logp.reshape(-1),
+        old_logp.reshape(-1),
+        advantages.reshape(-1) if per_token_adv else advantages,
+        segment_ids,
+        B,
+        per_token_adv,
+        ref_logp=None if ref_logp is None else ref_logp.reshape(-1),
+        sampler_logp=None if sampler_logp is None else sampler_logp.reshape(-1),
+        segment_sum_reduce=None,
         **kwargs,
-    )  # fmt: skip
+    )
 
 
-def _packed(objective, name, logp, old_logp, advantages, segment_ids, num_segments, check_finite, ref_logp, sampler_logp, reduce, kwargs):  # fmt: skip
+def _packed(
+    objective,
+    name,
+    logp,
+    old_logp,
+    advantages,
+    segment_ids,
+    num_segments,
+    check_finite,
+    ref_logp,
+    sampler_logp,
+    reduce,
+    kwargs,
+):
     N = logp.shape[0]
     if logp.dim() != 1 or old_logp.shape != (N,) or segment_ids.shape != (N,):
         raise ValueError(
@@ -375,6 +427,15 @@ def _packed(objective, name, logp, old_logp, advantages, segment_ids, num_segmen
             checks.append(("ref_logp", ref_logp.detach(), valid, "index"))
         _check_finite(name, checks, segment_ids, num_segments)
     return _packed_loss(
-        objective, logp, old_logp, advantages, segment_ids, num_segments, per_token_adv,
-        ref_logp=ref_logp, sampler_logp=sampler_logp, segment_sum_reduce=reduce, **kwargs,
-    )  # fmt: skip
+        objective,
+        logp,
+        old_logp,
+        advantages,
+        segment_ids,
+        num_segments,
+        per_token_adv,
+        ref_logp=ref_logp,
+        sampler_logp=sampler_logp,
+        segment_sum_reduce=reduce,
+        **kwargs,
+    )

@@ -205,7 +205,13 @@ def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def _old_policy(
     policy: Policy, spec: UpdateSpec, batch: Batch, layout: list[tuple[list[int], list[MicroBatch]]]
-) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor] | None], list[list[moe.Routing] | None], list[list[torch.Tensor]], dict[str, float]]:  # fmt: skip
+) -> tuple[
+    list[list[torch.Tensor]],
+    list[list[torch.Tensor] | None],
+    list[list[moe.Routing] | None],
+    list[list[torch.Tensor]],
+    dict[str, float],
+]:
     """Old-policy log-probs (and reference ones, expert choices) per micro-batch, before any update.
 
     With ``spec.old_logprobs == "recompute"`` the trainer's own forward pass, which also gives the

@@ -66,20 +66,39 @@ def tiny_model(family: str, vocab_size: int, seed: int) -> PreTrainedModel:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         config = LlamaConfig(
-            vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-            tie_word_embeddings=True, bos_token_id=None, eos_token_id=2, pad_token_id=0,
-        )  # fmt: skip
+            vocab_size=vocab_size,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            tie_word_embeddings=True,
+            bos_token_id=None,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
         return LlamaForCausalLM(config)
     if family == "qwen3_moe":
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
         config = Qwen3MoeConfig(
-            vocab_size=vocab_size, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            num_experts=8, num_experts_per_tok=2, max_position_embeddings=512, tie_word_embeddings=True,
-            bos_token_id=None, eos_token_id=2, pad_token_id=0,
-        )  # fmt: skip
+            vocab_size=vocab_size,
+            hidden_size=64,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            max_position_embeddings=512,
+            tie_word_embeddings=True,
+            bos_token_id=None,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
         return Qwen3MoeForCausalLM(config)
     raise ValueError(f"model.tiny={family!r}: choose 'llama' or 'qwen3_moe'")
 
@@ -162,9 +181,12 @@ def add_lora(model: PreTrainedModel, config: LoraConfig) -> PreTrainedModel:
             "lora.rank > 0 needs peft: `pip install peft` (or `pip install 'gspo[train]'`)"
         ) from error
     lora = peft.LoraConfig(
-        r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
-        target_modules=list(config.target_modules), task_type="CAUSAL_LM",
-    )  # fmt: skip
+        r=config.rank,
+        lora_alpha=config.alpha,
+        lora_dropout=config.dropout,
+        target_modules=list(config.target_modules),
+        task_type="CAUSAL_LM",
+    )
     wrapped = peft.get_peft_model(model, lora)
     wrapped.eval()
     return wrapped

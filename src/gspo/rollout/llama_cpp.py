@@ -59,20 +59,41 @@ class LlamaCppServer:
 
     def _start(self, model_file: str | Path) -> None:
         command = [
-            sys.executable, "-m", "llama_cpp.server", "--model", str(model_file), "--host", "127.0.0.1",
-            "--port", str(self.port), "--n_ctx", str(self.n_ctx), "--n_threads", str(self.threads),
-            "--n_threads_batch", str(self.threads), "--logits_all", "true", "--interrupt_requests", "false",
-            "--verbose", "false",
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            str(model_file),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--n_ctx",
+            str(self.n_ctx),
+            "--n_threads",
+            str(self.threads),
+            "--n_threads_batch",
+            str(self.threads),
+            "--logits_all",
+            "true",
+            "--interrupt_requests",
+            "false",
+            "--verbose",
+            "false",
+        ]
         if self.nice:
             command = ["nice", "-n", str(self.nice), *command]
         # the server's output goes to a file, not a pipe: a full pipe would block the server
         self._log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed in close(), with the process)
         env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
         self.process = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, text=True, env=env,
+            command,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-        )  # fmt: skip
+        )
         try:
             _wait_until_up(self.process, self._log, self.url, self.startup_timeout)
         except RuntimeError:

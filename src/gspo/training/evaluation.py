@@ -75,27 +75,34 @@ def evaluate(
     mine = list(enumerate(examples))[rank() :: world_size()]  # this rank's share
     prompts = [format_prompt(sampler.tokenizer, ex.prompt, system_prompt=system_prompt) for _, ex in mine]
     rollouts = sampler.generate(
-        prompts, group_size=k, max_new_tokens=max_new_tokens, temperature=temperature,
+        prompts,
+        group_size=k,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
         greedy=samples is None,
-    )  # fmt: skip
+    )
     total, per_function = compute_rewards(
-        rewards, [p for p in prompts for _ in range(k)], rollouts.completions,
+        rewards,
+        [p for p in prompts for _ in range(k)],
+        rollouts.completions,
         batch_fields([ex for _, ex in mine], repeat=k),
-    )  # fmt: skip
+    )
     first = rewards[0][0]
     problems = []
     for j, (index, example) in enumerate(mine):
         rows = slice(j * k, (j + 1) * k)  # sample-major: problem j's k completions
-        problems.append({
-            "index": index,
-            "prompt": example.prompt,
-            "fields": example.fields,
-            "completions": rollouts.completions[rows],
-            "completion_tokens": [len(ids) for ids in rollouts.completion_ids[rows]],
-            "reward": total[rows].tolist(),
-            "rewards": {name: values[rows].tolist() for name, values in per_function.items()},
-            "passed": int((per_function[first][rows] > 0).sum()),
-        })  # fmt: skip
+        problems.append(
+            {
+                "index": index,
+                "prompt": example.prompt,
+                "fields": example.fields,
+                "completions": rollouts.completions[rows],
+                "completion_tokens": [len(ids) for ids in rollouts.completion_ids[rows]],
+                "reward": total[rows].tolist(),
+                "rewards": {name: values[rows].tolist() for name, values in per_function.items()},
+                "passed": int((per_function[first][rows] > 0).sum()),
+            }
+        )
     problems = sorted(all_gather_list(problems), key=lambda p: p["index"])
     return Evaluation(_metrics(problems, first, samples), problems)
 
@@ -172,9 +179,14 @@ def evaluate_target(
     torch.manual_seed(config.seed)
     sampler = HFSampler(model, tokenizer, config.eval.batch_size)
     result = evaluate(
-        sampler, examples, rewards, max_new_tokens=config.eval.max_new_tokens,
-        system_prompt=config.task.system_prompt, samples=samples, temperature=temperature,
-    )  # fmt: skip
+        sampler,
+        examples,
+        rewards,
+        max_new_tokens=config.eval.max_new_tokens,
+        system_prompt=config.task.system_prompt,
+        samples=samples,
+        temperature=temperature,
+    )
     header |= {
         "mode": "greedy" if samples is None else f"{samples} samples at temperature {temperature}",
         "max_new_tokens": config.eval.max_new_tokens,

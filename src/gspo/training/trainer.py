@@ -234,9 +234,12 @@ class Trainer:
             self.policy.model, self.tokenizer, self.config.eval.batch_size, lambda: generating(self.policy)
         )
         return evaluation.evaluate(
-            sampler, self.eval_examples, self.rewards, max_new_tokens=self.config.eval.max_new_tokens,
+            sampler,
+            self.eval_examples,
+            self.rewards,
+            max_new_tokens=self.config.eval.max_new_tokens,
             system_prompt=self.config.task.system_prompt,
-        ).metrics  # fmt: skip
+        ).metrics
 
     # ---- the loop -----------------------------------------------------------------------------------
     def checkpoint(self, rng: dict[str, Any] | None = None, stream: dict[str, Any] | None = None) -> Path:
@@ -252,9 +255,14 @@ class Trainer:
         model = savable_model(policy.scorer, policy.model)  # FSDP2: full weights on rank 0
         if is_main():
             save_checkpoint(
-                self.run_dir, self.step, model=model, tokenizer=self.tokenizer, state=state,
-                keep=self.config.checkpoint.keep, config=self.config,
-            )  # fmt: skip
+                self.run_dir,
+                self.step,
+                model=model,
+                tokenizer=self.tokenizer,
+                state=state,
+                keep=self.config.checkpoint.keep,
+                config=self.config,
+            )
         barrier()  # complete before any rank goes on
         return latest_checkpoint(self.run_dir)
 
@@ -282,10 +290,13 @@ class Trainer:
                     tqdm.write(f"warning: {warning}", file=sys.stderr)
             bar.update(1)
             bar.set_postfix(
-                reward=f"{metrics['reward_mean']:.3f}", clip=f"{metrics.get('clip_frac_token', 0.0):.3f}",
-                gen=f"{metrics['time_rollout']:.1f}s", old=f"{metrics['time_old_logprobs']:.1f}s",
-                upd=f"{metrics['time_update']:.1f}s", **stalls.postfix(),
-            )  # fmt: skip
+                reward=f"{metrics['reward_mean']:.3f}",
+                clip=f"{metrics.get('clip_frac_token', 0.0):.3f}",
+                gen=f"{metrics['time_rollout']:.1f}s",
+                old=f"{metrics['time_old_logprobs']:.1f}s",
+                upd=f"{metrics['time_update']:.1f}s",
+                **stalls.postfix(),
+            )
             last = self.step == cfg.train.steps
             if last or (cfg.eval.every and self.step % cfg.eval.every == 0):
                 self._log_eval()
