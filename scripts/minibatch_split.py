@@ -174,7 +174,7 @@ def main() -> None:
     lines = [
         "# Minibatches of whole groups or of any samples (`train.minibatch_split`)",
         "",
-        "A rollout batch of P prompts x G samples is cut into `train.minibatches_per_rollout` minibatches, one",
+        "A rollout batch of P prompts x G samples is cut into `train.minibatches` minibatches, one",
         'optimizer update each. With `"group"` a minibatch holds whole groups, so the shared-prefix layout',
         'computes each prompt once per update; with `"sample"` it holds a random share of all samples. Both',
         "are unbiased; they differ in which samples one optimizer step sees together.",

@@ -233,7 +233,7 @@ def base_overrides(spec: Spec) -> list[str]:
         "rollout.max_new_tokens=4",
         "rollout.temperature=1.0",
         f"train.steps={spec.steps}",
-        f"train.minibatches_per_rollout={spec.minibatches}",
+        f"train.minibatches={spec.minibatches}",
         "train.max_grad_norm=1.0",
         f"eval.every={spec.eval_every}",
         "eval.max_new_tokens=4",

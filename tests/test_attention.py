@@ -270,7 +270,7 @@ def test_shared_prefix_rows_need_segment_attention() -> None:
     model.config.sliding_window = 2
     position_ids = torch.tensor([[0, 1, 2, 2]])
     with (
-        pytest.raises(ValueError, match=r"cannot compute shared-prefix rows.*train\.packing=packed"),
+        pytest.raises(ValueError, match=r"cannot compute shared-prefix rows.*train\.layout=packed"),
         attention.segment_attention(model, position_ids, prefix_tree=True),
     ):
         pass

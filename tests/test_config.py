@@ -6,7 +6,6 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-import yaml
 
 from gspo.config import Config, ConfigError, describe, field_docs, load_config, save_config, to_dict
 
@@ -29,12 +28,13 @@ def test_every_field_has_a_docstring() -> None:
         assert not missing, f"{cls.__name__} fields without a docstring: {missing}"
 
 
-def test_default_yaml_equals_the_dataclass_defaults() -> None:
-    data = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
+def test_default_yaml_is_gspo_config_output() -> None:
+    """configs/default.yaml is `gspo config > configs/default.yaml`, byte for byte (docs included)."""
+    text = (ROOT / "configs" / "default.yaml").read_text()
+    assert text == describe() + "\n", "regenerate it: gspo config > configs/default.yaml"
     loaded = load_config(ROOT / "configs" / "default.yaml")
     assert to_dict(loaded) == to_dict(Config())
     assert list(loaded.rewards) == list(Config().rewards)  # order matters: the first is the eval accuracy
-    assert data, "configs/default.yaml should spell the defaults out"
 
 
 def test_overrides_are_typed_and_nested(tmp_path: Path) -> None:
@@ -87,8 +87,8 @@ def test_resolved_config_round_trips(tmp_path: Path) -> None:
         ("rewards={correct_number: .inf}", "rewards.correct_number: expected a finite number, got inf"),
         ("rollout.group_size=1", "rollout.group_size must be at least 2, got 1: advantages compare"),
         ("train.lr=[1e-5", "override 'train.lr=[1e-5': the value is not valid YAML: line 1, column 6"),
-        ("rollout.server.url=file:///etc/passwd", "rollout.server.url='file:///etc/passwd': give an http://"),
-        ("rollout.server.url=http://me:secret@host/v1", "without credentials in it"),
+        ("rollout.openai.url=file:///etc/passwd", "rollout.openai.url='file:///etc/passwd': give an http://"),
+        ("rollout.openai.url=http://me:secret@host/v1", "without credentials in it"),
         ("reward_timeout=-1", "reward_timeout and train.warn_after_flat_steps must be >= 0"),
     ],
 )
@@ -106,10 +106,10 @@ def test_bad_input_names_the_field(override: str, message: str) -> None:
             "train.eps_low is a clip range, but train.objective=sapo",
         ),
         (
-            ["train.sapo_tau_pos=2"],
-            "train.sapo_tau_pos is SAPO's gate temperature; train.objective=gspo does not",
+            ["train.tau_pos=2"],
+            "train.tau_pos is SAPO's gate temperature; train.objective=gspo does not",
         ),
-        (["train.objective=sapo", "train.sapo_tau_neg=0"], "train.sapo_tau_neg must be > 0"),
+        (["train.objective=sapo", "train.tau_neg=0"], "train.tau_neg must be > 0"),
         (["train.objective=cispo", "train.eps_low=1.5"], "train.eps_low must be <= 1 for cispo"),
         (
             ["train.objective=gspo", "train.sampler_correction=token_truncate"],
@@ -161,10 +161,8 @@ def test_objective_recipes_load_and_defaults_stay_in_one_place() -> None:
 
 
 def test_minibatches_must_fit_the_rollout_batch() -> None:
-    with pytest.raises(ConfigError, match="minibatches_per_rollout=8 exceeds the 4 completions"):
-        load_config(
-            None, ["rollout.prompts_per_step=1", "rollout.group_size=4", "train.minibatches_per_rollout=8"]
-        )
+    with pytest.raises(ConfigError, match="minibatches=8 exceeds the 4 completions"):
+        load_config(None, ["rollout.prompts_per_step=1", "rollout.group_size=4", "train.minibatches=8"])
 
 
 def test_missing_file_is_named(tmp_path: Path) -> None:
@@ -185,4 +183,31 @@ def test_a_yaml_syntax_error_names_the_file_and_the_line(tmp_path: Path) -> None
     with pytest.raises(
         ConfigError, match=r"broken\.yaml: not valid YAML: line 4, column 8: expected ',' or ']'"
     ):
+        load_config(path)
+
+
+def test_old_keys_load_under_their_new_names_with_a_note(tmp_path: Path) -> None:
+    """A config (or a run folder's config.yaml) of an earlier gspo: renamed keys load, each with a note."""
+    path = tmp_path / "old.yaml"
+    path.write_text(
+        "train:\n  packing: padded\n  minibatches_per_rollout: 2\n  objective: sapo\n  sapo_tau_neg: 2.0\n"
+        "rollout:\n  server:\n    url: http://127.0.0.1:9/v1\n    timeout: 7\n    sync_every: 3\n"
+    )
+    with pytest.warns(FutureWarning) as notes:
+        config = load_config(path, ["train.sapo_tau_pos=1.5"])
+    assert (config.train.layout, config.train.minibatches) == ("padded", 2)
+    assert (config.train.tau_pos, config.train.tau_neg) == (1.5, 2.0)
+    assert config.rollout.openai.url == "http://127.0.0.1:9/v1"
+    assert (config.rollout.openai.timeout, config.rollout.llama_cpp.timeout) == (7.0, 7.0)
+    assert config.rollout.llama_cpp.sync_every == 3
+    said = " ".join(str(n.message) for n in notes)
+    for old, new in [("train.packing", "train.layout"), ("train.sapo_tau_pos", "train.tau_pos")]:
+        assert f"config key {old} is now {new}" in said
+    assert "server" not in to_dict(config)["rollout"]
+
+
+def test_an_old_key_beside_its_new_name_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "both.yaml"
+    path.write_text("train:\n  packing: padded\n  layout: packed\n")
+    with pytest.raises(ConfigError, match=r"both train\.packing and train\.layout"):
         load_config(path)

@@ -82,8 +82,8 @@ def test_gspo_train_with_the_llama_cpp_engine_syncs_every_n_steps(tmp_path: Path
             "eval.every=0",
             "train.steps=3",
             "rollout.engine=llama_cpp",
-            "rollout.server.sync_every=2",
-            "rollout.server.gguf_quant=f32",
+            "rollout.llama_cpp.sync_every=2",
+            "rollout.llama_cpp.gguf_quant=f32",
             "checkpoint.every=0",
         ],
     )

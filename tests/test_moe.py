@@ -169,7 +169,7 @@ def test_trainer_logs_routing_volatility_and_replays(tmp_path: Path) -> None:
         "tensorboard=false",
         "train.steps=1",
         "checkpoint.every=0",
-        "train.minibatches_per_rollout=2",
+        "train.minibatches=2",
         "train.objective=grpo",
         "train.routing_replay=true",
     ]

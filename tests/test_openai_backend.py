@@ -261,7 +261,7 @@ def test_gspo_train_samples_from_the_real_server(engine, tmp_path) -> None:
         [
             "model.tiny=null",
             "rollout.engine=openai",
-            f"rollout.server.url={url}",
+            f"rollout.openai.url={url}",
             f"output_dir={tmp_path / 'run'}",
             "rollout.prompts_per_step=2",
             "rollout.group_size=2",

@@ -45,7 +45,7 @@ OBJECTIVE_RUNS = [
     ["train.objective=grpo"],
     ["train.objective=gmpo", "train.sampler_correction=sequence_mask", "train.opsm_delta=0.5"],
     ["train.objective=sapo", "train.sampler_correction=token_truncate"],
-    ["train.objective=sapo_seq", "train.sapo_tau_neg=2.0"],
+    ["train.objective=sapo_seq", "train.tau_neg=2.0"],
     ["train.objective=cispo", "train.aggregation=token-mean"],
     [
         "train.objective=grpo",

@@ -45,7 +45,7 @@ def _trainer(tmp_path: Path, *overrides: str) -> Trainer:
         [
             f"output_dir={tmp_path / 'run'}",
             "tensorboard=false",
-            "train.minibatches_per_rollout=2",
+            "train.minibatches=2",
             *overrides,
         ],
     )
@@ -223,7 +223,7 @@ def test_train_on_groups_with_turn_rewards_updates_and_logs(tmp_path: Path) -> N
 def test_constant_per_token_advantages_train_like_per_sequence_ones(tmp_path: Path) -> None:
     params = {}
     for per_token in (False, True):
-        trainer = _trainer(tmp_path / str(per_token), "train.minibatches_per_rollout=1")
+        trainer = _trainer(tmp_path / str(per_token), "train.minibatches=1")
         tokenized = [
             tokenize_trajectory(trainer.tokenizer, t)
             for g in _groups(trainer.tokenizer)
@@ -247,7 +247,7 @@ def test_truncated_is_correction_reports_its_weights(tmp_path: Path) -> None:
         tmp_path,
         "train.sampler_correction=sequence_truncate",
         "train.sampler_correction_max=1.05",
-        "train.minibatches_per_rollout=1",
+        "train.minibatches=1",
     )
     groups = _with_logprobs(trainer, _groups(trainer.tokenizer))
     shift = [0.1, -0.1, 0.02, 0.0]  # sampler log-probs = trainer's - shift: log rho_i = shift_i

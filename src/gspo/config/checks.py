@@ -15,7 +15,7 @@ def validate(config: Config) -> None:
         "rollout.group_size": config.rollout.group_size,
         "rollout.max_new_tokens": config.rollout.max_new_tokens,
         "train.steps": config.train.steps,
-        "train.minibatches_per_rollout": config.train.minibatches_per_rollout,
+        "train.minibatches": config.train.minibatches,
         "train.micro_batch_tokens": config.train.micro_batch_tokens,
         "train.pack_length": config.train.pack_length,
         "train.logprob_chunk_size": config.train.logprob_chunk_size,
@@ -23,8 +23,8 @@ def validate(config: Config) -> None:
         "eval.batch_size": config.eval.batch_size,
         "checkpoint.keep": config.checkpoint.keep,
         "rollout.generation_batch_size": config.rollout.generation_batch_size,
-        "rollout.server.concurrency": config.rollout.server.concurrency,
-        "rollout.server.sync_every": config.rollout.server.sync_every,
+        "rollout.openai.concurrency": config.rollout.openai.concurrency,
+        "rollout.llama_cpp.sync_every": config.rollout.llama_cpp.sync_every,
     }
     for name, value in positive.items():
         if value < 1:
@@ -45,9 +45,9 @@ def validate(config: Config) -> None:
         raise ConfigError(f"train.lr must be > 0, got {config.train.lr}")
     _check_objective(config)
     samples = config.rollout.prompts_per_step * config.rollout.group_size
-    if samples < config.train.minibatches_per_rollout:
+    if samples < config.train.minibatches:
         raise ConfigError(
-            f"train.minibatches_per_rollout={config.train.minibatches_per_rollout} exceeds the "
+            f"train.minibatches={config.train.minibatches} exceeds the "
             f"{samples} completions of a rollout batch (rollout.prompts_per_step x rollout.group_size)"
         )
     if len(config.train.adam_betas) != 2:
@@ -74,15 +74,15 @@ def validate(config: Config) -> None:
             "train.logprob_kernel=triton needs triton (`pip install triton`; CUDA builds of torch bring it): "
             "install it or set train.logprob_kernel=auto"
         )
-    if config.rollout.engine == "openai" and not config.rollout.server.url:
+    if config.rollout.engine == "openai" and not config.rollout.openai.url:
         raise ConfigError(
-            'rollout.engine=openai needs rollout.server.url, the API root (e.g. "http://127.0.0.1:8000/v1")'
+            'rollout.engine=openai needs rollout.openai.url, the API root (e.g. "http://127.0.0.1:8000/v1")'
         )
-    url = config.rollout.server.url
+    url = config.rollout.openai.url
     if url is not None and not re.match(r"https?://[^/@\s]+(/|$)", url):
         raise ConfigError(
-            f"rollout.server.url={url!r}: give an http:// or https:// address without credentials in it "
-            '(e.g. "http://127.0.0.1:8000/v1"; the API key goes in the variable rollout.server.api_key_env)'
+            f"rollout.openai.url={url!r}: give an http:// or https:// address without credentials in it "
+            '(e.g. "http://127.0.0.1:8000/v1"; the API key goes in the variable rollout.openai.api_key_env)'
         )
     if config.rollout.engine in ("openai", "llama_cpp") and config.rollout.temperature != 1.0:
         raise ConfigError(
@@ -99,21 +99,21 @@ def _check_objective(config: Config) -> None:
     """Each objective's knobs: a clip range, or SAPO's temperatures; in range."""
     train = config.train
     sapo = train.objective in ("sapo", "sapo_seq")
-    for name in ("eps_low", "eps_high", "sapo_tau_pos", "sapo_tau_neg"):
+    for name in ("eps_low", "eps_high", "tau_pos", "tau_neg"):
         value = getattr(train, name)
         if value is None:
             continue
         if name.startswith("eps") and sapo:
             raise ConfigError(
                 f"train.{name} is a clip range, but train.objective={train.objective} has a soft gate instead: "
-                "unset it, or tune train.sapo_tau_pos / train.sapo_tau_neg"
+                "unset it, or tune train.tau_pos / train.tau_neg"
             )
-        if name.startswith("sapo") and not sapo:
+        if name.startswith("tau") and not sapo:
             raise ConfigError(
                 f"train.{name} is SAPO's gate temperature; train.objective={train.objective} does not use it "
                 "(set train.objective=sapo or sapo_seq, or unset it)"
             )
-        if name.startswith("sapo") and not value > 0:
+        if name.startswith("tau") and not value > 0:
             raise ConfigError(f"train.{name} must be > 0, got {value}")
         if not value >= 0:
             raise ConfigError(f"train.{name} must be >= 0, got {value}")

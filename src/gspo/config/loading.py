@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import copy
 import dataclasses
 import difflib
 import inspect
@@ -17,6 +18,7 @@ import os
 import textwrap
 import types
 import typing
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -133,6 +135,67 @@ def _nest(key: str, value: Any) -> dict[str, Any]:
     return nested
 
 
+RENAMED: dict[str, tuple[str, ...]] = {
+    "train.packing": ("train.layout",),
+    "train.minibatches_per_rollout": ("train.minibatches",),
+    "train.sapo_tau_pos": ("train.tau_pos",),
+    "train.sapo_tau_neg": ("train.tau_neg",),
+    **{f"rollout.server.{k}": (f"rollout.openai.{k}",) for k in ("url", "model", "concurrency", "token_ids")},
+    "rollout.server.api_key_env": ("rollout.openai.api_key_env",),
+    "rollout.server.timeout": ("rollout.openai.timeout", "rollout.llama_cpp.timeout"),
+    "rollout.server.sync_every": ("rollout.llama_cpp.sync_every",),
+    "rollout.server.gguf_quant": ("rollout.llama_cpp.gguf_quant",),
+}
+"""Keys of earlier gspo versions and the keys that replaced them (the config's names are the code's names
+now): an old key still loads, with a deprecation note, so old configs and run folders keep working."""
+
+
+class DeprecatedKey(FutureWarning):
+    """A config key of an earlier gspo version was used; it loads under its new name."""
+
+
+def _note_renamed(old: str, new: tuple[str, ...]) -> None:
+    warnings.warn(
+        f"config key {old} is now {' and '.join(new)}; the old name still loads (rename it in your config)",
+        DeprecatedKey,
+        stacklevel=4,
+    )
+
+
+def _rename_keys(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """A nested config mapping with every key of `RENAMED` moved to its new place (a copy)."""
+    data = copy.deepcopy(data)
+    for old, new in RENAMED.items():
+        *sections, leaf = old.split(".")
+        parent = data
+        for section in sections:
+            parent = parent.get(section) if isinstance(parent, dict) else None
+        if not isinstance(parent, dict) or leaf not in parent:
+            continue
+        value = parent.pop(leaf)
+        if not parent and len(sections) > 1:  # an emptied old section (rollout.server) goes too
+            _pop_path(data, sections)
+        for target in new:
+            *target_sections, target_leaf = target.split(".")
+            node = data
+            for section in target_sections:
+                node = node.setdefault(section, {})
+                if not isinstance(node, dict):
+                    raise ConfigError(f"{where}{section}: expected a mapping of its fields, got {node!r}")
+            if target_leaf in node:
+                raise ConfigError(f"{where}: both {old} and {target} are set; keep only {target}")
+            node[target_leaf] = value
+        _note_renamed(old, new)
+    return data
+
+
+def _pop_path(data: dict[str, Any], sections: list[str]) -> None:
+    node = data
+    for section in sections[:-1]:
+        node = node[section]
+    node.pop(sections[-1])
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Defaults, then the YAML file at `path`, then `section.key=value` overrides (values parsed as YAML)."""
     config = Config()
@@ -146,7 +209,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(error)}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping of config sections at the top level")
-        _apply(config, data, "")
+        _apply(config, _rename_keys(data, f"{path}"), "")
     for override in overrides:
         key, sep, raw = override.partition("=")
         if not sep or not key:
@@ -154,12 +217,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
                 f"override {override!r} is not of the form section.key=value (e.g. train.lr=1e-5)"
             )
         try:
-            _apply(config, _nest(key, yaml.safe_load(raw) if raw else ""), "")
+            _apply(config, _rename_keys(_nest(key, yaml.safe_load(raw) if raw else ""), override), "")
         except (ConfigError, yaml.YAMLError) as error:
             # YAML reads some plain strings as other types ("-" is a list, "on" a bool): a string field
             # takes the text as written
             try:
-                _apply(config, _nest(key, raw), "")
+                _apply(config, _rename_keys(_nest(key, raw), override), "")
             except ConfigError:
                 if isinstance(error, yaml.YAMLError):
                     raise ConfigError(

@@ -66,7 +66,7 @@ class TaskConfig:
 
 
 @dataclass
-class ServerConfig:
+class OpenAIConfig:
     url: str | None = None
     """The API root of an OpenAI-compatible server, e.g. "http://127.0.0.1:8000/v1" (rollout.engine=openai)."""
     model: str | None = None
@@ -79,23 +79,31 @@ class ServerConfig:
     """Send prompts as token ids (vLLM, SGLang) instead of text (llama.cpp)."""
     api_key_env: str = "OPENAI_API_KEY"
     """The environment variable holding the API key, if any (the key itself is never written to a file)."""
+
+
+@dataclass
+class LlamaCppConfig:
     sync_every: int = 1
-    """rollout.engine=llama_cpp: export the policy and restart the server every this many steps (between
-    syncs the server's samples are up to sync_every - 1 steps off-policy)."""
+    """Export the policy and restart the llama.cpp server every this many steps (between syncs the
+    server's samples are up to sync_every - 1 steps off-policy)."""
     gguf_quant: str = "f16"
-    """rollout.engine=llama_cpp: the exported weights' type (f16, q8_0, bf16, f32, ...; gspo export --quant)."""
+    """The exported weights' type (f16, q8_0, bf16, f32, ...; gspo export --quant)."""
+    timeout: float = 300.0
+    """Seconds the server may take to start, and a request to complete."""
 
 
 @dataclass
 class RolloutConfig:
     engine: Literal["hf", "openai", "llama_cpp"] = "hf"
     """Who samples the completions: "hf", the trainer's own model in this process (transformers
-    `generate`); "openai", an OpenAI-compatible server (`rollout.server`), whose weights `gspo train` does
+    `generate`); "openai", an OpenAI-compatible server (`rollout.openai`), whose weights `gspo train` does
     not update: its samples are off-policy, the old-policy log-probs are recomputed; "llama_cpp", a local
     llama-cpp-python server that gspo starts on the policy exported as GGUF and restarts on a fresh export
-    every `rollout.server.sync_every` steps (slower than "hf" on CPUs: docs/llama_cpp_sync.md)."""
-    server: ServerConfig = field(default_factory=ServerConfig)
-    """The server of rollout.engine=openai (and the sync of rollout.engine=llama_cpp)."""
+    every `rollout.llama_cpp.sync_every` steps (slower than "hf" on CPUs: docs/llama_cpp_sync.md)."""
+    openai: OpenAIConfig = field(default_factory=OpenAIConfig)
+    """The server of rollout.engine=openai."""
+    llama_cpp: LlamaCppConfig = field(default_factory=LlamaCppConfig)
+    """The llama.cpp server and its weight sync (rollout.engine=llama_cpp)."""
     prompts_per_step: int = 8
     """Prompts sampled per rollout batch."""
     group_size: int = 8
@@ -127,9 +135,9 @@ class TrainConfig:
     eps_high: float | None = None
     """Upper clip range; None uses the objective's paper default (GSPO 4e-4, GRPO 0.27, GMPO 0.4 on the
     log-ratio, CISPO 4.0, i.e. its weight capped at 5). SAPO has none."""
-    sapo_tau_pos: float | None = None
+    tau_pos: float | None = None
     """SAPO's gate temperature for tokens (sequences) with A > 0; None: the default, 1.0."""
-    sapo_tau_neg: float | None = None
+    tau_neg: float | None = None
     """SAPO's gate temperature for A <= 0 (a higher one damps off-policy negative updates faster); None: 1.05."""
     aggregation: Literal[
         "seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
@@ -138,8 +146,8 @@ class TrainConfig:
     "token-mean" (over all tokens), "seq-mean-token-sum" (token sums over B; LUSPO with gspo),
     "seq-mean-token-sum-norm" (token sums over B x rollout.max_new_tokens, a constant: Dr. GRPO)."""
     steps: int = 40
-    """Rollout batches to train on; each gives `minibatches_per_rollout` optimizer updates."""
-    minibatches_per_rollout: int = 4
+    """Rollout batches to train on; each gives `minibatches` optimizer updates."""
+    minibatches: int = 4
     """Optimizer updates per rollout batch (the paper uses 4); all but the first are off-policy."""
     minibatch_split: Literal["group", "sample"] = "sample"
     """How a rollout batch is cut into minibatches: "sample", a random share of all samples (each update
@@ -166,7 +174,7 @@ class TrainConfig:
     """Divide centred rewards by the group std, the batch std, or nothing."""
     filter_zero_std_groups: bool = False
     """Drop groups whose rewards are all equal (they carry no signal); counted in metrics either way."""
-    packing: Literal["auto", "shared_prefix", "packed", "padded"] = "auto"
+    layout: Literal["auto", "shared_prefix", "packed", "padded"] = "auto"
     """"shared_prefix": rows of prefix trees, the samples of a prompt sharing one copy of it and prompts of
     several groups their common start (a system message) where that saves compute, each completion
     attending to its prompt and itself (docs/logprobs.md); "packed": several sequences

@@ -185,7 +185,7 @@ def segment_attention(
         if prefix_tree:
             raise ValueError(
                 f"{type(model).__name__}'s attention cannot compute shared-prefix rows (it needs sdpa or eager "
-                "attention through transformers' AttentionInterface): set train.packing=packed"
+                "attention through transformers' AttentionInterface): set train.layout=packed"
             )
         yield False
         return

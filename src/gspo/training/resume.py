@@ -43,8 +43,9 @@ RESUMABLE = frozenset(
         "tensorboard",
         "progress",
         "reward_timeout",
-        "rollout.server.timeout",
-        "rollout.server.concurrency",
+        "rollout.openai.timeout",
+        "rollout.openai.concurrency",
+        "rollout.llama_cpp.timeout",
         "distributed.timeout_minutes",
     }
 )

@@ -265,9 +265,9 @@ def source_gguf(config: ModelConfig) -> Path | None:
 
 
 def choose_layout(config: Config, model: torch.nn.Module, pad_id: int) -> str:
-    """train.packing, with "auto" resolved: the first of shared_prefix, packed, padded that a probe shows
+    """train.layout, with "auto" resolved: the first of shared_prefix, packed, padded that a probe shows
     exact for this model (its log-probs equal to the padded layout's), with a one-line notice on fallback."""
-    mode = config.train.packing
+    mode = config.train.layout
     if mode != "auto":
         return mode
     vocab = model.get_input_embeddings().num_embeddings
@@ -288,8 +288,8 @@ def choose_layout(config: Config, model: torch.nn.Module, pad_id: int) -> str:
     if layout != "shared_prefix":
         why = "cannot share a prompt among its samples" if layout == "packed" else "mixes packed sequences"
         warnings.warn(
-            f"train.packing=auto: this model's attention {why}: training on {layout} rows, which compute "
-            f"each prompt once per sample (set train.packing={layout} to skip this probe)",
+            f"train.layout=auto: this model's attention {why}: training on {layout} rows, which compute "
+            f"each prompt once per sample (set train.layout={layout} to skip this probe)",
             stacklevel=2,
         )
     return layout
@@ -327,7 +327,7 @@ def setup_policy(config: Config, model: torch.nn.Module, device: torch.device, *
         weight_decay=config.train.weight_decay,
         fused=True,  # one fused kernel per parameter: several times faster than the default loop on CPU
     )
-    total_updates = config.train.steps * config.train.minibatches_per_rollout
+    total_updates = config.train.steps * config.train.minibatches
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(config, total_updates))
     return Policy(model, optimizer, scheduler, scorer=scorer, reference=reference, compute_dtype=dtype)
 
@@ -338,8 +338,8 @@ def setup_sampler(config: Config, policy: Policy, tokenizer: Any, run_dir: Path)
         return HFSampler(
             policy.model, tokenizer, config.rollout.generation_batch_size, lambda: generating(policy)
         )
-    server = config.rollout.server
     if config.rollout.engine == "llama_cpp":
+        server = config.rollout.llama_cpp
         if world_size() > 1:
             raise ConfigError(
                 "rollout.engine=llama_cpp runs in one process: use rollout.engine=hf under torchrun"
@@ -357,6 +357,7 @@ def setup_sampler(config: Config, policy: Policy, tokenizer: Any, run_dir: Path)
             weight_sync=sync,
             misaligned="resample",
         )
+    server = config.rollout.openai
     warnings.warn(
         f"rollout.engine=openai: {server.url} samples from its own weights, which gspo train does not update; "
         "its rollouts drift off-policy as training goes on, and the old-policy log-probs are recomputed "
