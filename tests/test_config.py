@@ -141,10 +141,10 @@ def test_wrong_objective_and_correction_combinations_name_the_fix(overrides, mes
 
 def test_objective_recipes_load_and_defaults_stay_in_one_place() -> None:
     from gspo.config.checks import SEQUENCE_OBJECTIVES
-    from gspo.core import surrogates
+    from gspo.core import registry
     from gspo.learning.policy import UpdateSpec
 
-    assert SEQUENCE_OBJECTIVES == surrogates.SEQUENCE_OBJECTIVES
+    assert SEQUENCE_OBJECTIVES == registry.SEQUENCE_OBJECTIVES
     gmpo = load_config(None, ["train.objective=gmpo", "train.eps_low=1.5"])  # log space: any eps_low
     assert UpdateSpec.from_config(gmpo, layout="padded", pad_id=0).eps_low == 1.5
     dr_grpo = load_config(

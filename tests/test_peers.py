@@ -234,8 +234,9 @@ def test_token_importance_sampling_equals_trls(mode, objective):
         adv,
         mask,
         sampler_logp=sampler,
-        correction=mode,
-        correction_bounds=bounds,
+        sampler_correction=mode,
+        sampler_correction_min=bounds[0],
+        sampler_correction_max=bounds[1],
         aggregation=aggregation,
         **kwargs,
     )
@@ -247,8 +248,9 @@ def test_token_importance_sampling_equals_trls(mode, objective):
         adv,
         mask,
         sampler_logp=sampler,
-        correction=mode,
-        correction_bounds=bounds,
+        sampler_correction=mode,
+        sampler_correction_min=bounds[0],
+        sampler_correction_max=bounds[1],
         **kwargs,
     )
     changed = m["sampler_is_truncated_frac_token"] + m["sampler_is_masked_frac_token"]
@@ -264,7 +266,10 @@ def test_sequence_importance_sampling_is_trls_on_the_length_normalised_ratio(mod
     bounds = (0.9, 1.1)
     n = mask.sum(1, keepdim=True).to(old.dtype)
     scaled = old - (old - sampler) / n  # log rho'_t = log rho_t / |y_i|: sum_t log rho'_t = mean_t log rho_t
-    got = ours("gspo", logp, old, adv, mask, sampler_logp=sampler, correction=mode, correction_bounds=bounds)
+    correction = dict(
+        sampler_correction=mode, sampler_correction_min=bounds[0], sampler_correction_max=bounds[1]
+    )
+    got = ours("gspo", logp, old, adv, mask, sampler_logp=sampler, **correction)
     same = trl_loss(
         "grpo",
         "sequence",

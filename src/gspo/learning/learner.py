@@ -21,7 +21,7 @@ import torch
 
 from gspo.core.layout import MicroBatch, Sequence, make_micro_batches
 from gspo.core.mismatch import mismatch_metrics, sampler_log_ratios
-from gspo.core.objectives import policy_loss
+from gspo.core.objectives import LossInputs, LossSpec, compute_loss
 from gspo.learning.batch import Batch
 from gspo.learning.policy import Policy, UpdateSpec, score
 from gspo.learning.reduction import reduce_metrics
@@ -153,26 +153,30 @@ def update(
             adv = place([advantages[i] for i in ids], mb)
         else:
             adv = advantages[[ids[i] for i in mb.indices]].to(logp.device)
-        loss, m = policy_loss(
+        spec_ = LossSpec(
             objective,
-            logp,
-            old[j],
-            adv,
-            segment_ids=mb.segment_ids,
-            num_segments=len(mb.indices),
             eps_low=spec.eps_low,
             eps_high=spec.eps_high,
             tau_pos=spec.tau_pos,
             tau_neg=spec.tau_neg,
             aggregation=spec.aggregation,
-            normalizer=normalizer,
-            ref_logp=None if ref is None else ref[j],
             beta=spec.beta,
-            sampler_logp=None if sampled is None else sampled[j],
-            correction=spec.correction,
-            correction_bounds=spec.correction_bounds,
+            sampler_correction=spec.correction or "none",
+            sampler_correction_min=None if spec.correction_bounds is None else spec.correction_bounds[0],
+            sampler_correction_max=None if spec.correction_bounds is None else spec.correction_bounds[1],
             opsm_delta=spec.opsm_delta,
         )
+        inputs = LossInputs(
+            logp,
+            old[j],
+            adv,
+            mb.segment_ids,
+            len(mb.indices),
+            ref_logp=None if ref is None else ref[j],
+            sampler_logp=None if sampled is None else sampled[j],
+            normalizer=normalizer,
+        )
+        loss, m = compute_loss(spec_, inputs)
         loss.backward()
         losses.append(loss.detach())  # read back once, after the loop
         if mb.indices:  # not an idle micro-batch (distributed padding)

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from gspo.config import Config
-from gspo.core.corrections import CORRECTION_BOUNDS
 from gspo.core.layout import MicroBatch
 from gspo.core.logprobs import causal_lm_logprobs
+from gspo.core.registry import CORRECTION_BOUNDS
 from gspo.models.moe import is_moe
 from gspo.parallel.wrap import is_scorer
 
