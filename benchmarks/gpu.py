@@ -240,9 +240,7 @@ def run_gspo(model, batch: Batch, setup: Setup, kernel: str, pad_len: int) -> Ca
         compute_dtype=setup.dtype,
     )
     spec = UpdateSpec(
-        objective="gspo",
-        eps_low=setup.eps[0],
-        eps_high=setup.eps[1],
+        LossSpec("gspo", eps_low=setup.eps[0], eps_high=setup.eps[1]),
         minibatches=setup.minibatches,
         minibatch_split="group",
         layout="shared_prefix",

@@ -10,6 +10,7 @@ the minibatch's loss normaliser, so accumulation reproduces the full-minibatch g
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -21,7 +22,7 @@ import torch
 
 from gspo.core.layout import MicroBatch, Sequence, make_micro_batches
 from gspo.core.mismatch import mismatch_metrics, sampler_log_ratios
-from gspo.core.objectives import LossInputs, LossSpec, compute_loss
+from gspo.core.objectives import LossInputs, compute_loss
 from gspo.learning.batch import Batch
 from gspo.learning.policy import Policy, UpdateSpec, score
 from gspo.learning.reduction import reduce_metrics
@@ -124,12 +125,16 @@ def update(
     """
     per_token = not isinstance(advantages, torch.Tensor)
     # per-token advantages: GSPO as GSPO-token (GSPO's value and gradient for per-sequence ones)
-    objective = "gspo_token" if per_token and spec.objective == "gspo" else spec.objective
+    loss_spec = spec.loss
+    if per_token and loss_spec.objective == "gspo":
+        loss_spec = dataclasses.replace(loss_spec, objective="gspo_token")
     # the minibatch's normaliser, over all ranks: 1/B per sequence, or 1/tokens for token-mean; each
     # rank's loss is its share of the one-process loss, and the ranks' gradients are summed
-    if spec.aggregation == "token-mean":
+    if spec.loss.aggregation == "token-mean":
         normalizer = float(sum(int((mb.segment_ids >= 0).sum()) for mb in micro))
-    elif spec.aggregation == "seq-mean-token-sum-norm":  # Dr. GRPO: a constant number of tokens per sequence
+    elif (
+        spec.loss.aggregation == "seq-mean-token-sum-norm"
+    ):  # Dr. GRPO: a constant number of tokens per sequence
         normalizer = float(len(ids) * spec.max_new_tokens)
     else:
         normalizer = float(len(ids))
@@ -153,19 +158,6 @@ def update(
             adv = place([advantages[i] for i in ids], mb)
         else:
             adv = advantages[[ids[i] for i in mb.indices]].to(logp.device)
-        spec_ = LossSpec(
-            objective,
-            eps_low=spec.eps_low,
-            eps_high=spec.eps_high,
-            tau_pos=spec.tau_pos,
-            tau_neg=spec.tau_neg,
-            aggregation=spec.aggregation,
-            beta=spec.beta,
-            sampler_correction=spec.correction or "none",
-            sampler_correction_min=None if spec.correction_bounds is None else spec.correction_bounds[0],
-            sampler_correction_max=None if spec.correction_bounds is None else spec.correction_bounds[1],
-            opsm_delta=spec.opsm_delta,
-        )
         inputs = LossInputs(
             logp,
             old[j],
@@ -176,7 +168,7 @@ def update(
             sampler_logp=None if sampled is None else sampled[j],
             normalizer=normalizer,
         )
-        loss, m = compute_loss(spec_, inputs)
+        loss, m = compute_loss(loss_spec, inputs)
         loss.backward()
         losses.append(loss.detach())  # read back once, after the loop
         if mb.indices:  # not an idle micro-batch (distributed padding)
@@ -261,7 +253,7 @@ def _old_policy(
                     routes.append(
                         [moe.expert_choices(policy.model, mb) for mb in micro] if policy.moe else None
                     )
-            ref.append([policy.reference_logprobs(mb, spec) for mb in micro] if spec.beta > 0 else None)
+            ref.append([policy.reference_logprobs(mb, spec) for mb in micro] if spec.loss.beta > 0 else None)
     metrics: dict[str, float] = {}
     if spec.old_logprobs == "recompute":  # both log-probs known: how far apart (gspo.core.mismatch)
         delta = all_gather_varlen(torch.cat(deltas) if deltas else torch.zeros(0))
@@ -308,7 +300,9 @@ def learn(
         # the sampler's log-probs are the old ones: the first minibatch's forward is the old policy's
         mismatch = j == 0 and not out["old_logprobs_recomputed"]
         with around_update() if around_update is not None else contextlib.nullcontext():
-            sa = sa if spec.correction is not None else None  # the sampler's log-probs, for the correction
+            sa = (
+                sa if spec.loss.sampler_correction != "none" else None
+            )  # the sampler's log-probs, for the correction
             updates.append(
                 update(
                     policy,

@@ -194,8 +194,8 @@ class Trainer:
         train = self.config.train
         batch, batch_metrics = make_batch(
             samples,
-            scale=train.advantage_scale,
-            filter_zero_std=train.filter_zero_std_groups,
+            advantage_scale=train.advantage_scale,
+            filter_zero_std_groups=train.filter_zero_std_groups,
             mask_truncated=self.config.rollout.mask_truncated,
         )
         metrics = {**batch_metrics, **metrics, "lr": self.policy.scheduler.get_last_lr()[0]}
