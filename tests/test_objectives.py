@@ -54,8 +54,8 @@ def _split(kwargs):
 def _padded(kind):
     def loss(logp, old_logp, advantages, mask, **kwargs):
         spec, inputs, call = _split(_with_normalizer(knobs(kind, **kwargs), mask.shape[0]))
-        if not call:  # the simple call
-            return policy_loss(kind, logp, old_logp, advantages, mask, **inputs, **spec)
+        if not inputs and not call:  # the one-call form
+            return policy_loss(kind, logp, old_logp, advantages, mask, **spec)
         padded = LossInputs.padded(logp, old_logp, advantages, mask, **inputs)
         return compute_loss(LossSpec(kind, **spec), padded, **call)
 
@@ -412,14 +412,14 @@ def test_opsm_drops_negative_sequences_that_drifted_from_the_sampler():
 def test_correction_errors_name_the_fix():
     logp, old, adv, mask, _ = make_batch(15, B=2, T=3)
     with pytest.raises(ValueError, match="use sequence_mask"):
-        policy_loss("gspo", logp, old, adv, mask, sampler_logp=old, sampler_correction="token_mask")
+        gspo_loss(logp, old, adv, mask, sampler_logp=old, sampler_correction="token_mask")
     with pytest.raises(ValueError, match="needs sampler_logp"):
         policy_loss("grpo", logp, old, adv, mask, sampler_correction="token_mask")
     with pytest.raises(ValueError, match="unknown correction 'icepop'"):
-        policy_loss("grpo", logp, old, adv, mask, sampler_logp=old, sampler_correction="icepop")
+        grpo_loss(logp, old, adv, mask, sampler_logp=old, sampler_correction="icepop")
     with pytest.raises(ValueError, match="0 <= C_min <= C_max"):
         bounds = dict(sampler_correction_min=2, sampler_correction_max=1)
-        policy_loss("grpo", logp, old, adv, mask, sampler_logp=old, sampler_correction="token_mask", **bounds)
+        grpo_loss(logp, old, adv, mask, sampler_logp=old, sampler_correction="token_mask", **bounds)
     with pytest.raises(ValueError, match="bound a correction: set sampler_correction too"):
         policy_loss("grpo", logp, old, adv, mask, sampler_correction_min=0.5, sampler_correction_max=2)
     with pytest.raises(ValueError, match="tau_pos is not a knob of grpo"):

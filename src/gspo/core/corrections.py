@@ -74,7 +74,7 @@ def correction_weights(
 
     A token the sampler gave no log-prob for (NaN) has log rho_t = 0 (ratio 1) and still counts in |y_i|.
     """
-    dtype, valid, count = s.lp.dtype, s.valid, s.count
+    dtype, valid, count = s.lp.dtype, s.seg.valid, s.seg.count
     with torch.no_grad():
         nonempty, n_tok, n_seq = count > 0, valid.sum().to(dtype).clamp_min(1), (count > 0).sum().clamp_min(1)
 
@@ -82,10 +82,10 @@ def correction_weights(
             """Fractions of tokens and (mean per sequence) of flagged tokens; flags (S,) or (N,)."""
             if per_seq:
                 seq = torch.where(nonempty, flags.to(dtype), 0.0)  # (S,)
-                tok = s.per_token(seq)  # (N,)
+                tok = s.seg.per_token(seq)  # (N,)
             else:
                 tok = (flags & valid).to(dtype)  # (N,)
-                seq = s.segment_sum(tok) / count.clamp_min(1)  # (S,)
+                seq = s.seg.mean(tok)  # (S,)
             return {f"{name}_frac_token": tok.sum() / n_tok, f"{name}_frac_seq": seq.sum() / n_seq}
 
         metrics: dict[str, Tensor] = {}
@@ -98,24 +98,24 @@ def correction_weights(
             # log rho_t = log pi_old - log pi_sampler   (N,);  log rho_i = (1/|y_i|) sum_t log rho_t   (S,)
             log_rho = s.old_lp - behaviour
             if per_seq:
-                log_rho = s.segment_sum(log_rho) / count.clamp_min(1)
+                log_rho = s.seg.mean(log_rho)
             w, truncated, masked = importance_weights(
                 log_rho, correction.name, correction.low, correction.high
             )
-            weight = weight * (w if level == "sequence" or not per_seq else s.per_token(w))
+            weight = weight * (w if level == "sequence" or not per_seq else s.seg.per_token(w))
             metrics |= fractions(truncated, per_seq, "sampler_is_truncated")
             metrics |= fractions(masked, per_seq, "sampler_is_masked")
-            metrics["sampler_is_weight_mean"] = ((s.per_token(w) if per_seq else w) * valid).sum() / n_tok
+            metrics["sampler_is_weight_mean"] = ((s.seg.per_token(w) if per_seq else w) * valid).sum() / n_tok
         if correction.opsm_delta is not None:
             # KL_i = (1/|y_i|) sum_t (log pi_sampler - log pi_theta)   (S,), the current policy detached
-            seq_kl = s.segment_sum(behaviour - s.lp.detach()) / count.clamp_min(1)
+            seq_kl = s.seg.mean(behaviour - s.lp.detach())
             per_seq = s.adv_seq is not None
             if per_seq:
                 drop = opsm_drop(seq_kl, s.adv_seq, correction.opsm_delta)  # (S,)
                 keep = (~drop).to(dtype)
-                weight = weight * (keep if level == "sequence" else s.per_token(keep))
+                weight = weight * (keep if level == "sequence" else s.seg.per_token(keep))
             else:  # per-token advantages (token terms only): the negative tokens of a drifted sequence
-                drop = opsm_drop(s.per_token(seq_kl), s.adv_token, correction.opsm_delta)  # (N,)
+                drop = opsm_drop(s.seg.per_token(seq_kl), s.adv_token, correction.opsm_delta)  # (N,)
                 weight = weight * (~drop).to(dtype)
             metrics |= fractions(drop, per_seq, "opsm_masked")
     return weight, metrics

@@ -1,9 +1,9 @@
 """Policy objectives as pure tensor functions: the GSPO family (arXiv 2507.18071) and its relatives.
 
-``policy_loss("gspo", logp, old_logp, advantages, mask)`` on a padded (B, T) batch returns ``(loss,
-metrics)``; ``compute_loss(LossSpec(...), LossInputs(...))`` is the same loss from two records: the
+``compute_loss(LossSpec(...), LossInputs(...))`` returns ``(loss, metrics)`` from two records: the
 objective's settings (`LossSpec`, the config's ``train.*`` names) and its tensors, packed (N,) or built
-from the padded form (`LossInputs.padded`). Objectives (gspo.core.registry): GSPO, GSPO-token and GRPO (the
+from the padded form (`LossInputs.padded`); ``policy_loss("gspo", logp, old_logp, advantages, mask)`` is the
+one-call form on a padded (B, T) batch. Objectives (gspo.core.registry): GSPO, GSPO-token and GRPO (the
 GSPO paper), GMPO (arXiv 2507.20673), SAPO at token and sequence level (arXiv 2511.20347) and CISPO
 (MiniMax-M1, arXiv 2506.13585); Dr. GRPO and LUSPO are aggregations. Optional train-inference mismatch
 corrections (gspo.core.corrections) weigh the policy term. The math is written once, on the packed stream;
@@ -31,7 +31,7 @@ from gspo.core.registry import (
     REGISTRY,
     SEQUENCE_OBJECTIVES,
 )
-from gspo.core.surrogates import LOG_RATIO_CLAMP, TERMS, Stream, Terms, exp_clamped
+from gspo.core.surrogates import LOG_RATIO_CLAMP, TERMS, Segments, Stream, Terms, exp_clamped, segment_sum
 
 __all__ = [
     "AGGREGATIONS",
@@ -241,36 +241,25 @@ class LossInputs:
 
 
 def policy_loss(
-    objective: str | LossSpec,
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    ref_logp: Tensor | None = None,
-    sampler_logp: Tensor | None = None,
-    normalizer: float | Tensor | None = None,
-    **knobs: Any,
+    objective: str | LossSpec, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, **knobs: Any
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The policy loss of ``objective`` (one of ``OBJECTIVES``, or a `LossSpec`) on a padded batch, and its
-    metrics: ``compute_loss(LossSpec(objective, **knobs), LossInputs.padded(...))``.
+    metrics, in one call: ``compute_loss(LossSpec(objective, **knobs), LossInputs.padded(logp, old_logp,
+    advantages, mask))``.
 
-    logp, old_logp, mask, ref_logp, sampler_logp: (B, T), mask bool (True on completion tokens);
-    advantages (B,) per sequence or (B, T) per token (not for the sequence objectives gspo, gmpo, sapo_seq).
-    knobs: the fields of `LossSpec` (eps_low, eps_high, tau_pos, tau_neg, aggregation, beta,
-    sampler_correction, sampler_correction_min, sampler_correction_max, opsm_delta). The packed form, the
-    finite check and sequence parallelism: `compute_loss`.
+    logp, old_logp, mask: (B, T), mask bool (True on completion tokens); advantages (B,) per sequence or (B, T)
+    per token (not for the sequence objectives gspo, gmpo, sapo_seq). knobs: the fields of `LossSpec` (eps_low,
+    eps_high, tau_pos, tau_neg, aggregation, ...). A loss that needs more tensors (a reference's or the
+    sampler's log-probs, a normalizer) or the packed form: `compute_loss` with `LossInputs`.
 
     >>> loss, metrics = policy_loss("gspo", logp, old_logp, advantages, mask)  # doctest: +SKIP
     """
-    if isinstance(objective, LossSpec):
-        spec = dataclasses.replace(objective, **knobs)
-    else:
-        spec = LossSpec(objective, **knobs)
-    inputs = LossInputs.padded(
-        logp, old_logp, advantages, mask, ref_logp=ref_logp, sampler_logp=sampler_logp, normalizer=normalizer
+    spec = (
+        dataclasses.replace(objective, **knobs)
+        if isinstance(objective, LossSpec)
+        else LossSpec(objective, **knobs)
     )
-    return compute_loss(spec, inputs)
+    return compute_loss(spec, LossInputs.padded(logp, old_logp, advantages, mask))
 
 
 def compute_loss(
@@ -319,11 +308,12 @@ def _check_inputs(
     if spec.aggregation == "seq-mean-token-sum-norm" and inputs.normalizer is None:
         raise ValueError(
             f"{name}: aggregation seq-mean-token-sum-norm (Dr. GRPO) divides by a constant: pass "
-            "normalizer = number of sequences x the maximum completion length"
+            "normalizer = number of sequences x the maximum completion length (LossInputs.normalizer)"
         )
     if spec.sampler_correction != "none" and inputs.sampler_logp is None:
         raise ValueError(
-            f"{name}: sampler_correction {spec.sampler_correction!r} needs sampler_logp, the sampler's log-probs"
+            f"{name}: sampler_correction {spec.sampler_correction!r} needs sampler_logp, the sampler's log-probs "
+            "(LossInputs.sampler_logp)"
         )
     if segment_sum_reduce is not None:
         if inputs.padded_shape is not None:
@@ -382,51 +372,27 @@ def _stream(inputs: LossInputs, segment_sum_reduce: Callable[[Tensor], Tensor] |
     dtype = torch.promote_types(inputs.logp.dtype, torch.float32)
     valid = inputs.segment_ids >= 0  # (N,)
     bucket = torch.where(valid, inputs.segment_ids, S)  # (N,) tokens without a segment go to a spare bucket S
-
-    def segment_sum(x: Tensor) -> Tensor:  # (N,) -> (S,)
-        return x.new_zeros(S + 1).index_add(0, bucket, x)[:S]
-
-    def per_token(x: Tensor) -> Tensor:  # (S,) -> (N,), zero off-segment
-        return torch.cat([x, x.new_zeros(1)])[bucket]
-
     # select before any arithmetic: off-segment values (maybe NaN) then get exactly zero gradient
     lp = torch.where(valid, inputs.logp.to(dtype), 0.0)  # (N,)
     old_lp = torch.where(valid, inputs.old_logp.detach().to(dtype), 0.0)  # (N,)
     # log r_t = logp_t - old_logp_t   (N,)
     log_ratio = lp - old_lp
-    local_count = segment_sum(valid.to(dtype))  # (S,) this rank's |y_i|
+    local_count = segment_sum(valid.to(dtype), bucket, S)  # (S,) this rank's |y_i|
     # sequence parallelism: the (2, S) sums of log-ratios and counts are reduced over the ranks that
     # share segments before any ratio is formed (the design of Fast-LLM's GSPO loss)
-    sums = torch.stack([segment_sum(log_ratio), local_count])  # (2, S)
+    sums = torch.stack([segment_sum(log_ratio, bucket, S), local_count])  # (2, S)
     if segment_sum_reduce is not None:
         sums = segment_sum_reduce(sums)
-    count = sums[1].detach()  # (S,) global |y_i|
+    seg = Segments(valid, bucket, count=sums[1].detach(), local_count=local_count)  # count: global |y_i|
     # log s_i = (1/|y_i|) sum_t log r_t   (S,)
-    seq_log_ratio = sums[0] / count.clamp_min(1)
-
-    def segment_mean(x: Tensor) -> Tensor:  # (N,) -> (S,); this rank's tokens (no reduce: checked)
-        return segment_sum(x) / count.clamp_min(1)
-
+    seq_log_ratio = sums[0] / seg.count.clamp_min(1)
     adv = inputs.advantages.detach().to(dtype)
     if inputs.token_advantages:
         adv_seq, adv_token = None, torch.where(valid, adv, 0.0)  # (N,)
     else:
-        adv_seq = torch.where(count > 0, adv, 0.0)  # (S,)
-        adv_token = per_token(adv_seq)  # (N,)
-    return Stream(
-        valid=valid,
-        lp=lp,
-        old_lp=old_lp,
-        log_ratio=log_ratio,
-        seq_log_ratio=seq_log_ratio,
-        count=count,
-        local_count=local_count,
-        adv_seq=adv_seq,
-        adv_token=adv_token,
-        segment_sum=segment_sum,
-        per_token=per_token,
-        segment_mean=segment_mean,
-    )
+        adv_seq = torch.where(seg.count > 0, adv, 0.0)  # (S,)
+        adv_token = seg.per_token(adv_seq)  # (N,)
+    return Stream(seg, lp, old_lp, log_ratio, seq_log_ratio, adv_seq, adv_token)
 
 
 def _token_weights(
@@ -435,11 +401,13 @@ def _token_weights(
     """w_t (N,) and the outer denominator: w_t = 1/|y_i| for "seq-mean-token-mean" (each sequence counts
     once), else 1; the denominator by default S, or the token count for "token-mean"."""
     if aggregation == "seq-mean-token-mean":
-        token_weight = torch.where(s.valid, 1.0 / s.per_token(s.count).clamp_min(1), 0.0)
+        token_weight = torch.where(s.seg.valid, 1.0 / s.seg.per_token(s.seg.count).clamp_min(1), 0.0)
     else:
-        token_weight = s.valid.to(s.lp.dtype)
+        token_weight = s.seg.valid.to(s.lp.dtype)
     if normalizer is None:
-        normalizer = s.count.sum().clamp_min(1) if aggregation == "token-mean" else max(len(s.count), 1)
+        normalizer = (
+            s.seg.count.sum().clamp_min(1) if aggregation == "token-mean" else max(len(s.seg.count), 1)
+        )
     return token_weight, normalizer
 
 
@@ -447,14 +415,14 @@ def _aggregate(terms: Terms, level: str, weight: Tensor | None, token_weight: Te
     """sum_t w_t c_t L_t: the weighted sum of the (corrected) terms, before the outer denominator."""
     term_loss = terms.loss if weight is None else weight * terms.loss
     if level == "sequence":  # a rank weighs L_i by its share of the tokens of i
-        return (s.segment_sum(token_weight) * term_loss).sum()
+        return (s.seg.sum(token_weight) * term_loss).sum()
     return (token_weight * term_loss).sum()
 
 
 def _kl(ref_logp: Tensor, s: Stream, token_weight: Tensor) -> Tensor:
     """sum_t w_t kl_t, kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1 (k3 estimator), before the
     outer denominator."""
-    ref = torch.where(s.valid, ref_logp.detach().to(s.lp.dtype), 0.0)  # (N,)
+    ref = torch.where(s.seg.valid, ref_logp.detach().to(s.lp.dtype), 0.0)  # (N,)
     delta = (ref - s.lp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return (token_weight * (torch.exp(delta) - delta - 1)).sum()
 
@@ -474,18 +442,21 @@ def _stats(x: Tensor, mask: Tensor, prefix: str) -> dict[str, Tensor]:
 @torch.no_grad()
 def _metrics(terms: Terms, level: str, s: Stream) -> dict[str, Tensor]:
     """Clipped fractions per token and per sequence, ratio statistics and counts (docs/objectives.md)."""
-    dtype, valid, nonempty = s.lp.dtype, s.valid, s.count > 0
+    dtype, seg, valid, nonempty = s.lp.dtype, s.seg, s.seg.valid, s.seg.count > 0
     if (terms.cut_level or level) == "sequence":  # a token is clipped when its sequence is
-        token_low, token_high = s.per_token(terms.low.to(dtype)) > 0, s.per_token(terms.high.to(dtype)) > 0
+        token_low, token_high = (
+            seg.per_token(terms.low.to(dtype)) > 0,
+            seg.per_token(terms.high.to(dtype)) > 0,
+        )
         # clipped as a whole; global with reduced sums
         seq_present, seq_frac_low, seq_frac_high = nonempty, terms.low.to(dtype), terms.high.to(dtype)
     else:
         token_low, token_high = terms.low, terms.high
-        seq_present = s.local_count > 0
-        seq_frac_low = s.segment_sum((token_low & valid).to(dtype)) / s.local_count.clamp_min(1)
-        seq_frac_high = s.segment_sum((token_high & valid).to(dtype)) / s.local_count.clamp_min(1)
+        seq_present = seg.local_count > 0
+        seq_frac_low = seg.sum((token_low & valid).to(dtype)) / seg.local_count.clamp_min(1)
+        seq_frac_high = seg.sum((token_high & valid).to(dtype)) / seg.local_count.clamp_min(1)
     if s.adv_seq is None:
-        seq_nonzero_adv = s.segment_sum((s.adv_token != 0).to(dtype)) > 0
+        seq_nonzero_adv = seg.sum((s.adv_token != 0).to(dtype)) > 0
     else:
         seq_nonzero_adv = nonempty & (s.adv_seq != 0)
     token_low, token_high = token_low & valid, token_high & valid

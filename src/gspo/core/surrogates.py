@@ -22,22 +22,44 @@ GATE_HALF = 0.5
 
 
 @dataclass(frozen=True)
+class Segments:
+    """Which of S segments (sequences) each of N packed tokens belongs to, and the segments' sizes."""
+
+    valid: Tensor  # (N,) bool, the token belongs to a segment
+    bucket: Tensor  # (N,) long, its segment; S (a spare bucket) off-segment
+    count: Tensor  # (S,) |y_i|, over all ranks that share segments (detached)
+    local_count: Tensor  # (S,) this rank's tokens of each segment
+
+    def sum(self, x: Tensor) -> Tensor:
+        """(N,) -> (S,): each segment's sum over this rank's tokens."""
+        return segment_sum(x, self.bucket, len(self.count))
+
+    def mean(self, x: Tensor) -> Tensor:
+        """(N,) -> (S,): (1/|y_i|) sum over the segment's tokens."""
+        return self.sum(x) / self.count.clamp_min(1)
+
+    def per_token(self, x: Tensor) -> Tensor:
+        """(S,) -> (N,): each token's segment's value, zero off-segment."""
+        return torch.cat([x, x.new_zeros(1)])[self.bucket]
+
+
+def segment_sum(x: Tensor, bucket: Tensor, num_segments: int) -> Tensor:
+    """(N,) -> (S,): the sum of x over each segment's tokens, ``bucket`` (N,) their segment (S: none)."""
+    return x.new_zeros(num_segments + 1).index_add(0, bucket, x)[:num_segments]
+
+
+@dataclass(frozen=True)
 class Stream:
     """What every objective (and correction) reads, on a packed stream of N tokens in S segments: the
     log-probs zeroed off-segment (selected before any arithmetic, so NaN there gets zero gradient)."""
 
-    valid: Tensor  # (N,) bool, the token belongs to a segment
+    seg: Segments
     lp: Tensor  # (N,) logp, 0 off-segment, with grad
     old_lp: Tensor  # (N,) old_logp, 0 off-segment, detached
     log_ratio: Tensor  # (N,) logp - old_logp, 0 off-segment
     seq_log_ratio: Tensor  # (S,) (1/|y_i|) sum_t log r_t, from the (possibly rank-reduced) sums
-    count: Tensor  # (S,) |y_i|, over all ranks that share segments (detached)
-    local_count: Tensor  # (S,) this rank's tokens of each segment
     adv_seq: Tensor | None  # (S,) per-sequence advantages, 0 for empty sequences; None if per token
     adv_token: Tensor  # (N,) every token's advantage, 0 off-segment
-    segment_sum: Callable[[Tensor], Tensor]  # (N,) -> (S,), this rank's tokens
-    per_token: Callable[[Tensor], Tensor]  # (S,) -> (N,), zero off-segment
-    segment_mean: Callable[[Tensor], Tensor]  # (N,) -> (S,), (1/|y_i|) sum over the segment's tokens
 
 
 @dataclass(frozen=True)
@@ -112,7 +134,7 @@ def _gspo(s: Stream, p: Mapping[str, float]) -> Terms:
 @terms_of("gspo_token")
 def _gspo_token(s: Stream, p: Mapping[str, float]) -> Terms:
     """GSPO-token, Eq. 13-14: s_i,t = sg[s_i] exp(logp_t - sg[logp_t]); L_t = -min(s_i,t A_t, clip(s_i,t) A_t)."""
-    ratio = exp_clamped(s.per_token(s.seq_log_ratio.detach()) + s.lp - s.lp.detach())  # (N,)
+    ratio = exp_clamped(s.seg.per_token(s.seq_log_ratio.detach()) + s.lp - s.lp.detach())  # (N,)
     return Terms(*_clipped_surrogate(ratio, s.adv_token, p["eps_low"], p["eps_high"]))
 
 
@@ -135,7 +157,7 @@ def _gmpo(s: Stream, p: Mapping[str, float]) -> Terms:
     high = (s.adv_token > 0) & (s.log_ratio > p["eps_high"])  # (N,)
     low = (s.adv_token < 0) & (s.log_ratio < -p["eps_low"])
     clipped = s.log_ratio.detach().clamp(-p["eps_low"], p["eps_high"])
-    geo_ratio = exp_clamped(s.segment_mean(torch.where(high | low, clipped, s.log_ratio)))  # (S,)
+    geo_ratio = exp_clamped(s.seg.mean(torch.where(high | low, clipped, s.log_ratio)))  # (S,)
     return Terms(-adv * geo_ratio, low, high, cut_level="token")
 
 
