@@ -29,6 +29,7 @@ from gspo.core.registry import (
     PAPER_CLIP,
     PAPER_DEFAULTS,
     REGISTRY,
+    SAMPLER_CORRECTIONS,
     SEQUENCE_OBJECTIVES,
 )
 from gspo.core.surrogates import LOG_RATIO_CLAMP, TERMS, Segments, Stream, Terms, exp_clamped, segment_sum
@@ -124,7 +125,7 @@ class LossSpec:
         if correction not in CORRECTION_BOUNDS:
             raise ValueError(
                 f"{name}: sampler_correction: unknown correction {correction!r}; choose one of "
-                f"{('none', *CORRECTION_BOUNDS)}"
+                f"{SAMPLER_CORRECTIONS}"
             )
         if REGISTRY[self.objective].level == "sequence" and correction_level(correction) == "token":
             raise ValueError(
