@@ -57,7 +57,7 @@ import transformers
 
 from gspo.core.layout import Sequence
 from gspo.core.logprobs import token_logprobs
-from gspo.core.objectives import PAPER_CLIP, policy_loss
+from gspo.core.objectives import PAPER_CLIP, LossInputs, LossSpec, compute_loss
 from gspo.learning.batch import Batch
 from gspo.learning.learner import learn
 from gspo.learning.policy import Policy, UpdateSpec
@@ -217,7 +217,7 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, size: int, repeats: in
 
 
 def optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
-    # gspo's own optimizer (gspo.training.setup), for every system: the loss path is what differs
+    # gspo's own optimizer (gspo.training.build), for every system: the loss path is what differs
     return torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.99), weight_decay=0.0, fused=True)
 
 
@@ -240,9 +240,7 @@ def run_gspo(model, batch: Batch, setup: Setup, kernel: str, pad_len: int) -> Ca
         compute_dtype=setup.dtype,
     )
     spec = UpdateSpec(
-        objective="gspo",
-        eps_low=setup.eps[0],
-        eps_high=setup.eps[1],
+        LossSpec("gspo", eps_low=setup.eps[0], eps_high=setup.eps[1]),
         minibatches=setup.minibatches,
         minibatch_split="group",
         layout="shared_prefix",
@@ -455,17 +453,10 @@ def head_rows(spec: ModelSpec, n: int, setup: Setup, kernels: list[str], name: s
     advantages = torch.randn(seqs, generator=g).to(device)
     old = -torch.rand(n, generator=g).to(device) * 5
 
+    spec = LossSpec("gspo", eps_low=setup.eps[0], eps_high=setup.eps[1])
+
     def gspo_loss(logp):
-        return policy_loss(
-            "gspo",
-            logp,
-            old,
-            advantages,
-            segment_ids=segment,
-            num_segments=seqs,
-            eps_low=setup.eps[0],
-            eps_high=setup.eps[1],
-        )[0]
+        return compute_loss(spec, LossInputs(logp, old, advantages, segment, seqs))[0]
 
     paths: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
         f"gspo:{k}": (lambda h, k=k: gspo_loss(token_logprobs(h, weight, targets, kernel=k))) for k in kernels

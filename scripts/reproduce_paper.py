@@ -51,9 +51,9 @@ from gspo.models import save_model, tiny_tokenizer
 from gspo.rollout.data import Example, format_prompt
 from gspo.rollout.rewards import exact_answer
 from gspo.rollout.samplers import generate, tokenize_prompts
+from gspo.training.build import build_examples
 from gspo.training.checkpoint import latest_checkpoint, load_trainer_state
 from gspo.training.metrics import read_metrics
-from gspo.training.setup import build_examples
 from gspo.training.trainer import Trainer
 
 METHODS = {

@@ -141,23 +141,28 @@ def test_wrong_objective_and_correction_combinations_name_the_fix(overrides, mes
 
 def test_objective_recipes_load_and_defaults_stay_in_one_place() -> None:
     from gspo.config.checks import SEQUENCE_OBJECTIVES
-    from gspo.core import surrogates
+    from gspo.core import registry
     from gspo.learning.policy import UpdateSpec
 
-    assert SEQUENCE_OBJECTIVES == surrogates.SEQUENCE_OBJECTIVES
+    assert SEQUENCE_OBJECTIVES == registry.SEQUENCE_OBJECTIVES
     gmpo = load_config(None, ["train.objective=gmpo", "train.eps_low=1.5"])  # log space: any eps_low
-    assert UpdateSpec.from_config(gmpo, layout="padded", pad_id=0).eps_low == 1.5
+    assert UpdateSpec.from_config(gmpo, layout="padded", pad_id=0).loss.eps_low == 1.5
     dr_grpo = load_config(
         None,
         ["train.objective=grpo", "train.aggregation=seq-mean-token-sum-norm", "train.advantage_scale=none"],
     )
     spec = UpdateSpec.from_config(dr_grpo, layout="padded", pad_id=0)
     assert (
-        spec.max_new_tokens == dr_grpo.rollout.max_new_tokens and spec.eps_low is None
+        spec.max_new_tokens == dr_grpo.rollout.max_new_tokens and spec.loss.eps_low is None
     )  # paper default later
     masked = load_config(None, ["train.sampler_correction=sequence_mask", "train.sampler_correction_max=3"])
     spec = UpdateSpec.from_config(masked, layout="padded", pad_id=0)
-    assert spec.correction == "sequence_mask" and spec.correction_bounds == (0.5, 3.0)  # C_min: the default
+    correction = spec.loss.correction()
+    assert (correction.name, correction.low, correction.high) == (
+        "sequence_mask",
+        0.5,
+        3.0,
+    )  # C_min: the default
 
 
 def test_minibatches_must_fit_the_rollout_batch() -> None:

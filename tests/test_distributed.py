@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM
 
 from gspo.config import ConfigError, load_config, validate_setup
 from gspo.core.layout import Sequence
-from gspo.core.objectives import policy_loss
+from gspo.core.objectives import LossInputs, LossSpec, compute_loss
 from gspo.learning.batch import Batch
 from gspo.learning.learner import learn, minibatches
 from gspo.parallel import clipping, group, wrap
@@ -83,24 +83,19 @@ def _split_loss(
     logits = inputs["features"][tokens] @ weight.T
     logp = torch.log_softmax(logits, -1).gather(1, inputs["targets"][tokens, None]).squeeze(1)
     logp.retain_grad()
-    kwargs = dict(
-        eps_low=0.03,
-        eps_high=0.04,
-        aggregation=aggregation,
-        beta=beta,
-        ref_logp=inputs["ref_logp"][tokens] if beta else None,
-    )
-    if part is not None:  # the per-segment sums are all-reduced, differentiably, before any ratio
-        kwargs["segment_sum_reduce"] = functools.partial(all_reduce, op=dist.ReduceOp.SUM)
-    loss, metrics = policy_loss(
-        objective,
+    spec = LossSpec(objective, eps_low=0.03, eps_high=0.04, aggregation=aggregation, beta=beta)
+    packed = LossInputs(
         logp,
         inputs["old_logp"][tokens],
         inputs["advantages"],
-        segment_ids=inputs["segment_ids"][tokens],
-        num_segments=5,
-        **kwargs,
+        inputs["segment_ids"][tokens],
+        5,
+        ref_logp=inputs["ref_logp"][tokens] if beta else None,
     )
+    reduce = None
+    if part is not None:  # the per-segment sums are all-reduced, differentiably, before any ratio
+        reduce = functools.partial(all_reduce, op=dist.ReduceOp.SUM)
+    loss, metrics = compute_loss(spec, packed, segment_sum_reduce=reduce)
     loss.backward()
     return loss.detach(), metrics, logp.grad, weight.grad
 

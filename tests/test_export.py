@@ -137,7 +137,7 @@ def test_gspo_export_gguf_of_a_tiny_run_runs_in_llama_cpp(tmp_path: Path) -> Non
     path = run / "export" / "step_000001-f32.gguf"
     model = AutoModelForCausalLM.from_pretrained(run / "checkpoints" / "step_000001" / "model").eval()
     tokenizer = tiny_tokenizer()
-    from gspo.training.setup import build_examples
+    from gspo.training.build import build_examples
 
     prompts = [format_prompt(tokenizer, ex.prompt) for ex in build_examples(config)[1]]
     llm = _llama(path)

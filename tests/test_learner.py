@@ -9,6 +9,7 @@ import torch
 
 from gspo.core.advantages import group_advantages
 from gspo.core.layout import Sequence
+from gspo.core.objectives import LossSpec
 from gspo.learning.batch import Batch, Sample, make_batch
 from gspo.learning.learner import learn, minibatches
 from gspo.learning.policy import Policy, UpdateSpec
@@ -44,7 +45,7 @@ def test_make_batch_advantages_are_group_advantages_and_metrics_are_the_batch_s(
 
 def test_make_batch_filters_zero_spread_groups_and_masks_truncated_samples():
     rewards = [1.0, 0.0, 0.5, 0.5, 2.0, 2.0, 2.0, 2.0]
-    batch, metrics = make_batch(_samples(rewards, 4), filter_zero_std=True, mask_truncated=True)
+    batch, metrics = make_batch(_samples(rewards, 4), filter_zero_std_groups=True, mask_truncated=True)
     assert len(batch.sequences) == 4 and batch.groups == [0, 0, 0, 0]
     assert metrics["num_trained"] == 4.0 and metrics["reward_mean"] == pytest.approx(sum(rewards) / 8)
     assert [any(s.train_mask) for s in batch.sequences] == [True, True, True, False]  # sample 3 truncated
@@ -96,7 +97,7 @@ def _params(policy: Policy) -> torch.Tensor:
 
 
 def test_learn_without_a_trainer_updates_and_is_deterministic():
-    spec = UpdateSpec(objective="gspo", eps_low=0.2, eps_high=0.2, minibatches=3)
+    spec = UpdateSpec(LossSpec("gspo", eps_low=0.2, eps_high=0.2), minibatches=3)
     runs, counted = [], []
     for _ in range(2):
         policy = _policy()
@@ -117,7 +118,7 @@ def test_learn_accumulation_over_micro_batches_equals_one_micro_batch_per_miniba
     params = {}
     for tokens in (16, 4096):  # many micro-batches per minibatch vs one
         policy = _policy(sgd=True)
-        spec = UpdateSpec(objective="grpo", minibatches=2, micro_batch_tokens=tokens, pack_length=16)
+        spec = UpdateSpec(LossSpec("grpo"), minibatches=2, micro_batch_tokens=tokens, pack_length=16)
         layout = minibatches(spec, _batch().sequences, seed=3, device=torch.device("cpu"))
         assert [len(micro) > 1 for _, micro in layout] == [tokens == 16] * 2
         metrics = learn(policy, spec, _batch(), seed=3)
@@ -191,11 +192,8 @@ def test_shared_prefix_updates_equal_the_padded_layout_s(family, objective, opti
     for layout in ("shared_prefix", "padded"):
         policy = _model_policy(family, beta)
         spec = UpdateSpec(
-            objective=objective,
-            eps_low=0.02,
-            eps_high=0.02,
+            LossSpec(objective, eps_low=0.02, eps_high=0.02, beta=beta),
             minibatches=3,
-            beta=beta,
             layout=layout,
             minibatch_split="group",
             routing_replay=options.get("routing_replay", False),
@@ -318,14 +316,9 @@ def test_every_objective_and_correction_trains_through_the_learner(objective, co
         ]
         for s in batch.sequences
     ]
-    spec = UpdateSpec(
-        objective=objective,
-        minibatches=2,
-        old_logprobs="recompute",
-        correction=correction,
-        correction_bounds=None if correction is None else (0.0, 50.0),
-        opsm_delta=opsm_delta,
-    )
+    bounds = {} if correction is None else dict(sampler_correction_min=0.0, sampler_correction_max=50.0)
+    loss = LossSpec(objective, sampler_correction=correction or "none", opsm_delta=opsm_delta, **bounds)
+    spec = UpdateSpec(loss, minibatches=2, old_logprobs="recompute")
     policy = _policy()
     before = _params(policy)
     metrics = learn(policy, spec, batch, seed=3)
@@ -345,7 +338,7 @@ def test_dr_grpo_normaliser_is_the_sequences_times_the_longest_completion():
         policy = _policy(sgd=True)
         before = _params(policy)
         spec = UpdateSpec(
-            objective="grpo", minibatches=1, aggregation=aggregation, max_new_tokens=k, max_grad_norm=0
+            LossSpec("grpo", aggregation=aggregation), minibatches=1, max_new_tokens=k, max_grad_norm=0
         )
         learn(policy, spec, _batch(), seed=2)
         updates[aggregation] = _params(policy) - before

@@ -217,3 +217,36 @@ def test_reduced_paper_experiment_writes_its_report(tmp_path: Path) -> None:
     assert all(set(table) == {"grpo", "grpo_replay", "gspo"} for table in summary.values())
     records = read_metrics(tmp_path / "runs" / "grpo_replay-lr0.0003-seed0")
     assert any("routing_volatility" in r for r in records)
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_update_routing_replays_or_records_and_names_the_difference_by_updates(replay: bool) -> None:
+    """The learner's bookkeeping (moe.UpdateRouting): the experts used are the old policy's with replay, the
+    routers' own without; the difference of the routers' own choices to the old ones, named by updates."""
+    model, mb = _model(), _packed()[0]
+    recorded = moe.expert_choices(model, mb)
+    with torch.no_grad():
+        for router in moe.moe_routers(model):
+            router.weight.add_(
+                0.3 * torch.randn(router.weight.shape, generator=torch.Generator().manual_seed(2))
+            )
+    own: list[torch.Tensor] = []  # each router's own choice, seen before the replay hook replaces it
+    used: list[torch.Tensor] = []  # the experts the expert modules receive
+    blocks = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeSparseMoeBlock"]
+    handles = [r.register_forward_hook(lambda m, a, out: own.append(out[2])) for r in moe.moe_routers(model)]
+    handles += [b.experts.register_forward_pre_hook(lambda m, a: used.append(a[1])) for b in blocks]
+    routing = moe.UpdateRouting(model, [recorded], replay=replay)
+    with torch.no_grad(), routing.forward(0, mb.logprob_mask):
+        _logprobs(model, mb)
+    for h in handles:
+        h.remove()
+    for layer, experts in enumerate(used):
+        assert torch.equal(experts, recorded.experts[layer] if replay else own[layer])
+    moved = moe.routing_difference(recorded, moe.Routing(own), mb.logprob_mask)
+    assert moved.changed_sets > 0, "the perturbation changed no routing"
+    assert routing.metrics(updates_before=2) == {
+        "routing_volatility_after_2_updates": moved.changed_sets / moved.pairs,
+        "routing_expert_change_frac_after_2_updates": moved.changed_experts / moved.experts,
+    }
+    assert routing.metrics(updates_before=0) == {}  # before the first update nothing moved
+    assert moe.UpdateRouting(model, None, replay=replay).metrics(updates_before=1) == {}  # a dense model

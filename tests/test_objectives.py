@@ -8,9 +8,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gspo.core.objectives import AGGREGATIONS, PAPER_CLIP, PAPER_DEFAULTS, policy_loss
+from gspo.core.objectives import (
+    AGGREGATIONS,
+    PAPER_CLIP,
+    PAPER_DEFAULTS,
+    SEQUENCE_OBJECTIVES,
+    LossInputs,
+    LossSpec,
+    compute_loss,
+    policy_loss,
+)
 from gspo.core.objectives import OBJECTIVES as KINDS
-from gspo.core.surrogates import SEQUENCE_OBJECTIVES
 
 NORM_TOKENS = 7
 """The constant of aggregation seq-mean-token-sum-norm (Dr. GRPO) in these tests: normalizer = B x 7."""
@@ -32,20 +40,33 @@ def _with_normalizer(kwargs, num_sequences):
     return kwargs
 
 
+INPUTS = ("ref_logp", "sampler_logp", "normalizer")
+"""LossInputs' optional fields; compute_loss's options are check_finite and segment_sum_reduce."""
+
+
+def _split(kwargs):
+    """A test's keyword arguments as the loss's three parts: the spec's knobs, the inputs, the call's options."""
+    inputs = {k: v for k, v in kwargs.items() if k in INPUTS}
+    call = {k: v for k, v in kwargs.items() if k in ("check_finite", "segment_sum_reduce")}
+    return {k: v for k, v in kwargs.items() if k not in inputs and k not in call}, inputs, call
+
+
 def _padded(kind):
     def loss(logp, old_logp, advantages, mask, **kwargs):
-        kwargs = _with_normalizer(knobs(kind, **kwargs), mask.shape[0])
-        return policy_loss(kind, logp, old_logp, advantages, mask, **kwargs)
+        spec, inputs, call = _split(_with_normalizer(knobs(kind, **kwargs), mask.shape[0]))
+        if not inputs and not call:  # the one-call form
+            return policy_loss(kind, logp, old_logp, advantages, mask, **spec)
+        padded = LossInputs.padded(logp, old_logp, advantages, mask, **inputs)
+        return compute_loss(LossSpec(kind, **spec), padded, **call)
 
     return loss
 
 
 def _packed(kind):
     def loss(logp, old_logp, advantages, segment_ids, num_segments, **kwargs):
-        kwargs = _with_normalizer(knobs(kind, **kwargs), num_segments)
-        return policy_loss(
-            kind, logp, old_logp, advantages, segment_ids=segment_ids, num_segments=num_segments, **kwargs
-        )
+        spec, inputs, call = _split(_with_normalizer(knobs(kind, **kwargs), num_segments))
+        packed = LossInputs(logp, old_logp, advantages, segment_ids, num_segments, **inputs)
+        return compute_loss(LossSpec(kind, **spec), packed, **call)
 
     return loss
 
@@ -357,16 +378,18 @@ def test_corrections_hand_values():
         ("sequence_truncate", [rho_seq] * 2, 0.0, 0.0),
         ("sequence_mask", [rho_seq] * 2, 0.0, 0.0),
     ]:
-        loss, m = grpo_loss(*args, sampler_logp=sampler, correction=correction)
+        loss, m = grpo_loss(*args, sampler_logp=sampler, sampler_correction=correction)
         assert loss.item() == pytest.approx(-sum(weights) / 2, abs=1e-12), correction
         torch.testing.assert_close(grad_of(loss, logp), -torch.tensor([weights], dtype=torch.float64) / 2)
         assert m["sampler_is_truncated_frac_token"].item() == pytest.approx(truncated)
         assert m["sampler_is_masked_frac_token"].item() == pytest.approx(masked)
         assert m["sampler_is_weight_mean"].item() == pytest.approx(sum(weights) / 2)
-    loss, m = grpo_loss(*args, sampler_logp=sampler, correction="sequence_mask", correction_bounds=(0.9, 2.0))
+    bounds = dict(sampler_correction_min=0.9, sampler_correction_max=2.0)
+    loss, m = grpo_loss(*args, sampler_logp=sampler, sampler_correction="sequence_mask", **bounds)
     assert loss.item() == 0.0 and m["sampler_is_masked_frac_seq"].item() == 1.0  # 0.866 < 0.9: dropped
     # a NaN sampler log-prob is unknown: ratio 1
-    loss, _ = grpo_loss(*args, sampler_logp=torch.tensor([[float("nan"), 0.0]]), correction="token_truncate")
+    nan_first = torch.tensor([[float("nan"), 0.0]])
+    loss, _ = grpo_loss(*args, sampler_logp=nan_first, sampler_correction="token_truncate")
     assert loss.item() == pytest.approx(-1.0)
 
 
@@ -389,17 +412,16 @@ def test_opsm_drops_negative_sequences_that_drifted_from_the_sampler():
 def test_correction_errors_name_the_fix():
     logp, old, adv, mask, _ = make_batch(15, B=2, T=3)
     with pytest.raises(ValueError, match="use sequence_mask"):
-        policy_loss("gspo", logp, old, adv, mask, sampler_logp=old, correction="token_mask")
+        gspo_loss(logp, old, adv, mask, sampler_logp=old, sampler_correction="token_mask")
     with pytest.raises(ValueError, match="needs sampler_logp"):
-        policy_loss("grpo", logp, old, adv, mask, correction="token_mask")
+        policy_loss("grpo", logp, old, adv, mask, sampler_correction="token_mask")
     with pytest.raises(ValueError, match="unknown correction 'icepop'"):
-        policy_loss("grpo", logp, old, adv, mask, sampler_logp=old, correction="icepop")
+        grpo_loss(logp, old, adv, mask, sampler_logp=old, sampler_correction="icepop")
     with pytest.raises(ValueError, match="0 <= C_min <= C_max"):
-        policy_loss(
-            "grpo", logp, old, adv, mask, sampler_logp=old, correction="token_mask", correction_bounds=(2, 1)
-        )
-    with pytest.raises(ValueError, match="correction_bounds without a correction"):
-        policy_loss("grpo", logp, old, adv, mask, correction_bounds=(0.5, 2))
+        bounds = dict(sampler_correction_min=2, sampler_correction_max=1)
+        grpo_loss(logp, old, adv, mask, sampler_logp=old, sampler_correction="token_mask", **bounds)
+    with pytest.raises(ValueError, match="bound a correction: set sampler_correction too"):
+        policy_loss("grpo", logp, old, adv, mask, sampler_correction_min=0.5, sampler_correction_max=2)
     with pytest.raises(ValueError, match="tau_pos is not a knob of grpo"):
         policy_loss("grpo", logp, old, adv, mask, tau_pos=1.0)
     with pytest.raises(ValueError, match="eps_low is not a knob of sapo; its knobs are tau_pos, tau_neg"):
@@ -460,17 +482,22 @@ def test_corrections_match_naive_loop(kind, correction, bounds, opsm_delta, aggr
     if kind in SEQUENCE_OBJECTIVES and correction is not None and correction.startswith("token"):
         correction = correction.replace("token", "sequence")  # the only level a sequence objective takes
     if correction is None:
-        bounds = None
+        correction, bounds = "none", None
     logp, old, adv, mask, _ = make_batch(seed, B=5, T=6, spread=0.1, dtype=torch.float64)
     g = torch.Generator().manual_seed(seed + 1)
     sampler = old + 0.1 * torch.randn(old.shape, generator=g, dtype=torch.float64)
     if unknown:  # tokens the sampler reported no log-prob for: ratio 1
         sampler = torch.where(torch.rand(old.shape, generator=g) < 0.3, float("nan"), sampler)
-    kwargs = dict(aggregation=aggregation, sampler_logp=sampler, correction=correction, opsm_delta=opsm_delta)
-    loss, m = OBJECTIVES[kind](logp, old, adv, mask, correction_bounds=bounds, **kwargs)
+    kwargs = dict(
+        aggregation=aggregation, sampler_logp=sampler, sampler_correction=correction, opsm_delta=opsm_delta
+    )
+    if bounds is not None:  # None on one side: unbounded there (rho >= 0 always, and finite)
+        low, high = bounds
+        kwargs |= dict(sampler_correction_min=low or 0.0, sampler_correction_max=high or math.inf)
+    loss, m = OBJECTIVES[kind](logp, old, adv, mask, **kwargs)
     default = PAPER_DEFAULTS[kind]
-    if correction is not None and bounds is None:
-        from gspo.core.corrections import CORRECTION_BOUNDS
+    if correction != "none" and bounds is None:
+        from gspo.core.registry import CORRECTION_BOUNDS
 
         bounds = CORRECTION_BOUNDS[correction]
     expected = naive_loss(
@@ -484,13 +511,13 @@ def test_corrections_match_naive_loop(kind, correction, bounds, opsm_delta, aggr
         aggregation,
         tau=(default.get("tau_pos"), default.get("tau_neg")),
         sampler=sampler,
-        correction=correction,
+        correction=None if correction == "none" else correction,
         bounds=bounds or (None, None),
         opsm_delta=opsm_delta,
     )
     torch.testing.assert_close(loss, expected)
     torch.testing.assert_close(grad_of(loss, logp), grad_of(expected, logp))
-    if correction is not None:
+    if correction != "none":
         assert 0 <= m["sampler_is_masked_frac_token"] <= 1 and m["sampler_is_weight_mean"] > 0
 
 
@@ -537,7 +564,8 @@ def test_packed_equals_padded(kind, per_token_adv, correction):
     p_sampler = to_packed(logp, sampler, adv, mask, ref)[1]
     kwargs = dict(eps_low=0.05, eps_high=0.08, ref_logp=ref, beta=0.1)
     if correction is not None:
-        kwargs |= dict(correction=correction, correction_bounds=(0.95, 1.05), opsm_delta=0.02)
+        kwargs |= dict(sampler_correction=correction, opsm_delta=0.02)
+        kwargs |= dict(sampler_correction_min=0.95, sampler_correction_max=1.05)
     for aggregation in AGGREGATIONS:
         loss, m = OBJECTIVES[kind](
             logp,
@@ -591,7 +619,8 @@ def test_minibatch_accumulation_equals_full_batch(kind, aggregation):
     sampler = old + 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(2), dtype=old.dtype)
     correction = "sequence_truncate" if kind in SEQUENCE_OBJECTIVES else "token_mask"
     kwargs = dict(eps_low=0.02, eps_high=0.03, aggregation=aggregation, ref_logp=ref, beta=0.1)
-    kwargs |= dict(correction=correction, correction_bounds=(0.97, 1.03), opsm_delta=0.01)
+    kwargs |= dict(sampler_correction=correction, opsm_delta=0.01)
+    kwargs |= dict(sampler_correction_min=0.97, sampler_correction_max=1.03)
     full, _ = OBJECTIVES[kind](logp, old, adv, mask, sampler_logp=sampler, **kwargs)
     normalizer = {"token-mean": mask.sum(), "seq-mean-token-sum-norm": 6 * NORM_TOKENS}.get(aggregation, 6)
     total = 0
@@ -733,7 +762,7 @@ def test_only_the_finite_check_syncs(kind):
     logp, old, adv, mask, ref = make_batch(14)
     p_logp, p_old, p_adv, seg, p_ref = to_packed(logp, old, adv, mask, ref)
     correction = "sequence_mask" if kind in SEQUENCE_OBJECTIVES else "token_truncate"
-    fix = dict(ref_logp=ref, beta=0.1, sampler_logp=ref, correction=correction, opsm_delta=0.1)
+    fix = dict(ref_logp=ref, beta=0.1, sampler_logp=ref, sampler_correction=correction, opsm_delta=0.1)
     for check_finite, expected in [(False, 0), (True, 1)]:
         with CountHostSyncs() as counter:
             loss, _ = OBJECTIVES[kind](logp, old, adv, mask, check_finite=check_finite, **fix)
@@ -879,20 +908,10 @@ def test_sequence_parallel_refuses_what_needs_more_all_reduces():
     logp, old, adv, mask, _ = make_batch(13, B=3, T=4)
     p_logp, p_old, _, seg, _ = to_packed(logp, old, adv, mask, old)
     with pytest.raises(ValueError, match="supports neither gmpo nor the mismatch corrections"):
-        policy_loss(
-            "gmpo", p_logp, p_old, adv, segment_ids=seg, num_segments=3, segment_sum_reduce=lambda x: x
-        )
+        compute_loss(LossSpec("gmpo"), LossInputs(p_logp, p_old, adv, seg, 3), segment_sum_reduce=lambda x: x)
     with pytest.raises(ValueError, match="supports neither gmpo nor the mismatch corrections"):
-        policy_loss(
-            "grpo",
-            p_logp,
-            p_old,
-            adv,
-            segment_ids=seg,
-            num_segments=3,
-            segment_sum_reduce=lambda x: x,
-            opsm_delta=0.1,
-        )
+        spec = LossSpec("grpo", opsm_delta=0.1)
+        compute_loss(spec, LossInputs(p_logp, p_old, adv, seg, 3), segment_sum_reduce=lambda x: x)
 
 
 def test_objective_names_defaults_and_entry_point_errors():
@@ -914,11 +933,13 @@ def test_objective_names_defaults_and_entry_point_errors():
     logp, old, adv, mask, _ = make_batch(14, B=2, T=3)
     with pytest.raises(ValueError, match="unknown objective 'ppo'"):
         policy_loss("ppo", logp, old, adv, mask)
-    with pytest.raises(ValueError, match=r"either mask .* or segment_ids"):
+    with pytest.raises(
+        TypeError, match="mask"
+    ):  # the padded form needs its mask; the packed one is LossInputs
         policy_loss("gspo", logp, old, adv)
     seg = torch.tensor([0, 0, 1])
-    with pytest.raises(ValueError, match="segment_ids needs num_segments"):
-        policy_loss("gspo", logp[0], old[0], adv, segment_ids=seg)
+    with pytest.raises(TypeError, match="num_segments"):
+        LossInputs(logp[0], old[0], adv, seg)
     # the paper's knobs are the default: the same loss as passing them explicitly
     for kind in KINDS:
         off = old - 0.05 * torch.sign(adv)[:, None]

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gspo.core.objectives import policy_loss
+from gspo.core.objectives import LossInputs, LossSpec, compute_loss, policy_loss
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer", reason="TRL is part of the dev extra")
 GRPOTrainer = trl_grpo.GRPOTrainer
@@ -145,9 +145,14 @@ def trl_importance_ratio(stub, old, sampler, mask):
 
 def ours(objective, logp, old, adv, mask, **kwargs):
     logp = logp.detach().clone().requires_grad_()
-    loss, _ = policy_loss(objective, logp, old, adv, mask, **kwargs)
+    loss, _ = ours_with_metrics(objective, logp, old, adv, mask, **kwargs)
     (grad,) = torch.autograd.grad(loss, logp)
     return loss.detach(), grad
+
+
+def ours_with_metrics(objective, logp, old, adv, mask, sampler_logp=None, normalizer=None, **knobs):
+    inputs = LossInputs.padded(logp, old, adv, mask, sampler_logp=sampler_logp, normalizer=normalizer)
+    return compute_loss(LossSpec(objective, **knobs), inputs)
 
 
 def assert_same(a, b):
@@ -234,21 +239,23 @@ def test_token_importance_sampling_equals_trls(mode, objective):
         adv,
         mask,
         sampler_logp=sampler,
-        correction=mode,
-        correction_bounds=bounds,
+        sampler_correction=mode,
+        sampler_correction_min=bounds[0],
+        sampler_correction_max=bounds[1],
         aggregation=aggregation,
         **kwargs,
     )
     assert_same(got, expected)
-    _, m = policy_loss(
+    _, m = ours_with_metrics(
         objective,
         logp,
         old,
         adv,
         mask,
         sampler_logp=sampler,
-        correction=mode,
-        correction_bounds=bounds,
+        sampler_correction=mode,
+        sampler_correction_min=bounds[0],
+        sampler_correction_max=bounds[1],
         **kwargs,
     )
     changed = m["sampler_is_truncated_frac_token"] + m["sampler_is_masked_frac_token"]
@@ -264,7 +271,10 @@ def test_sequence_importance_sampling_is_trls_on_the_length_normalised_ratio(mod
     bounds = (0.9, 1.1)
     n = mask.sum(1, keepdim=True).to(old.dtype)
     scaled = old - (old - sampler) / n  # log rho'_t = log rho_t / |y_i|: sum_t log rho'_t = mean_t log rho_t
-    got = ours("gspo", logp, old, adv, mask, sampler_logp=sampler, correction=mode, correction_bounds=bounds)
+    correction = dict(
+        sampler_correction=mode, sampler_correction_min=bounds[0], sampler_correction_max=bounds[1]
+    )
+    got = ours("gspo", logp, old, adv, mask, sampler_logp=sampler, **correction)
     same = trl_loss(
         "grpo",
         "sequence",
@@ -309,7 +319,7 @@ def test_off_policy_sequence_masking_equals_trls(loss_type, level, objective):
         objective, logp, old, adv, mask, eps_low=eps[0], eps_high=eps[1], sampler_logp=sampler, opsm_delta=0.3
     )
     assert_same(got, expected)
-    _, m = policy_loss(objective, logp, old, adv, mask, sampler_logp=sampler, opsm_delta=0.3)
+    _, m = ours_with_metrics(objective, logp, old, adv, mask, sampler_logp=sampler, opsm_delta=0.3)
     assert 0 < m["opsm_masked_frac_seq"] < 1
 
 

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from gspo.config import load_config
 from gspo.core.layout import Sequence, make_micro_batches
-from gspo.core.objectives import policy_loss
+from gspo.core.objectives import LossInputs, LossSpec, compute_loss
 from gspo.learning.policy import score
 from gspo.rollout.rewards import RewardError
 from gspo.training.checkpoint import latest_checkpoint, load_trainer_state
@@ -127,17 +127,10 @@ def test_every_layout_of_the_trainers_rollouts_gives_the_same_gradients(tmp_path
         for mb in micro:
             logp = score(trainer.policy.model, mb, trainer.spec)
             old = logp.detach() - 0.01  # off-policy, so clipping and ratios matter
-            loss, _ = policy_loss(
-                "gspo",
-                logp,
-                old,
-                advantages[mb.indices],
-                segment_ids=mb.segment_ids,
-                num_segments=len(mb.indices),
-                eps_low=0.2,
-                eps_high=0.2,
-                normalizer=len(sequences),
+            inputs = LossInputs(
+                logp, old, advantages[mb.indices], mb.segment_ids, len(mb.indices), normalizer=len(sequences)
             )
+            loss, _ = compute_loss(LossSpec("gspo", eps_low=0.2, eps_high=0.2), inputs)
             loss.backward()
         grads[layout] = torch.cat([p.grad.reshape(-1) for p in trainer.policy.model.parameters()])
     assert grads["padded"].abs().sum() > 0

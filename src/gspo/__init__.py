@@ -2,8 +2,9 @@
 
 Layers, each importing only the ones below it (checked by import-linter): ``gspo.training`` (the loop,
 checkpoints, metrics) > ``gspo.rollout`` (samplers, data, rewards, trajectories) > ``gspo.learning`` (the
-learner) > ``gspo.parallel`` | ``gspo.models`` > ``gspo.core`` (the math) > ``gspo.config``. The names below
-are imported lazily, so ``gspo.core`` works with torch alone.
+learner) > ``gspo.parallel`` | ``gspo.models`` > ``gspo.config`` > ``gspo.core`` (the math; its torch-free
+``gspo.core.registry`` names the config's loss choices). The names below are imported lazily, so
+``gspo.core`` works with torch alone.
 """
 
 import importlib
@@ -17,6 +18,9 @@ _EXPORTS = {
     "train": "gspo.training.trainer",
     "Trainer": "gspo.training.trainer",
     "policy_loss": "gspo.core.objectives",
+    "compute_loss": "gspo.core.objectives",
+    "LossSpec": "gspo.core.objectives",
+    "LossInputs": "gspo.core.objectives",
     "group_advantages": "gspo.core.advantages",
     "token_logprobs": "gspo.core.logprobs",
     "causal_lm_logprobs": "gspo.core.logprobs",

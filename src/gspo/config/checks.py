@@ -6,6 +6,7 @@ import importlib.util
 import re
 
 from gspo.config.schema import Config, ConfigError
+from gspo.core.registry import PAPER_DEFAULTS, SEQUENCE_OBJECTIVES
 
 
 def validate(config: Config) -> None:
@@ -91,14 +92,10 @@ def validate(config: Config) -> None:
         )
 
 
-SEQUENCE_OBJECTIVES = ("gspo", "gmpo", "sapo_seq")
-"""Objectives with one term per sequence (gspo.core.surrogates.SEQUENCE_OBJECTIVES; a test checks they agree)."""
-
-
 def _check_objective(config: Config) -> None:
     """Each objective's knobs: a clip range, or SAPO's temperatures; in range."""
     train = config.train
-    sapo = train.objective in ("sapo", "sapo_seq")
+    sapo = "tau_pos" in PAPER_DEFAULTS[train.objective]  # a soft gate, not a clip range
     for name in ("eps_low", "eps_high", "tau_pos", "tau_neg"):
         value = getattr(train, name)
         if value is None:

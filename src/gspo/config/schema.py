@@ -1,9 +1,13 @@
-"""The typed configuration of a run: nested dataclasses, one docstring per field (`gspo config` prints them)."""
+"""The typed configuration of a run: nested dataclasses, one docstring per field (`gspo config` prints them).
+
+The choices of the loss's keys (objective, aggregation, sampler_correction) are gspo.core.registry's."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
+
+from gspo.core.registry import AGGREGATIONS, OBJECTIVES, SAMPLER_CORRECTIONS
 
 
 class ConfigError(ValueError):
@@ -122,7 +126,7 @@ class RolloutConfig:
 
 @dataclass
 class TrainConfig:
-    objective: Literal["gspo", "gspo_token", "grpo", "gmpo", "sapo", "sapo_seq", "cispo"] = "gspo"
+    objective: Literal[OBJECTIVES] = "gspo"
     """Policy objective (docs/objectives.md): "gspo" (sequence ratio, clipped), "gspo_token", "grpo" (token
     ratio, clipped), "gmpo" (geometric mean of the token ratios, each clipped in log space), "sapo" or
     "sapo_seq" (a soft sigmoid gate instead of the clip, on the token or the sequence ratio), "cispo" (the
@@ -139,9 +143,7 @@ class TrainConfig:
     """SAPO's gate temperature for tokens (sequences) with A > 0; None: the default, 1.0."""
     tau_neg: float | None = None
     """SAPO's gate temperature for A <= 0 (a higher one damps off-policy negative updates faster); None: 1.05."""
-    aggregation: Literal[
-        "seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
-    ] = "seq-mean-token-mean"
+    aggregation: Literal[AGGREGATIONS] = "seq-mean-token-mean"
     """How per-sequence terms are averaged: the paper's 1/G per sequence, or length-weighted variants:
     "token-mean" (over all tokens), "seq-mean-token-sum" (token sums over B; LUSPO with gspo),
     "seq-mean-token-sum-norm" (token sums over B x rollout.max_new_tokens, a constant: Dr. GRPO)."""
@@ -200,9 +202,7 @@ class TrainConfig:
     trainer's own model in this process computing in fp32 (same weights), else recompute (bf16 rounds the
     cached decoding and the scoring forward differently, beyond GSPO's clip band). The first
     minibatch's forward measures the sampler/trainer mismatch either way (docs/sampler_mismatch.md)."""
-    sampler_correction: Literal[
-        "none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
-    ] = "none"
+    sampler_correction: Literal[SAMPLER_CORRECTIONS] = "none"
     """Train-inference mismatch correction, with old_logprobs=recompute: the policy term of each token
     ("token_*") or sequence ("sequence_*", length-normalised ratio) weighted by rho = pi_old / pi_sampler,
     truncated to [C_min, C_max] ("*_truncate", TIS) or zeroed outside it ("*_mask", masked IS / IcePop).

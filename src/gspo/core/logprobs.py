@@ -317,18 +317,7 @@ def causal_lm_logprobs(
     Returns:
         (B, T) float32 log-probs, exactly 0 where not scored.
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = base.get_output_embeddings()
-    if type(head) is not nn.Linear:
-        raise TypeError(
-            f"causal_lm_logprobs needs a plain nn.Linear LM head, got {type(head).__name__}; "
-            "an adapter or wrapper on the head would be silently ignored"
-        )
-    config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
-    for name, neutral in _LOGIT_TRANSFORMS.items():
-        value = getattr(config, name, neutral)
-        if value != neutral:
-            raise NotImplementedError(f"models with {name}={value} transform their logits after the head")
+    base, head = _base_and_head(model)
     decoder = base.get_decoder()
 
     batch, seq_len = input_ids.shape
@@ -366,6 +355,24 @@ def causal_lm_logprobs(
     )
     dense = torch.zeros(batch * seq_len, dtype=torch.float32, device=input_ids.device)
     return dense.index_put((flat_pos,), values).view(batch, seq_len)
+
+
+def _base_and_head(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
+    """The transformers model under ``model`` (peft-wrapped or not) and its LM head; a head or logit
+    transform that the chunked head computation would silently skip is refused."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings()
+    if type(head) is not nn.Linear:
+        raise TypeError(
+            f"causal_lm_logprobs needs a plain nn.Linear LM head, got {type(head).__name__}; "
+            "an adapter or wrapper on the head would be silently ignored"
+        )
+    config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    for name, neutral in _LOGIT_TRANSFORMS.items():
+        value = getattr(config, name, neutral)
+        if value != neutral:
+            raise NotImplementedError(f"models with {name}={value} transform their logits after the head")
+    return base, head
 
 
 def decoder_hidden_states(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gspo.core.objectives import PAPER_CLIP
+from gspo.core.registry import PAPER_CLIP
 
 SEQUENCE_CLIP = PAPER_CLIP["gspo"]
 """The band the sequence-level mismatch is measured against: GSPO's paper clip range."""

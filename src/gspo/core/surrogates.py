@@ -1,7 +1,8 @@
 """The objectives' terms: each objective is a small function from the shared pieces of a packed stream
-(`Stream`: log-ratios per token and per sequence, advantages) to its loss terms (`Terms`), and its knobs'
-paper defaults (`PAPER_DEFAULTS`). gspo.core.objectives aggregates the terms, applies the mismatch
-corrections and computes the metrics; docs/objectives.md has every formula and departure from the papers.
+(`Stream`: log-ratios per token and per sequence, advantages) to its loss terms (`Terms`), registered with
+``@terms_of(name)`` against its entry in gspo.core.registry (its level and paper defaults). gspo.core
+.objectives aggregates the terms, applies the mismatch corrections and computes the metrics;
+docs/objectives.md has every formula and departure from the papers.
 """
 
 from __future__ import annotations
@@ -12,20 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-PAPER_DEFAULTS: dict[str, dict[str, float]] = {
-    "gspo": {"eps_low": 3e-4, "eps_high": 4e-4},  # GSPO paper, section 5.1
-    "gspo_token": {"eps_low": 3e-4, "eps_high": 4e-4},
-    "grpo": {"eps_low": 0.2, "eps_high": 0.27},  # the GSPO paper's GRPO baseline
-    "gmpo": {"eps_low": 0.4, "eps_high": 0.4},  # log space: log r_t clipped to [-0.4, 0.4] (GMPO paper)
-    "sapo": {"tau_pos": 1.0, "tau_neg": 1.05},  # gate temperatures for A > 0 and A <= 0
-    "sapo_seq": {"tau_pos": 1.0, "tau_neg": 1.05},
-    # CISPO: its detached weight in [0, 5], no lower bound (MiniMax-M1); ART's default
-    "cispo": {"eps_low": 1.0, "eps_high": 4.0},
-}
-"""Each objective's knobs and their paper defaults, in one place: ``eps_low``, ``eps_high`` (a clip range)
-or ``tau_pos``, ``tau_neg`` (SAPO's gate temperatures)."""
-PAPER_CLIP = {name: (p["eps_low"], p["eps_high"]) for name, p in PAPER_DEFAULTS.items() if "eps_low" in p}
-"""The default clip range (eps_low, eps_high) of each clipping objective."""
+from gspo.core.registry import OBJECTIVES, REGISTRY
 
 LOG_RATIO_CLAMP = 20.0
 """Log-ratios are clamped to +-20 before exp: a finite loss and gradient for any input."""
@@ -34,31 +22,73 @@ GATE_HALF = 0.5
 
 
 @dataclass(frozen=True)
-class Stream:
-    """What every objective reads, on a packed stream of N tokens in S segments (detached where noted)."""
+class Segments:
+    """Which of S segments (sequences) each of N packed tokens belongs to, and the segments' sizes."""
 
     valid: Tensor  # (N,) bool, the token belongs to a segment
+    bucket: Tensor  # (N,) long, its segment; S (a spare bucket) off-segment
+    count: Tensor  # (S,) |y_i|, over all ranks that share segments (detached)
+    local_count: Tensor  # (S,) this rank's tokens of each segment
+
+    def sum(self, x: Tensor) -> Tensor:
+        """(N,) -> (S,): each segment's sum over this rank's tokens."""
+        return segment_sum(x, self.bucket, len(self.count))
+
+    def mean(self, x: Tensor) -> Tensor:
+        """(N,) -> (S,): (1/|y_i|) sum over the segment's tokens."""
+        return self.sum(x) / self.count.clamp_min(1)
+
+    def per_token(self, x: Tensor) -> Tensor:
+        """(S,) -> (N,): each token's segment's value, zero off-segment."""
+        return torch.cat([x, x.new_zeros(1)])[self.bucket]
+
+
+def segment_sum(x: Tensor, bucket: Tensor, num_segments: int) -> Tensor:
+    """(N,) -> (S,): the sum of x over each segment's tokens, ``bucket`` (N,) their segment (S: none)."""
+    return x.new_zeros(num_segments + 1).index_add(0, bucket, x)[:num_segments]
+
+
+@dataclass(frozen=True)
+class Stream:
+    """What every objective (and correction) reads, on a packed stream of N tokens in S segments: the
+    log-probs zeroed off-segment (selected before any arithmetic, so NaN there gets zero gradient)."""
+
+    seg: Segments
     lp: Tensor  # (N,) logp, 0 off-segment, with grad
+    old_lp: Tensor  # (N,) old_logp, 0 off-segment, detached
     log_ratio: Tensor  # (N,) logp - old_logp, 0 off-segment
     seq_log_ratio: Tensor  # (S,) (1/|y_i|) sum_t log r_t, from the (possibly rank-reduced) sums
     adv_seq: Tensor | None  # (S,) per-sequence advantages, 0 for empty sequences; None if per token
     adv_token: Tensor  # (N,) every token's advantage, 0 off-segment
-    per_token: Callable[[Tensor], Tensor]  # (S,) -> (N,), zero off-segment
-    segment_mean: Callable[[Tensor], Tensor]  # (N,) -> (S,), (1/|y_i|) sum over the segment's tokens
 
 
 @dataclass(frozen=True)
 class Terms:
-    """An objective's loss terms: per sequence (S,) or per token (N,), where it cuts the gradient ("low":
-    below the trust region, "high": above it; for SAPO where the gate halves it, for CISPO where the weight
-    is truncated) per sequence or per token (``cut_level``), and its ratio."""
+    """An objective's loss terms, per sequence (S,) or per token (N,) as its registry entry's level says,
+    and where it cuts the gradient ("low": below the trust region, "high": above it; for SAPO where the gate
+    halves it, for CISPO where the weight is truncated), per sequence or per token (``cut_level``)."""
 
-    level: str  # "sequence" or "token"
     loss: Tensor
     low: Tensor
     high: Tensor
-    ratio: Tensor
-    cut_level: str = ""  # "sequence" or "token"; "" = level
+    cut_level: str | None = None  # "sequence" or "token"; None: the objective's level
+
+
+TermsFunction = Callable[[Stream, Mapping[str, float]], Terms]
+TERMS: dict[str, TermsFunction] = {}
+"""Each objective's terms function, by name; filled by `terms_of`."""
+
+
+def terms_of(name: str) -> Callable[[TermsFunction], TermsFunction]:
+    """Register the decorated function as the terms of objective ``name`` (an entry of gspo.core.registry)."""
+    if name not in REGISTRY:
+        raise ValueError(f"terms_of({name!r}): add the objective to gspo.core.registry.REGISTRY first")
+
+    def register(function: TermsFunction) -> TermsFunction:
+        TERMS[name] = function
+        return function
+
+    return register
 
 
 def _clipped_surrogate(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float):
@@ -85,32 +115,37 @@ def exp_clamped(x: Tensor) -> Tensor:
 
 def _sequence_advantages(s: Stream, name: str) -> Tensor:
     if s.adv_seq is None:
+        others = [o for o, entry in REGISTRY.items() if entry.level == "token" and o != "gspo_token"]
         raise ValueError(
-            f"{name} takes one advantage per sequence; use objective gspo_token for per-token ones (or grpo, "
-            "sapo, cispo)"
+            f"{name} takes one advantage per sequence; use objective gspo_token for per-token ones (or "
+            f"{', '.join(others)})"
         )
     return s.adv_seq
 
 
+@terms_of("gspo")
 def _gspo(s: Stream, p: Mapping[str, float]) -> Terms:
     """GSPO, Eq. 5-7: s_i = exp((1/|y_i|) sum_t log r_t); L_i = -min(s_i A_i, clip(s_i) A_i)."""
     adv = _sequence_advantages(s, "gspo")
     seq_ratio = exp_clamped(s.seq_log_ratio)  # (S,)
-    return Terms("sequence", *_clipped_surrogate(seq_ratio, adv, p["eps_low"], p["eps_high"]), seq_ratio)
+    return Terms(*_clipped_surrogate(seq_ratio, adv, p["eps_low"], p["eps_high"]))
 
 
+@terms_of("gspo_token")
 def _gspo_token(s: Stream, p: Mapping[str, float]) -> Terms:
     """GSPO-token, Eq. 13-14: s_i,t = sg[s_i] exp(logp_t - sg[logp_t]); L_t = -min(s_i,t A_t, clip(s_i,t) A_t)."""
-    ratio = exp_clamped(s.per_token(s.seq_log_ratio.detach()) + s.lp - s.lp.detach())  # (N,)
-    return Terms("token", *_clipped_surrogate(ratio, s.adv_token, p["eps_low"], p["eps_high"]), ratio)
+    ratio = exp_clamped(s.seg.per_token(s.seq_log_ratio.detach()) + s.lp - s.lp.detach())  # (N,)
+    return Terms(*_clipped_surrogate(ratio, s.adv_token, p["eps_low"], p["eps_high"]))
 
 
+@terms_of("grpo")
 def _grpo(s: Stream, p: Mapping[str, float]) -> Terms:
     """GRPO, Eq. 2: r_t = exp(logp_t - old_logp_t); L_t = -min(r_t A_t, clip(r_t) A_t)."""
     ratio = exp_clamped(s.log_ratio)  # (N,)
-    return Terms("token", *_clipped_surrogate(ratio, s.adv_token, p["eps_low"], p["eps_high"]), ratio)
+    return Terms(*_clipped_surrogate(ratio, s.adv_token, p["eps_low"], p["eps_high"]))
 
 
+@terms_of("gmpo")
 def _gmpo(s: Stream, p: Mapping[str, float]) -> Terms:
     """GMPO (arXiv 2507.20673): the geometric mean of the token ratios, each clipped in log space first.
 
@@ -122,10 +157,11 @@ def _gmpo(s: Stream, p: Mapping[str, float]) -> Terms:
     high = (s.adv_token > 0) & (s.log_ratio > p["eps_high"])  # (N,)
     low = (s.adv_token < 0) & (s.log_ratio < -p["eps_low"])
     clipped = s.log_ratio.detach().clamp(-p["eps_low"], p["eps_high"])
-    geo_ratio = exp_clamped(s.segment_mean(torch.where(high | low, clipped, s.log_ratio)))  # (S,)
-    return Terms("sequence", -adv * geo_ratio, low, high, geo_ratio, cut_level="token")
+    geo_ratio = exp_clamped(s.seg.mean(torch.where(high | low, clipped, s.log_ratio)))  # (S,)
+    return Terms(-adv * geo_ratio, low, high, cut_level="token")
 
 
+@terms_of("sapo")
 def _sapo(s: Stream, p: Mapping[str, float]) -> Terms:
     """SAPO (arXiv 2511.20347), token level: L_t = -f(r_t) A_t, f(x) = sigmoid(tau (x - 1)) 4 / tau.
 
@@ -133,16 +169,18 @@ def _sapo(s: Stream, p: Mapping[str, float]) -> Terms:
     r = 1; tau = tau_pos for A_t > 0, tau_neg for A_t <= 0 (negative tokens are damped faster).
     """
     ratio = exp_clamped(s.log_ratio)  # (N,)
-    return Terms("token", *_soft_gate(ratio, s.adv_token, p["tau_pos"], p["tau_neg"]), ratio)
+    return Terms(*_soft_gate(ratio, s.adv_token, p["tau_pos"], p["tau_neg"]))
 
 
+@terms_of("sapo_seq")
 def _sapo_seq(s: Stream, p: Mapping[str, float]) -> Terms:
     """SAPO at sequence level (GSPO's ratio under SAPO's gate): L_i = -f(s_i) A_i."""
     adv = _sequence_advantages(s, "sapo_seq")
     seq_ratio = exp_clamped(s.seq_log_ratio)  # (S,)
-    return Terms("sequence", *_soft_gate(seq_ratio, adv, p["tau_pos"], p["tau_neg"]), seq_ratio)
+    return Terms(*_soft_gate(seq_ratio, adv, p["tau_pos"], p["tau_neg"]))
 
 
+@terms_of("cispo")
 def _cispo(s: Stream, p: Mapping[str, float]) -> Terms:
     """CISPO (MiniMax-M1, Eq. 4-5): L_t = -sg[clip(r_t, 1 - eps_low, 1 + eps_high)] A_t logp_t.
 
@@ -152,38 +190,11 @@ def _cispo(s: Stream, p: Mapping[str, float]) -> Terms:
     ratio = exp_clamped(s.log_ratio)  # (N,)
     high, low = ratio > 1 + p["eps_high"], ratio < 1 - p["eps_low"]
     weight = ratio.detach().clamp(1 - p["eps_low"], 1 + p["eps_high"])
-    return Terms("token", -weight * s.adv_token * s.lp, low, high, ratio)
+    return Terms(-weight * s.adv_token * s.lp, low, high)
 
 
-TERMS = {
-    "gspo": _gspo,
-    "gspo_token": _gspo_token,
-    "grpo": _grpo,
-    "gmpo": _gmpo,
-    "sapo": _sapo,
-    "sapo_seq": _sapo_seq,
-    "cispo": _cispo,
-}
-OBJECTIVES = tuple(TERMS)
-SEQUENCE_OBJECTIVES = ("gspo", "gmpo", "sapo_seq")
-"""Objectives with one term per sequence: they take per-sequence advantages and sequence-level corrections."""
-
-
-def objective_params(objective: str, **overrides: float | None) -> dict[str, float]:
-    """The objective's knobs: its paper defaults, with the overrides that are not None.
-
-    Raises ValueError for an unknown objective or a knob the objective does not have.
-    """
-    if objective not in TERMS:
-        raise ValueError(f"policy_loss: unknown objective {objective!r}; choose one of {OBJECTIVES}")
-    params = dict(PAPER_DEFAULTS[objective])
-    for key, value in overrides.items():
-        if value is None:
-            continue
-        if key not in params:
-            raise ValueError(
-                f"policy_loss({objective}): {key} is not a knob of {objective}; its knobs are "
-                f"{', '.join(params)}"
-            )
-        params[key] = float(value)
-    return params
+if set(TERMS) != set(OBJECTIVES):  # an entry of gspo.core.registry without its terms function
+    raise ImportError(
+        f"objectives without a terms function: {sorted(set(OBJECTIVES) - set(TERMS))}; register one with "
+        "@terms_of(name) in gspo.core.surrogates"
+    )

@@ -65,16 +65,17 @@ class Batch:
 def make_batch(
     samples: list[Sample],
     *,
-    scale: str = "group",
-    filter_zero_std: bool = False,
+    advantage_scale: str = "group",
+    filter_zero_std_groups: bool = False,
     mask_truncated: bool = False,
 ) -> tuple[Batch, dict[str, float]]:
     """The learner's batch from this process's samples, and the reward metrics of all processes' samples.
 
     Advantages compare each sample with its group (`group_advantages`; with turn rewards, per turn and so
     per token); every process sees all processes' rewards, so the metrics and a batch-wide scale are one
-    process's. filter_zero_std drops the groups whose returns are all equal (they carry no signal);
-    mask_truncated gives truncated samples no gradient (they still count in the 1/G normaliser).
+    process's. The options are the config's keys: advantage_scale (group_advantages' ``scale``),
+    filter_zero_std_groups (drop the groups whose returns are all equal: they carry no signal) and
+    rollout.mask_truncated (truncated samples get no gradient; they still count in the 1/G normaliser).
     """
     per_turn = any(s.turn_rewards is not None for s in samples)
     # every process's samples in process order; group ids made global
@@ -94,7 +95,7 @@ def make_batch(
     for i, (_, ret, *_) in enumerate(rows):
         returns[i, : len(ret)] = torch.tensor(ret)
     returns = returns if per_turn else returns[:, 0]
-    advantages, zero_std = group_advantages(returns, groups, scale=scale)
+    advantages, zero_std = group_advantages(returns, groups, scale=advantage_scale)
 
     totals = returns[:, 0] if per_turn else returns
     lengths = [n for *_, n, _ in rows]
@@ -105,7 +106,7 @@ def make_batch(
         "completion_len_mean": sum(lengths) / len(lengths),
         "truncated_frac": sum(t for *_, t in rows) / len(rows),
     }
-    keep = [i for i, s in enumerate(samples) if not (filter_zero_std and zero_std[groups[first + i]])]
+    keep = [i for i, s in enumerate(samples) if not (filter_zero_std_groups and zero_std[groups[first + i]])]
     sequences, kept_advantages = [], []
     for i in keep:
         s = samples[i]

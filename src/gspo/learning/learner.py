@@ -2,18 +2,21 @@
 
 `learn(policy, spec, batch, seed=...)` takes everything it uses as arguments and returns its metrics. The
 batch is shuffled (seeded) and split into ``spec.minibatches`` minibatches, each laid out in micro-batches
-of at most ``spec.micro_batch_tokens`` tokens; the old policy is scored on exactly that layout, so the
-first minibatch is exactly on-policy. Each minibatch is one optimizer update whose micro-batches share
-the minibatch's loss normaliser, so accumulation reproduces the full-minibatch gradient exactly.
+of at most ``spec.micro_batch_tokens`` tokens (`minibatches`); `old_policy` scores exactly that layout and
+returns one `Minibatch` record per update (its old, sampler's and reference log-probs and MoE expert
+choices), so the first minibatch is exactly on-policy. `update` is one optimizer update whose micro-batches
+share the minibatch's loss normaliser, so accumulation reproduces the full-minibatch gradient exactly.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -21,7 +24,7 @@ import torch
 
 from gspo.core.layout import MicroBatch, Sequence, make_micro_batches
 from gspo.core.mismatch import mismatch_metrics, sampler_log_ratios
-from gspo.core.objectives import policy_loss
+from gspo.core.objectives import LossInputs, compute_loss
 from gspo.learning.batch import Batch
 from gspo.learning.policy import Policy, UpdateSpec, score
 from gspo.learning.reduction import reduce_metrics
@@ -101,172 +104,215 @@ def _split(order: list[int], parts: int) -> list[np.ndarray]:
     return np.array_split(np.array(order, dtype=np.int64), max(1, min(parts, len(order))))
 
 
-def update(
-    policy: Policy,
-    spec: UpdateSpec,
-    ids: list[int],
-    micro: list[MicroBatch],
-    advantages: Advantages,
-    old: list[torch.Tensor],
-    ref: list[torch.Tensor] | None,
-    routes: list[moe.Routing] | None = None,
-    measure_mismatch: bool = False,
-    sampled: list[torch.Tensor] | None = None,
-) -> dict[str, Any]:
-    """One optimizer update on a minibatch (gradient accumulation over its micro-batches).
+@dataclass
+class Minibatch:
+    """One optimizer update's share of the batch and what the old policy said about it, per micro-batch:
+    log-probs laid out like the micro-batch's flattened tokens (R*L,), expert choices of MoE models."""
 
-    ids: the minibatch's sequences (indices into the batch); old, ref, sampled: per micro-batch, the old,
-    the reference and the sampler's log-probs (sampled: for ``spec.correction``); routes (MoE models): the old policy's expert choices per micro-batch,
-    replayed with ``spec.routing_replay`` and compared with the current routers' own choices otherwise.
-    measure_mismatch: ``old`` is the sampler's and the policy has not moved yet (the first minibatch of
-    ``old_logprobs="sampler"``): this forward is the old policy's, so the sampler/trainer mismatch
-    metrics come at no extra cost.
-    """
-    per_token = not isinstance(advantages, torch.Tensor)
-    # per-token advantages: GSPO as GSPO-token (GSPO's value and gradient for per-sequence ones)
-    objective = "gspo_token" if per_token and spec.objective == "gspo" else spec.objective
-    # the minibatch's normaliser, over all ranks: 1/B per sequence, or 1/tokens for token-mean; each
-    # rank's loss is its share of the one-process loss, and the ranks' gradients are summed
-    if spec.aggregation == "token-mean":
-        normalizer = float(sum(int((mb.segment_ids >= 0).sum()) for mb in micro))
-    elif spec.aggregation == "seq-mean-token-sum-norm":  # Dr. GRPO: a constant number of tokens per sequence
-        normalizer = float(len(ids) * spec.max_new_tokens)
-    else:
-        normalizer = float(len(ids))
-    normalizer = all_reduce_sum(normalizer)
-    policy.optimizer.zero_grad(set_to_none=True)
-    metrics, losses, deltas, seq_ratios = [], [], [], []
-    moved = moe.RoutingDifference()  # MoE: the current routers' own choices vs the old policy's
-    for j, mb in enumerate(micro):
-        set_gradient_sync(policy.scorer, j == len(micro) - 1)  # DDP: sum once, at the end
-        if routes is None:
-            logp = score(policy.scorer, mb, spec)
-        else:
-            if spec.routing_replay:
-                routing = moe.routing_replay(policy.model, routes[j])
-            else:
-                routing = moe.record_routing(policy.model)
-            with routing as natural:  # what the current routers choose themselves, replayed or not
-                logp = score(policy.scorer, mb, spec)
-            moved = moved + moe.routing_difference(routes[j], natural, mb.logprob_mask)
-        if per_token:  # per completion token, laid out like logp: (R*L,)
-            adv = place([advantages[i] for i in ids], mb)
-        else:
-            adv = advantages[[ids[i] for i in mb.indices]].to(logp.device)
-        loss, m = policy_loss(
-            objective,
-            logp,
-            old[j],
-            adv,
-            segment_ids=mb.segment_ids,
-            num_segments=len(mb.indices),
-            eps_low=spec.eps_low,
-            eps_high=spec.eps_high,
-            tau_pos=spec.tau_pos,
-            tau_neg=spec.tau_neg,
-            aggregation=spec.aggregation,
-            normalizer=normalizer,
-            ref_logp=None if ref is None else ref[j],
-            beta=spec.beta,
-            sampler_logp=None if sampled is None else sampled[j],
-            correction=spec.correction,
-            correction_bounds=spec.correction_bounds,
-            opsm_delta=spec.opsm_delta,
-        )
-        loss.backward()
-        losses.append(loss.detach())  # read back once, after the loop
-        if mb.indices:  # not an idle micro-batch (distributed padding)
-            metrics.append(m)
-            if measure_mismatch:
-                delta, seq, counts = sampler_log_ratios(
-                    logp.detach(), old[j], mb.segment_ids, len(mb.indices)
-                )
-                deltas.append(delta)
-                seq_ratios.append(seq[counts > 0])
-    params = [p for p in policy.model.parameters() if p.requires_grad]
-    max_norm = spec.max_grad_norm if spec.max_grad_norm > 0 else float("inf")
-    grad_norm = clip_grad_norm(params, max_norm, policy.optimizer)  # fused AdamW: applied inside its step
-    policy.optimizer.step()
-    release_grad_scale(policy.optimizer)
-    policy.scheduler.step()
-    out = reduce_metrics(all_gather_metrics(metrics))  # all ranks' micro-batches
-    out["loss"] = all_reduce_sum(float(torch.stack(losses).sum()))
-    out["grad_norm"] = float(grad_norm)
-    if routes is not None:  # learn() renames them by the number of updates before this one
-        out.update(moved.metrics("live_"))
-    if measure_mismatch:
-        out.update(mismatch_metrics(*(all_gather_varlen(_cat(x)) for x in (deltas, seq_ratios))))
-    return out
+    index: int
+    """Updates of this step before this one (0: the policy has not moved yet)."""
+    ids: list[int]
+    """Its sequences: indices into the batch."""
+    micro: list[MicroBatch]
+    """Its micro-batches on the policy's device: one forward and backward each."""
+    old: list[torch.Tensor]
+    """The old policy's log-probs."""
+    sampled: list[torch.Tensor]
+    """The sampler's log-probs (NaN where unknown), which the mismatch correction weighs by."""
+    ref: list[torch.Tensor] | None = None
+    """The reference policy's log-probs (train.beta > 0)."""
+    routes: list[moe.Routing] | None = None
+    """MoE models: the old policy's expert choices, replayed or compared with during the update."""
+    old_is_sampled: bool = False
+    """``old`` is ``sampled``: the sampler's log-probs serve as the old policy's (not recomputed)."""
+
+    @property
+    def measures_mismatch(self) -> bool:
+        """Its update's forward is the old policy's (the sampler's log-probs are the old ones, and the policy
+        has not moved yet): the sampler/trainer mismatch comes at no extra cost."""
+        return self.old_is_sampled and self.index == 0
+
+
+class MismatchMeter:
+    """The sampler/trainer mismatch (gspo.core.mismatch) of the micro-batches it is shown, over all ranks:
+    the trainer's old-policy log-probs against the sampler's, measured in the old-policy pass or, when the
+    sampler's serve as the old ones, in the first update's forward."""
+
+    def __init__(self) -> None:
+        self.deltas: list[torch.Tensor] = []  # (M,) token log-ratios per micro-batch
+        self.seq_log_ratios: list[torch.Tensor] = []  # (S',) of the sequences with a known token
+
+    def add(self, trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, mb: MicroBatch) -> None:
+        """trainer_logp, sampler_logp: (R*L,) laid out like ``mb``; sampler_logp NaN where unknown."""
+        if not mb.indices:  # an idle micro-batch (distributed padding) scores nothing
+            return
+        delta, seq, counts = sampler_log_ratios(trainer_logp, sampler_logp, mb.segment_ids, len(mb.indices))
+        self.deltas.append(delta)
+        self.seq_log_ratios.append(seq[counts > 0])
+
+    def metrics(self) -> dict[str, float]:
+        """The mismatch metrics of everything added on every rank (a collective); {} when nothing was."""
+        return mismatch_metrics(*(all_gather_varlen(_cat(x)) for x in (self.deltas, self.seq_log_ratios)))
 
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(tensors).cpu() if tensors else torch.zeros(0)
 
 
-def _old_policy(
+def old_policy(
     policy: Policy, spec: UpdateSpec, batch: Batch, layout: list[tuple[list[int], list[MicroBatch]]]
-) -> tuple[
-    list[list[torch.Tensor]],
-    list[list[torch.Tensor] | None],
-    list[list[moe.Routing] | None],
-    list[list[torch.Tensor]],
-    dict[str, float],
-]:
-    """Old-policy log-probs (and reference ones, expert choices) per micro-batch, before any update.
+) -> tuple[list[Minibatch], dict[str, float]]:
+    """The minibatches of ``layout`` with the old policy's log-probs (and reference ones, expert choices),
+    before any update; and the metrics of the old-policy pass.
 
-    With ``spec.old_logprobs == "recompute"`` the trainer's own forward pass, which also gives the
-    sampler/trainer mismatch metrics (gspo.core.mismatch); with "sampler" the sampler's log-probs, a token
-    it did not report (NaN) recomputed. Returns (old, ref, routes, sampled, metrics); sampled: the sampler's
-    log-probs per micro-batch (NaN where unknown), which the mismatch corrections weigh by.
+    With ``spec.old_logprobs == "recompute"`` the trainer's own forward pass, which also measures the
+    sampler/trainer mismatch; with "sampler" the sampler's log-probs, a token it did not report (NaN)
+    recomputed.
     """
-    sequences, sampler_logprobs = batch.sequences, batch.sampler_logprobs
     # a trained token the sampler gave no log-prob for (NaN, e.g. llama.cpp's EOS) needs the trainer's
     unknown = sum(
         t and not math.isfinite(lp)
-        for seq, lps in zip(sequences, sampler_logprobs, strict=True)
+        for seq, lps in zip(batch.sequences, batch.sampler_logprobs, strict=True)
         for t, lp in zip(seq.train_mask, lps, strict=True)
     )
     recompute = spec.old_logprobs == "recompute" or all_reduce_sum(float(unknown)) > 0
-    old, ref, routes, deltas, sampled_all = [], [], [], [], []
-    seq_log_ratio, seq_counted = torch.zeros(len(sequences)), torch.zeros(len(sequences))
+    mismatch, parts = MismatchMeter(), []
     # old policy = the current weights, before any update of this step; FSDP2 gathers them once
     with torch.no_grad(), full_parameters(policy.scorer):
-        for ids, micro in layout:
-            sampled = [place([sampler_logprobs[i] for i in ids], mb) for mb in micro]
-            sampled_all.append(sampled)
+        for index, (ids, micro) in enumerate(layout):
+            sampled = [place([batch.sampler_logprobs[i] for i in ids], mb) for mb in micro]
             if recompute:
-                with moe.record_passes(policy.model, enabled=policy.moe) as passes:  # MoE: expert choices
-                    recomputed = [score(policy.scorer, mb, spec) for mb in micro]
-                routes.append(passes or None)
-                for mb, r, s in zip(micro, recomputed, sampled, strict=True):
-                    if not mb.indices:  # an idle micro-batch scores nothing
-                        continue
-                    delta, seq, counts = sampler_log_ratios(r, s, mb.segment_ids, len(mb.indices))
-                    deltas.append(delta)
-                    seq_log_ratio[[ids[i] for i in mb.indices]] = seq.cpu()
-                    seq_counted[[ids[i] for i in mb.indices]] = counts.cpu()
-                if spec.old_logprobs == "recompute":
-                    old.append(recomputed)
-                else:  # the sampler's log-probs; the trainer's only where the sampler gave none
-                    old.append(
-                        [torch.where(torch.isnan(s), r, s) for r, s in zip(recomputed, sampled, strict=True)]
-                    )
-            else:
-                old.append(sampled)
-                with policy.autocast():
-                    routes.append(
-                        [moe.expert_choices(policy.model, mb) for mb in micro] if policy.moe else None
-                    )
-            ref.append([policy.reference_logprobs(mb, spec) for mb in micro] if spec.beta > 0 else None)
-    metrics: dict[str, float] = {}
-    if spec.old_logprobs == "recompute":  # both log-probs known: how far apart (gspo.core.mismatch)
-        delta = all_gather_varlen(torch.cat(deltas) if deltas else torch.zeros(0))
-        metrics.update(mismatch_metrics(delta, all_gather_varlen(seq_log_ratio[seq_counted > 0])))
+                old, routes = _recompute(policy, spec, micro, sampled, mismatch)
+            else:  # the sampler's log-probs are the old ones
+                old, routes = sampled, _expert_choices(policy, micro)
+            ref = [policy.reference_logprobs(mb, spec) for mb in micro] if spec.loss.beta > 0 else None
+            parts.append(
+                Minibatch(index, ids, micro, old, sampled, ref, routes, old_is_sampled=not recompute)
+            )
+    if spec.old_logprobs == "recompute":  # both log-probs known: how far apart
+        metrics = mismatch.metrics()
     else:
-        trained = sum(sum(seq.train_mask) for seq in sequences)
-        metrics["sampler_logprob_missing_frac"] = unknown / max(trained, 1)  # recomputed by the trainer
+        trained = sum(sum(seq.train_mask) for seq in batch.sequences)
+        metrics = {"sampler_logprob_missing_frac": unknown / max(trained, 1)}  # recomputed by the trainer
     metrics["old_logprobs_recomputed"] = float(recompute)
-    return old, ref, routes, sampled_all, metrics
+    return parts, metrics
+
+
+def _recompute(
+    policy: Policy,
+    spec: UpdateSpec,
+    micro: list[MicroBatch],
+    sampled: list[torch.Tensor],
+    mismatch: MismatchMeter,
+) -> tuple[list[torch.Tensor], list[moe.Routing] | None]:
+    """The trainer's old-policy log-probs of a minibatch (the sampler's where ``spec.old_logprobs`` is
+    "sampler" and it gave one) and the expert choices of those passes (MoE models)."""
+    with moe.record_passes(policy.model, enabled=policy.moe) as passes:
+        recomputed = [score(policy.scorer, mb, spec) for mb in micro]
+    for mb, r, s in zip(micro, recomputed, sampled, strict=True):
+        mismatch.add(r, s, mb)
+    if spec.old_logprobs == "recompute":
+        return recomputed, passes or None
+    # the sampler's log-probs; the trainer's only where the sampler gave none
+    return [
+        torch.where(torch.isnan(s), r, s) for r, s in zip(recomputed, sampled, strict=True)
+    ], passes or None
+
+
+def _expert_choices(policy: Policy, micro: list[MicroBatch]) -> list[moe.Routing] | None:
+    """The old policy's expert choices of each micro-batch (MoE models) without log-probs."""
+    if not policy.moe:
+        return None
+    with policy.autocast():
+        return [moe.expert_choices(policy.model, mb) for mb in micro]
+
+
+def update(policy: Policy, spec: UpdateSpec, minibatch: Minibatch, advantages: Advantages) -> dict[str, Any]:
+    """One optimizer update on a minibatch: gradient accumulation over its micro-batches, then one step.
+
+    advantages: the batch's, (n,) one per sequence or one list per sequence with a value per completion
+    token. MoE models replay the old policy's expert choices (``spec.routing_replay``) or measure how far
+    the routers moved from them (gspo.models.moe.UpdateRouting).
+    """
+    loss_spec = spec.loss
+    if not isinstance(advantages, torch.Tensor) and loss_spec.objective == "gspo":
+        # per-token advantages: GSPO as GSPO-token (GSPO's value and gradient for per-sequence ones)
+        loss_spec = dataclasses.replace(loss_spec, objective="gspo_token")
+    normalizer = _normalizer(spec, minibatch)
+    routing = moe.UpdateRouting(policy.model, minibatch.routes, replay=spec.routing_replay)
+    mismatch = MismatchMeter() if minibatch.measures_mismatch else None
+    policy.optimizer.zero_grad(set_to_none=True)
+    metrics, losses = [], []
+    for j, mb in enumerate(minibatch.micro):
+        set_gradient_sync(policy.scorer, j == len(minibatch.micro) - 1)  # DDP: sum once, at the end
+        with routing.forward(j, mb.logprob_mask):
+            logp = score(policy.scorer, mb, spec)
+        loss, m = compute_loss(loss_spec, _loss_inputs(spec, minibatch, j, logp, advantages, normalizer))
+        loss.backward()
+        losses.append(loss.detach())  # read back once, after the loop
+        if mb.indices:  # not an idle micro-batch (distributed padding)
+            metrics.append(m)
+            if mismatch is not None:
+                mismatch.add(logp.detach(), minibatch.old[j], mb)
+    grad_norm = _step(policy, spec)
+    out = reduce_metrics(all_gather_metrics(metrics))  # all ranks' micro-batches
+    out["loss"] = all_reduce_sum(float(torch.stack(losses).sum()))
+    out["grad_norm"] = float(grad_norm)
+    out |= routing.metrics(updates_before=minibatch.index)
+    return out | (mismatch.metrics() if mismatch is not None else {})
+
+
+def _normalizer(spec: UpdateSpec, minibatch: Minibatch) -> float:
+    """The minibatch's loss normaliser over all ranks: B sequences, its tokens for token-mean, or B x
+    max_new_tokens for Dr. GRPO; each rank's loss is its share of the one-process loss, and the ranks'
+    gradients are summed."""
+    if spec.loss.aggregation == "token-mean":
+        normalizer = float(sum(int((mb.segment_ids >= 0).sum()) for mb in minibatch.micro))
+    elif spec.loss.aggregation == "seq-mean-token-sum-norm":  # Dr. GRPO: a constant per sequence
+        normalizer = float(len(minibatch.ids) * spec.max_new_tokens)
+    else:
+        normalizer = float(len(minibatch.ids))
+    return all_reduce_sum(normalizer)
+
+
+def _loss_inputs(
+    spec: UpdateSpec,
+    minibatch: Minibatch,
+    j: int,
+    logp: torch.Tensor,
+    advantages: Advantages,
+    normalizer: float,
+) -> LossInputs:
+    """The loss's inputs of micro-batch j of a minibatch, with the current policy's log-probs ``logp``."""
+    mb, ids = minibatch.micro[j], minibatch.ids
+    if isinstance(advantages, torch.Tensor):
+        adv = advantages[[ids[i] for i in mb.indices]].to(logp.device)
+    else:  # per completion token, laid out like logp: (R*L,)
+        adv = place([advantages[i] for i in ids], mb)
+    # the sampler's log-probs weigh the correction; without one, OPSM measures against the old ones
+    sampled = minibatch.sampled[j] if spec.loss.sampler_correction != "none" else None
+    ref = None if minibatch.ref is None else minibatch.ref[j]
+    return LossInputs(
+        logp,
+        minibatch.old[j],
+        adv,
+        mb.segment_ids,
+        len(mb.indices),
+        ref_logp=ref,
+        sampler_logp=sampled,
+        normalizer=normalizer,
+    )
+
+
+def _step(policy: Policy, spec: UpdateSpec) -> torch.Tensor:
+    """Clip the gradient norm, step the optimizer and the schedule; returns the norm before clipping."""
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    max_norm = spec.max_grad_norm if spec.max_grad_norm > 0 else float("inf")
+    grad_norm = clip_grad_norm(params, max_norm, policy.optimizer)  # fused AdamW: applied inside its step
+    policy.optimizer.step()
+    release_grad_scale(policy.optimizer)
+    policy.scheduler.step()
+    return grad_norm
 
 
 def unique_tokens(batch: Batch) -> int:
@@ -290,52 +336,30 @@ def learn(
     """
     layout = minibatches(spec, batch.sequences, seed=seed, device=policy.device, groups=batch.groups)
     t0 = time.perf_counter()
-    old, ref, routes, sampled, out = _old_policy(policy, spec, batch, layout)
+    parts, out = old_policy(policy, spec, batch, layout)
     out["time_old_logprobs"] = time.perf_counter() - t0
-    # what the updates compute vs what is there: real tokens (each sequence whole), unique tokens (a
-    # group's prompt once); the layout's padding and prompt repeats make the difference
-    computed = sum(mb.num_tokens for _, micro in layout for mb in micro if mb.indices)
-    out["update_tokens"] = all_reduce_sum(float(computed))
-    out["real_tokens"] = all_reduce_sum(float(sum(len(seq) for seq in batch.sequences)))
-    out["unique_tokens"] = all_reduce_sum(float(unique_tokens(batch)))
+    out |= _token_counts(batch, parts)
     t0 = time.perf_counter()
     updates = []
-    for j, ((ids, micro), o, r, rt, sa) in enumerate(zip(layout, old, ref, routes, sampled, strict=True)):
-        # the sampler's log-probs are the old ones: the first minibatch's forward is the old policy's
-        mismatch = j == 0 and not out["old_logprobs_recomputed"]
+    for minibatch in parts:
         with around_update() if around_update is not None else contextlib.nullcontext():
-            sa = sa if spec.correction is not None else None  # the sampler's log-probs, for the correction
-            updates.append(
-                update(
-                    policy,
-                    spec,
-                    ids,
-                    micro,
-                    batch.advantages,
-                    o,
-                    r,
-                    rt,
-                    measure_mismatch=mismatch,
-                    sampled=sa,
-                )
-            )
+            updates.append(update(policy, spec, minibatch, batch.advantages))
     out["time_update"] = time.perf_counter() - t0
-    if policy.moe:
+    if policy.moe:  # this rank's batch routed again after all this step's updates (FSDP2: gathered once)
         t0 = time.perf_counter()
-        # minibatch j was scored after j updates of this step (j = 0: no change, not logged)
-        for j, metrics in enumerate(updates):
-            for key in [k for k in metrics if k.startswith("live_")]:
-                live = metrics.pop(key)
-                if j:
-                    out[f"{key.removeprefix('live_')}_after_{j}_updates"] = live
-        # this rank's batch routed again by the policy after all this step's updates (FSDP2: gathered once)
+        micro, routes = [mb for m in parts for mb in m.micro], [r for m in parts for r in m.routes]
         with full_parameters(policy.scorer), policy.autocast():
-            out.update(
-                moe.routing_volatility(
-                    policy.model,
-                    [mb for _, micro in layout for mb in micro],
-                    [r for rs in routes for r in rs],
-                )
-            )
+            out |= moe.routing_volatility(policy.model, micro, routes)
         out["time_routing"] = time.perf_counter() - t0
     return {**reduce_metrics(updates), **out}
+
+
+def _token_counts(batch: Batch, parts: list[Minibatch]) -> dict[str, float]:
+    """What the updates compute vs what is there, over all ranks: real tokens (each sequence whole), unique
+    tokens (a group's prompt once); the layout's padding and prompt repeats make the difference."""
+    computed = sum(mb.num_tokens for m in parts for mb in m.micro if mb.indices)
+    return {
+        "update_tokens": all_reduce_sum(float(computed)),
+        "real_tokens": all_reduce_sum(float(sum(len(seq) for seq in batch.sequences))),
+        "unique_tokens": all_reduce_sum(float(unique_tokens(batch))),
+    }

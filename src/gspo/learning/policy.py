@@ -2,95 +2,67 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
 from gspo.config import Config
-from gspo.core.corrections import CORRECTION_BOUNDS
 from gspo.core.layout import MicroBatch
 from gspo.core.logprobs import causal_lm_logprobs
+from gspo.core.objectives import LossSpec
 from gspo.models.moe import is_moe
 from gspo.parallel.wrap import is_scorer
 
 
 @dataclass(frozen=True)
 class UpdateSpec:
-    """How a batch becomes optimizer updates; built once from the config by `UpdateSpec.from_config`."""
+    """How a batch becomes optimizer updates. Each field is the config key of the same name (``train.*``;
+    max_new_tokens and temperature ``rollout.*``), `from_config` copies them; the loss's settings are
+    ``loss``, a `LossSpec` (its knobs left None take the objective's paper defaults)."""
 
-    objective: str = "gspo"
-    eps_low: float | None = None
-    """None (and the same for tau_pos, tau_neg): the objective's paper default (gspo.core.objectives)."""
-    eps_high: float | None = None
-    tau_pos: float | None = None
-    tau_neg: float | None = None
-    aggregation: str = "seq-mean-token-mean"
+    loss: LossSpec = field(default_factory=LossSpec)
     max_new_tokens: int = 4
     """The constant of aggregation "seq-mean-token-sum-norm" (Dr. GRPO): the longest completion sampled."""
-    beta: float = 0.0
     minibatches: int = 4
     minibatch_split: str = "sample"
     """"sample": each minibatch holds a random share of all samples; "group": whole groups (their prompt
     computed once)."""
     layout: str = "shared_prefix"
-    """gspo.core.layout: "shared_prefix", "packed" or "padded"."""
+    """gspo.core.layout: "shared_prefix", "packed" or "padded" (train.layout with "auto" resolved)."""
     pack_length: int = 1024
     micro_batch_tokens: int = 4096
     pad_id: int = 0
     temperature: float = 1.0
-    chunk_size: int = 1024
+    logprob_chunk_size: int = 1024
     logprob_kernel: str = "auto"
     """gspo.core.logprobs.KERNELS: "auto" (Triton on CUDA when installed), "torch" or "triton"."""
     max_grad_norm: float = 1.0
     old_logprobs: str = "recompute"
     """"recompute" (a forward pass before the updates) or "sampler" (the sampler's own log-probs)."""
-    correction: str | None = None
-    """A train-inference mismatch correction (gspo.core.corrections), with old_logprobs="recompute"."""
-    correction_bounds: tuple[float | None, float | None] | None = None
-    opsm_delta: float | None = None
     routing_replay: bool = False
 
     @classmethod
     def from_config(
         cls, config: Config, *, layout: str, pad_id: int, old_logprobs: str | None = None
     ) -> UpdateSpec:
-        """The spec of ``config.train`` (a knob left None takes the objective's paper default in the loss)."""
-        train = config.train
-        correction, bounds = None, None
-        if train.sampler_correction != "none":  # a bound left None: the correction's default
-            correction = train.sampler_correction
-            low, high = CORRECTION_BOUNDS[correction]
-            bounds = (
-                low if train.sampler_correction_min is None else train.sampler_correction_min,
-                high if train.sampler_correction_max is None else train.sampler_correction_max,
-            )
-        return cls(
-            objective=train.objective,
-            eps_low=train.eps_low,
-            eps_high=train.eps_high,
-            tau_pos=train.tau_pos,
-            tau_neg=train.tau_neg,
-            aggregation=train.aggregation,
-            max_new_tokens=config.rollout.max_new_tokens,
-            beta=train.beta,
-            minibatches=train.minibatches,
-            minibatch_split=train.minibatch_split,
-            layout=layout,
-            pack_length=train.pack_length,
-            micro_batch_tokens=train.micro_batch_tokens,
-            pad_id=pad_id,
-            temperature=config.rollout.temperature,
-            chunk_size=train.logprob_chunk_size,
-            logprob_kernel=train.logprob_kernel,
-            max_grad_norm=train.max_grad_norm,
-            old_logprobs=old_logprobs or train.old_logprobs,
-            correction=correction,
-            correction_bounds=bounds,
-            opsm_delta=train.opsm_delta,
-            routing_replay=train.routing_replay,
-        )
+        """The spec of a run: the same-named fields of ``config.rollout`` and ``config.train``, with train.layout
+        and train.old_logprobs as resolved at start-up ("auto" is neither) and the tokenizer's pad_id."""
+        fields = _same_named(cls, config.rollout) | _same_named(cls, config.train)
+        fields |= {
+            "layout": layout,
+            "pad_id": pad_id,
+            "old_logprobs": old_logprobs or config.train.old_logprobs,
+        }
+        return cls(loss=LossSpec(**_same_named(LossSpec, config.train)), **fields)
+
+
+def _same_named(cls: type, section: object) -> dict[str, Any]:
+    """The values of ``section``'s attributes named as fields of the dataclass ``cls``."""
+    return {f.name: getattr(section, f.name) for f in dataclasses.fields(cls) if hasattr(section, f.name)}
 
 
 @dataclass
@@ -146,7 +118,7 @@ def score(model: nn.Module, mb: MicroBatch, spec: UpdateSpec) -> torch.Tensor:
         position_ids=mb.position_ids,
         logprob_mask=mb.logprob_mask,
         temperature=spec.temperature,
-        chunk_size=spec.chunk_size,
+        chunk_size=spec.logprob_chunk_size,
         kernel=spec.logprob_kernel,
         prefix_tree=mb.prefix_tree,
     )

@@ -3,7 +3,8 @@
 Forward hooks on transformers' top-k routers (``*TopKRouter`` modules: Qwen2/3-MoE, OLMoE, Mixtral) record
 the k experts each token is sent to, compare two routings of the same tokens (the paper's "about 10% of
 activated experts change", section 4.3), and replay the old policy's experts with gates recomputed by
-the current router. docs/moe.md has the definitions and our reading of the paper.
+the current router; `UpdateRouting` is the learner's bookkeeping of one update. docs/moe.md has the
+definitions and our reading of the paper.
 """
 
 from __future__ import annotations
@@ -49,11 +50,11 @@ class RoutingDifference:
             self.experts + other.experts,
         )
 
-    def metrics(self, prefix: str = "") -> dict[str, float]:
+    def metrics(self) -> dict[str, float]:
         """``routing_volatility`` (changed sets / pairs) and ``routing_expert_change_frac``; 0 when empty."""
         return {
-            f"{prefix}routing_volatility": self.changed_sets / max(1, self.pairs),
-            f"{prefix}routing_expert_change_frac": self.changed_experts / max(1, self.experts),
+            "routing_volatility": self.changed_sets / max(1, self.pairs),
+            "routing_expert_change_frac": self.changed_experts / max(1, self.experts),
         }
 
 
@@ -230,6 +231,36 @@ def routing_difference(
             experts=int(mask.sum()) * k,
         )
     return diff
+
+
+class UpdateRouting:
+    """The routing bookkeeping of one optimizer update, for the learner: around each micro-batch's forward,
+    the old policy's expert choices (``routes``, one Routing per micro-batch; None for a dense model: then it
+    does nothing) are replayed (Routing Replay, ``replay``) or the current routers' own are recorded, and
+    how far the routers' own choices moved from the old policy's is counted."""
+
+    def __init__(self, model: nn.Module, routes: list[Routing] | None, *, replay: bool) -> None:
+        self.model, self.routes, self.replay = model, routes, replay
+        self.moved = RoutingDifference()  # the current routers' own choices vs the old policy's
+
+    @contextlib.contextmanager
+    def forward(self, j: int, token_mask: Tensor) -> Iterator[None]:
+        """Around micro-batch j's forward pass; token_mask: the tokens counted (its ``logprob_mask``)."""
+        if self.routes is None:
+            yield
+            return
+        hooks = routing_replay(self.model, self.routes[j]) if self.replay else record_routing(self.model)
+        with hooks as natural:  # what the current routers choose themselves, replayed or not
+            yield
+        self.moved = self.moved + routing_difference(self.routes[j], natural, token_mask)
+
+    def metrics(self, updates_before: int) -> dict[str, float]:
+        """``routing_volatility`` and ``routing_expert_change_frac`` of the routers against the old policy's,
+        named ``*_after_{k}_updates`` by the k updates of the step before this one (none for k = 0: the
+        policy had not moved)."""
+        if self.routes is None or updates_before == 0:
+            return {}
+        return {f"{key}_after_{updates_before}_updates": v for key, v in self.moved.metrics().items()}
 
 
 @torch.no_grad()

@@ -114,26 +114,13 @@ def tokenize_trajectory(tokenizer: PreTrainedTokenizerBase, trajectory: Trajecto
     starts: dict[int, int] = {}  # assistant index -> where its generated tokens start in `ids`
     pos = 0  # how much of `full` has been copied
     for a, k in enumerate(assistant):
-        before = _render(tokenizer, messages[:k], tools, True)
-        through = _render(tokenizer, messages[: k + 1], tools, False)
-        for name, part in (("the messages before it (with the generation prompt)", before), ("it", through)):
-            if full[: len(part)] != part:
-                raise TrajectoryError(
-                    f"assistant message {a} (message {k}): the chat template is not prefix-stable: rendering "
-                    f"the conversation up to {name} does not give a prefix of the whole conversation's "
-                    "tokens (the template renders a turn differently once later messages follow, e.g. it "
-                    "drops earlier reasoning). Train each assistant turn as its own trajectory instead."
-                )
-        if len(before) < pos or len(through) < len(before):
-            raise TrajectoryError(
-                f"assistant message {a} (message {k}): the chat template reorders turns; cannot locate its tokens"
-            )
-        region = full[len(before) : len(through)]
+        before, through = _locate_turn(tokenizer, trajectory, full, (a, k), pos)
+        region = full[before:through]
         end = next((j + 1 for j, t in enumerate(region) if t in end_ids), len(region))
         generated, glue = region[:end], region[end:]
-        ids += full[pos : len(before)]
-        turn += [-1] * (len(before) - pos)
-        lps += [math.nan] * (len(before) - pos)
+        ids += full[pos:before]
+        turn += [-1] * (before - pos)
+        lps += [math.nan] * (before - pos)
         if sampled_ids[a] is not None:
             generated, glue = _splice_sampled(tokenizer, a, list(sampled_ids[a]), generated, glue, end_ids)
         if logprobs[a] is not None and len(logprobs[a]) != len(generated):
@@ -152,13 +139,42 @@ def tokenize_trajectory(tokenizer: PreTrainedTokenizerBase, trajectory: Trajecto
         ids += glue
         turn += [-1] * len(glue)
         lps += [math.nan] * len(glue)
-        pos = len(through)
+        pos = through
     if not any(t >= 0 for t in turn):
         raise TrajectoryError("no assistant tokens to train: every trained assistant message renders empty")
     # the prompt ends where the first trained turn starts; tokens after the last trained one change nothing
     first = starts[trained[0]]
     last = max(j for j, t in enumerate(turn) if t >= 0) + 1
     return TokenizedTrajectory(ids[:first], ids[first:last], turn[first:last], lps[first:last])
+
+
+def _locate_turn(
+    tokenizer: PreTrainedTokenizerBase,
+    trajectory: Trajectory,
+    full: list[int],
+    where: tuple[int, int],
+    pos: int,
+) -> tuple[int, int]:
+    """Where assistant message k (the a-th, ``where = (a, k)``) renders in the whole conversation's tokens
+    ``full``: (end of the messages before it with the generation prompt, end of it); checked to be prefixes
+    of ``full`` past ``pos`` (the tokens already placed)."""
+    a, k = where
+    messages, tools = trajectory.messages, trajectory.tools
+    before = _render(tokenizer, messages[:k], tools, True)
+    through = _render(tokenizer, messages[: k + 1], tools, False)
+    for name, part in (("the messages before it (with the generation prompt)", before), ("it", through)):
+        if full[: len(part)] != part:
+            raise TrajectoryError(
+                f"assistant message {a} (message {k}): the chat template is not prefix-stable: rendering "
+                f"the conversation up to {name} does not give a prefix of the whole conversation's "
+                "tokens (the template renders a turn differently once later messages follow, e.g. it "
+                "drops earlier reasoning). Train each assistant turn as its own trajectory instead."
+            )
+    if len(before) < pos or len(through) < len(before):
+        raise TrajectoryError(
+            f"assistant message {a} (message {k}): the chat template reorders turns; cannot locate its tokens"
+        )
+    return len(before), len(through)
 
 
 def _splice_sampled(

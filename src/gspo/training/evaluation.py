@@ -29,8 +29,8 @@ from gspo.parallel.group import rank, resolve_device, world_size
 from gspo.rollout.data import Example, batch_fields, format_prompt, load_examples
 from gspo.rollout.rewards import RewardFunction, compute_rewards
 from gspo.rollout.samplers import HFSampler
+from gspo.training.build import build_examples, load_checkpoint_policy, resolve_rewards
 from gspo.training.checkpoint import checkpoint_step, find_checkpoint
-from gspo.training.setup import build_examples, load_checkpoint_policy, resolve_rewards
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -12,8 +12,8 @@ from typing import Literal
 from gspo.config import load_config
 from gspo.models import save_model
 from gspo.models.gguf_export import write_gguf
+from gspo.training.build import load_checkpoint_policy, source_gguf
 from gspo.training.checkpoint import checkpoint_step, find_checkpoint
-from gspo.training.setup import load_checkpoint_policy, source_gguf
 
 
 def export_run(

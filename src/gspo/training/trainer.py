@@ -1,6 +1,6 @@
 """The training loop, read top to bottom: sample -> reward -> batch -> learn -> log, evaluate, checkpoint.
 
-`Trainer` builds each part once (gspo.training.setup) and keeps what lives across steps; `train_step`
+`Trainer` builds each part once (gspo.training.build) and keeps what lives across steps; `train_step`
 (the sampler's rollouts) and `train_on_groups` (the user's trajectories) both become `Sample`s and go
 through `_learn`: `make_batch`, then `learn`. The step counter lives there.
 """
@@ -46,10 +46,7 @@ from gspo.rollout.rewards import RewardError, RewardFunction, compute_rewards
 from gspo.rollout.samplers import HFSampler, Sampler
 from gspo.rollout.trajectories import TrajectoryGroup, trajectory_samples
 from gspo.training import evaluation
-from gspo.training.checkpoint import latest_checkpoint, load_trainer_state, rng_state, save_checkpoint
-from gspo.training.metrics import MetricsLogger, SilentLogger
-from gspo.training.resume import restore_state, resume_config
-from gspo.training.setup import (
+from gspo.training.build import (
     build_examples,
     check_examples,
     check_prompt_lengths,
@@ -62,6 +59,9 @@ from gspo.training.setup import (
     setup_run_dir,
     setup_sampler,
 )
+from gspo.training.checkpoint import latest_checkpoint, load_trainer_state, rng_state, save_checkpoint
+from gspo.training.metrics import MetricsLogger, SilentLogger
+from gspo.training.resume import restore_state, resume_config
 from gspo.training.stalls import StallWatch
 
 
@@ -194,8 +194,8 @@ class Trainer:
         train = self.config.train
         batch, batch_metrics = make_batch(
             samples,
-            scale=train.advantage_scale,
-            filter_zero_std=train.filter_zero_std_groups,
+            advantage_scale=train.advantage_scale,
+            filter_zero_std_groups=train.filter_zero_std_groups,
             mask_truncated=self.config.rollout.mask_truncated,
         )
         metrics = {**batch_metrics, **metrics, "lr": self.policy.scheduler.get_last_lr()[0]}

@@ -274,7 +274,7 @@ def choose_layout(config: Config, model: torch.nn.Module, pad_id: int) -> str:
     device = next(model.parameters()).device
     spec = UpdateSpec(
         temperature=config.rollout.temperature,
-        chunk_size=config.train.logprob_chunk_size,
+        logprob_chunk_size=config.train.logprob_chunk_size,
         logprob_kernel=config.train.logprob_kernel,
     )
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
