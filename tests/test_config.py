@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from gspo.config import Config, ConfigError, describe, field_docs, load_config, save_config, to_dict
-from gspo.config.rules import ANY_VALUE, RULES, check_values
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -234,6 +233,7 @@ def _leaf_keys(cls: type = Config, prefix: str = "") -> dict[str, object]:
 
 def test_every_key_whose_type_does_not_say_it_all_has_one_rule() -> None:
     """A Literal's choices and a bool's two values need no range; every other key has its rule."""
+    from gspo.config.rules import ANY_VALUE, RULES, check_values
 
     def said_by_type(tp: object) -> bool:
         if typing.get_origin(tp) in (typing.Union, types.UnionType):
