@@ -13,11 +13,13 @@ cases run as real subprocesses at the end.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import os
 import subprocess
 import sys
 import tempfile
+import types
 import typing
 from pathlib import Path
 
@@ -43,53 +45,76 @@ settings.register_profile(
 )
 
 
-def _keys(cls: type = Config, prefix: str = "") -> list[str]:
-    import dataclasses
-
-    out = []
+def _keys(cls: type = Config, prefix: str = "") -> dict[str, typing.Any]:
+    """Every key (sections too) and its type annotation (a section's: its class)."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, typing.Any] = {}
     for f in dataclasses.fields(cls):
         value = getattr(cls(), f.name)
+        out[prefix + f.name] = hints[f.name]
         if dataclasses.is_dataclass(value):
-            out += [prefix + f.name, *_keys(type(value), f"{prefix}{f.name}.")]
-        else:
-            out.append(prefix + f.name)
+            out |= _keys(type(value), f"{prefix}{f.name}.")
     return out
 
 
 KEYS = _keys()
 EXTREMES = [0, 1, -1, 2, 2**31, 2**32, 2**63, -(2**63), 10**30]
+ODD_TEXT = ["", " ", "\x00", "../outside", "/", "http://[::1", "http://h:99999/v1", "q3_k", "gspo", "a:b"]
 scalars = st.one_of(
     st.none(),
     st.booleans(),
     st.sampled_from(EXTREMES),
     st.integers(min_value=-1000, max_value=1000),
     st.floats(allow_nan=True, allow_infinity=True),
-    st.sampled_from(["", " ", "\x00", "../outside", "/", "http://[::1", "http://h:99999/v1", "q3_k", "gspo"]),
+    st.sampled_from(ODD_TEXT),
     st.text(max_size=12),
 )
-values = st.one_of(
+anything = st.one_of(
     scalars, st.lists(scalars, max_size=3), st.dictionaries(st.text(max_size=8), scalars, max_size=3)
 )
-# values of a key's own type and near its range, so that many examples load and reach the set-up
-plausible = st.one_of(
-    st.integers(min_value=-3, max_value=70),
-    st.floats(min_value=-2.0, max_value=2.0),
-    st.sampled_from([0.0, 1e-12, 1.0, 0.999999, "auto", "sdpa", "cpu", "file", "count_letter", "+-*"]),
-)
+
+
+def of_type(tp: typing.Any) -> st.SearchStrategy:
+    """Values of the key's own type, small, extreme and out of range: they pass the type check and reach
+    the range checks and the set-up."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return st.one_of(*(of_type(a) for a in args if a is not type(None)), st.none())
+    if origin is typing.Literal:
+        return st.sampled_from(args)
+    if origin is list:
+        return st.lists(of_type(args[0]), max_size=3)
+    if origin is dict:
+        return st.dictionaries(
+            st.one_of(st.sampled_from(["correct_number", "x:y", ""]), st.text(max_size=6)),
+            of_type(args[1]),
+            max_size=3,
+        )
+    if tp is bool:
+        return st.booleans()
+    if tp is int:
+        return st.one_of(st.integers(min_value=-3, max_value=70), st.sampled_from(EXTREMES))
+    if tp is float:
+        return st.one_of(
+            st.floats(min_value=-2.0, max_value=2.0),
+            st.sampled_from([0.0, -0.0, 1e-300, 1e300, 0.999999, 1.0]),
+            st.floats(allow_nan=True, allow_infinity=True),
+        )
+    if tp is str:
+        return st.one_of(st.sampled_from(ODD_TEXT), st.text(max_size=12))
+    return anything  # a section: a value where a mapping of its fields belongs
 
 
 def _text(value: typing.Any) -> str:
-    """An override's value as a user would type it: YAML flow style (NaN as .nan), or sometimes raw text."""
+    """An override's value as a user would type it: YAML flow style (NaN as .nan)."""
     return yaml.safe_dump(value, default_flow_style=True, width=10**6).removesuffix("\n...\n").strip()
 
 
-overrides = st.lists(
-    st.tuples(st.one_of(st.sampled_from(KEYS), st.text(max_size=10)), st.one_of(values, plausible)).map(
-        lambda kv: f"{kv[0]}={_text(kv[1])}"
-    ),
-    min_size=1,
-    max_size=3,
+key_values = st.one_of(
+    st.sampled_from(sorted(KEYS)).flatmap(lambda key: st.tuples(st.just(key), of_type(KEYS[key]))),
+    st.tuples(st.one_of(st.sampled_from(sorted(KEYS)), st.text(max_size=10)), anything),  # any key, anything
 )
+overrides = st.lists(key_values.map(lambda kv: f"{kv[0]}={_text(kv[1])}"), min_size=1, max_size=3)
 
 
 class _Large(Exception):
