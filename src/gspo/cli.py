@@ -115,6 +115,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from gspo.training.checkpoint import check_output
     from gspo.training.evaluation import (
         default_report_path,
         evaluate_target,
@@ -136,6 +137,8 @@ def _eval(args: argparse.Namespace) -> int:
             raise UsageError(f"two targets, {target!r} and {arg!r}: evaluate one at a time")
     if args.step is not None and not (target is not None and is_run_dir(target)):
         raise UsageError(f"--step needs a run folder as the target; {target!r} is not one")
+    if args.output:  # refused before the evaluation, not after it
+        check_output(args.output, force=args.force)
     result, header = evaluate_target(
         target,
         config,

@@ -49,6 +49,7 @@ from gspo.training import evaluation, lock
 from gspo.training.checkpoint import latest_checkpoint, load_trainer_state, rng_state, save_checkpoint
 from gspo.training.metrics import MetricsLogger, SilentLogger
 from gspo.training.resume import restore_state, resume_config
+from gspo.training.run_folder import setup_run_dir, start_fresh
 from gspo.training.setup import (
     build_examples,
     check_examples,
@@ -59,9 +60,7 @@ from gspo.training.setup import (
     resolve_rewards,
     setup_model,
     setup_policy,
-    setup_run_dir,
     setup_sampler,
-    start_fresh,
 )
 from gspo.training.stalls import StallWatch
 from gspo.training.trust import check_run_folder_config
