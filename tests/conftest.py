@@ -43,3 +43,19 @@ def rollout_logprobs() -> Callable[..., list[torch.Tensor]]:
         return out
 
     return score
+
+
+@pytest.fixture(scope="session")
+def two_step_run(tmp_path_factory: pytest.TempPathFactory):
+    """configs/tiny.yaml trained for 2 steps with every checkpoint kept (steps 0, 1 and 2) and no
+    evaluations in between; tests that change it work on a copy (`shutil.copytree`)."""
+    from pathlib import Path
+
+    from gspo.config import load_config
+    from gspo.training.trainer import train
+
+    run = tmp_path_factory.mktemp("two_step") / "run"
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+    overrides = ["train.steps=2", "checkpoint.keep=3", "eval.every=0", "tensorboard=false", "task.num_eval=4"]
+    train(load_config(tiny, [f"output_dir={run}", *overrides]))
+    return run

@@ -183,8 +183,10 @@ def _planted_run(tmp_path: Path) -> tuple[Path, Path]:
     """A run folder made by someone else: a valid config and model, and a trainer_state.pt with a payload."""
     run = tmp_path / "theirs"
     tokenizer = tiny_tokenizer()
-    save_checkpoint(run, 1, model=tiny_model("llama", len(tokenizer), 0), tokenizer=tokenizer, state={})
-    save_config(load_config(TINY, [f"output_dir={run}", "tensorboard=false"]), run / "config.yaml")
+    config = load_config(TINY, [f"output_dir={run}", "tensorboard=false"])
+    model = tiny_model("llama", len(tokenizer), 0)
+    save_checkpoint(run, 1, model=model, tokenizer=tokenizer, state={}, config=config)
+    save_config(config, run / "config.yaml")
     marker = tmp_path / "pwned"
     torch.save({"step": 1, "optimizer": Planted(marker)}, latest_checkpoint(run) / "trainer_state.pt")
     return run, marker

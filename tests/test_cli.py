@@ -4,6 +4,8 @@ its kind (gspo.cli.EXIT_CODES); `--debug` shows the traceback instead."""
 from __future__ import annotations
 
 import errno
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -110,3 +112,164 @@ def test_debug_shows_the_traceback(capsys) -> None:
 
 def test_the_exit_codes_are_distinct() -> None:
     assert len(set(EXIT_CODES.values())) == len(EXIT_CODES)
+
+
+# ---- issue 23 finding 5: file format errors are one line with the file and the position; each command's
+# user errors exit with their kind's code (docs/reliability.md's table) ----------------------------------------
+def _gspo(capsys, *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err
+    return code, err
+
+
+def _one_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if not line.startswith("note: ")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_a_truncated_model_safetensors_is_one_line_naming_the_file_and_the_byte(
+    two_step_run: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(two_step_run, run)
+    weights = run / "checkpoints" / "step_000002" / "model" / "model.safetensors"
+    size = weights.stat().st_size
+    weights.write_bytes(weights.read_bytes()[:5000])
+    monkeypatch.chdir(tmp_path)
+    where = f"{weights}: truncated at byte 5,000 of the {size:,} its header lists"
+    for argv in (
+        ["eval", str(run), "--step", "2"],
+        ["export", str(run), "--format", "hf", "--step", "2"],
+    ):
+        code, err = _gspo(capsys, *argv)
+        assert code == EXIT_CODES["run folder"] and where in _one_line(err), err
+    code, err = _gspo(capsys, "eval", str(weights.parent), str(TINY))  # a model folder: input
+    assert code == EXIT_CODES["input"] and where in _one_line(err), err
+    code, err = _gspo(capsys, "export", str(run), "--format", "hf")  # the latest complete one, with a note
+    assert code == 0 and f"note: skipping the incomplete checkpoint {weights.parent.parent}" in err
+    assert (run / "export" / "step_000001-hf" / "model.safetensors").is_file()
+
+
+def test_the_llama_cpp_engine_without_its_package_names_the_install(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # find_spec: not installed
+    code, err = _gspo(capsys, "train", TINY, f"output_dir={tmp_path / 'run'}", "rollout.engine=llama_cpp")
+    assert code == EXIT_CODES["package"]
+    assert "rollout.engine=llama_cpp needs llama-cpp-python" in _one_line(err)
+    assert not (tmp_path / "run" / "llama_cpp").exists()  # found before the policy was exported
+
+
+@pytest.mark.parametrize(
+    ("source", "kind", "message"),
+    [
+        (
+            "import sys\ndef reward(prompts, completions, **_):\n    sys.exit(3)\n",
+            "reward",
+            "reward function '{file}:reward' called sys.exit(3) (a reward returns its values; it does not end "
+            "the process) at sample 0",
+        ),
+        ("import sys\nsys.exit(3)\n", "input", "{file} (line 2): importing it called sys.exit(3)"),
+        ("x = 1 +\n", "input", "{file} (line 1): importing it raised SyntaxError"),
+    ],
+)
+def test_a_reward_that_calls_sys_exit_is_its_error_not_gspos_exit(
+    tmp_path: Path, capsys, source: str, kind: str, message: str
+) -> None:
+    """It used to end gspo with the reward's exit code (0 for sys.exit()), without a word."""
+    file = tmp_path / "exits.py"
+    file.write_text(source)
+    code, err = _gspo(
+        capsys,
+        "train",
+        TINY,
+        f"output_dir={tmp_path / 'run'}",
+        f"rewards={{{file}:reward: 1.0}}",
+        "task.num_eval=2",
+    )
+    assert code == EXIT_CODES[kind], err
+    assert message.format(file=file) in _one_line(err)
+
+
+def test_every_commands_user_errors_have_their_kinds_exit_code(
+    two_step_run: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """eval and export exited 1 (a bug's code) for user errors; data errors exited 3 (config's)."""
+    monkeypatch.chdir(tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    ragged = tmp_path / "ragged.csv"
+    ragged.write_text("prompt,answer\nWhat is 1 + 1?,2,3\n")
+    existing = tmp_path / "model.gguf"
+    existing.write_text("not mine")
+    inside = two_step_run / "checkpoints" / "step_000001" / "model"
+    cases = [
+        (["export", str(empty), "--format", "hf"], "run folder", "no complete checkpoint"),
+        (
+            ["export", str(two_step_run), "--format", "gguf", "--output", str(existing)],
+            "run folder",
+            "exists",
+        ),
+        (
+            ["export", str(two_step_run), "--format", "hf", "--output", str(inside), "--force"],
+            "run folder",
+            "inside the checkpoint",
+        ),
+        (
+            ["eval", str(two_step_run), "--output", str(inside / "r.json"), "--force"],
+            "run folder",
+            "inside the checkpoint",
+        ),
+        (["plot", str(empty)], "run folder", "holds no metrics.jsonl"),
+        (
+            ["train", TINY, f"output_dir={tmp_path / 'r'}", "task.name=file", f"task.data_path={ragged}"],
+            "input",
+            "ragged.csv: line 2 (row 1) has 3 cells",
+        ),
+        (
+            ["train", TINY, f"output_dir={tmp_path / 'r'}", f"rewards={{{tmp_path / 'none.py'}:f: 1}}"],
+            "input",
+            "reward file not found",
+        ),
+    ]
+    for argv, kind, message in cases:
+        code, err = _gspo(capsys, *argv)
+        assert code == EXIT_CODES[kind] and message in _one_line(err), (argv, err)
+    assert existing.read_text() == "not mine"
+    bad = tmp_path / "bad_metrics"
+    bad.mkdir()
+    (bad / "metrics.jsonl").write_text('{"step": 1}\n[[\n{"step": 2}\n')
+    code, err = _gspo(capsys, "plot", str(bad))
+    assert code == EXIT_CODES["run folder"] and "metrics.jsonl: line 2 is not a metrics line" in _one_line(
+        err
+    )
+    code, err = _gspo(capsys, "train", "--trust-run-code")
+    assert code == EXIT_CODES["usage"] and "--trust-run-code goes with --resume RUN_DIR" in _one_line(err)
+    for argv in (
+        ["eval", str(two_step_run), "--temperature", "0"],
+        ["eval", str(two_step_run), "--temperature", "nan"],
+        ["eval", str(two_step_run), "--samples", "0"],
+        ["export", str(two_step_run), "--format", "gguf", "--quant", "q3_k"],
+    ):
+        with pytest.raises(SystemExit) as exit:  # argparse's own usage errors
+            main(argv)
+        assert exit.value.code == EXIT_CODES["usage"], argv
+    capsys.readouterr()
+
+
+def test_the_command_table_in_docs_is_the_codes() -> None:
+    from gspo.cli import COMMAND_ERRORS
+
+    text = (ROOT / "docs" / "reliability.md").read_text()
+    header = next(line for line in text.splitlines() if line.startswith("| command |"))
+    codes = [int(c) for c in header.strip("|").split("|")[1:]]
+    rows = {}
+    for line in text.splitlines():
+        if line.startswith("| `gspo ") and "(coming" not in line:
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows[cells[0].strip("`").removeprefix("gspo ")] = {
+                c for c, mark in zip(codes, cells[1:], strict=True) if mark
+            }
+    assert rows == {cmd: {EXIT_CODES[kind] for kind in kinds} for cmd, kinds in COMMAND_ERRORS.items()}

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from pathlib import Path
 
 import pytest
@@ -75,7 +77,7 @@ def test_resolved_config_round_trips(tmp_path: Path) -> None:
             "train.objective: 'ppo' is not one of 'gspo', 'gspo_token', 'grpo', 'gmpo', 'sapo', 'sapo_seq', 'cispo'",
         ),
         ("rollout.group_size=2.5", "rollout.group_size: expected an integer, got 2.5"),
-        ("rollout.group_size=0", "rollout.group_size must be at least 1, got 0"),
+        ("rollout.prompts_per_step=0", "rollout.prompts_per_step must be at least 1, got 0"),
         ("train.eps_low=1.5", "train.eps_low must be < 1"),
         ("progress=maybe", "progress: expected true or false, got 'maybe'"),
         ("train", "is not of the form section.key=value"),
@@ -87,9 +89,13 @@ def test_resolved_config_round_trips(tmp_path: Path) -> None:
         ("rewards={correct_number: .inf}", "rewards.correct_number: expected a finite number, got inf"),
         ("rollout.group_size=1", "rollout.group_size must be at least 2, got 1: advantages compare"),
         ("train.lr=[1e-5", "override 'train.lr=[1e-5': the value is not valid YAML: line 1, column 6"),
-        ("rollout.openai.url=file:///etc/passwd", "rollout.openai.url='file:///etc/passwd': give an http://"),
-        ("rollout.openai.url=http://me:secret@host/v1", "without credentials in it"),
-        ("reward_timeout=-1", "reward_timeout and train.warn_after_flat_steps must be >= 0"),
+        (
+            "rollout.openai.url=file:///etc/passwd",
+            'rollout.openai.url must be an http:// or https:// address, e.g. "http://127.0.0.1:8000/v1", got '
+            "'file:///etc/passwd': only http:// and https:// addresses are supported",
+        ),
+        ("rollout.openai.url=http://me:secret@host/v1", "it holds credentials (user:password@)"),
+        ("reward_timeout=-1", "reward_timeout must be at least 0, got -1.0: seconds; 0: no limit"),
     ],
 )
 def test_bad_input_names_the_field(override: str, message: str) -> None:
@@ -129,7 +135,7 @@ def test_bad_input_names_the_field(override: str, message: str) -> None:
             ],
             "train.sampler_correction_min=2.0 exceeds train.sampler_correction_max=1.0",
         ),
-        (["train.opsm_delta=-1"], "train.opsm_delta must be >= 0"),
+        (["train.opsm_delta=-1"], "train.opsm_delta must be at least 0, got -1.0: null disables it"),
         (["train.sampler_is_cap=2"], "unknown config key 'train.sampler_is_cap'"),
     ],
 )
@@ -216,3 +222,106 @@ def test_an_old_key_beside_its_new_name_is_an_error(tmp_path: Path) -> None:
     path.write_text("train:\n  packing: padded\n  layout: packed\n")
     with pytest.raises(ConfigError, match=r"both train\.packing and train\.layout"):
         load_config(path)
+
+
+def _leaf_keys(cls: type = Config, prefix: str = "") -> dict[str, object]:
+    """Every leaf key of the config (dotted) and its type annotation."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, object] = {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(getattr(cls(), f.name)):
+            out |= _leaf_keys(type(getattr(cls(), f.name)), f"{prefix}{f.name}.")
+        else:
+            out[f"{prefix}{f.name}"] = hints[f.name]
+    return out
+
+
+def test_every_key_whose_type_does_not_say_it_all_has_one_rule() -> None:
+    """A Literal's choices and a bool's two values need no range; every other key has its rule."""
+    from gspo.config.rules import ANY_VALUE, RULES, check_values
+
+    def said_by_type(tp: object) -> bool:
+        if typing.get_origin(tp) in (typing.Union, types.UnionType):
+            return all(said_by_type(a) for a in typing.get_args(tp) if a is not type(None))
+        return tp is bool or typing.get_origin(tp) is typing.Literal
+
+    needed = {key for key, tp in _leaf_keys().items() if not said_by_type(tp)}
+    ruled = set(RULES) | set(ANY_VALUE)
+    assert needed == ruled, f"without a rule: {needed - ruled}; no such key: {ruled - needed}"
+    assert not set(RULES) & set(ANY_VALUE)
+    check_values(Config())  # the defaults pass
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("seed=-1", "seed must be in [0, 4294967295], got -1: numpy's and torch's seeds are 32-bit"),
+        ("seed=4294967296", "seed must be in [0, 4294967295], got 4294967296"),
+        ("train.weight_decay=-0.1", "train.weight_decay must be at least 0, got -0.1"),
+        ("train.warmup_updates=-1", "train.warmup_updates must be at least 0, got -1: 0: no warm-up"),
+        ("train.max_grad_norm=-1", "train.max_grad_norm must be at least 0, got -1.0: 0: no clipping"),
+        ("train.beta=-0.5", "train.beta must be at least 0, got -0.5: 0: no KL term"),
+        ("lora.rank=-1", "lora.rank must be at least 0, got -1"),
+        ("lora.alpha=0", "lora.alpha must be > 0, got 0.0: the adapters' scale is alpha / rank"),
+        ("lora.dropout=1", "lora.dropout must be in [0, 1), got 1.0"),
+        (
+            "lora.target_modules=[]",
+            "lora.target_modules must be a list of distinct non-empty names, at least",
+        ),
+        ("train.adam_betas=[0.9, 1.0]", "train.adam_betas must be two numbers in [0, 1), got [0.9, 1.0]"),
+        ("train.adam_betas=[-0.1, 0.9]", "train.adam_betas must be two numbers in [0, 1)"),
+        ("train.adam_betas=[0.9]", "train.adam_betas must be two numbers in [0, 1), got [0.9]"),
+        ("rollout.openai.timeout=0", "rollout.openai.timeout must be > 0, got 0.0"),
+        ("rollout.llama_cpp.timeout=-1", "rollout.llama_cpp.timeout must be > 0, got -1.0"),
+        ("distributed.timeout_minutes=0", "distributed.timeout_minutes must be > 0, got 0.0"),
+        (
+            "rollout.llama_cpp.gguf_quant=q3_k",
+            "rollout.llama_cpp.gguf_quant: 'q3_k' is not one of 'f32', 'f16'",
+        ),
+        (
+            "rollout.openai.url=http://host:99999/v1",
+            "got 'http://host:99999/v1': it is not a valid URL (Port out",
+        ),
+        (
+            "rollout.openai.url=http://host:abc/v1",
+            "got 'http://host:abc/v1': it is not a valid URL (Port could",
+        ),
+        ("rollout.openai.url=http://[::1/v1", "it is not a valid URL (Invalid IPv6 URL)"),
+        ("rollout.openai.url=http:///v1", "got 'http:///v1': it names no host"),
+        ("rollout.openai.url='http://host /v1'", "it holds spaces or control characters"),
+        (
+            "rollout.openai.api_key_env='MY KEY'",
+            "rollout.openai.api_key_env must be an environment variable's",
+        ),
+        ("output_dir=''", "output_dir must be a non-empty string without control characters, got ''"),
+        ("task.operations=x", "task.operations must be a non-empty string of the operators"),
+        ("task.num_train=0", "task.num_train must be at least 1, got 0"),
+        ("task.answer_fields=[a, a]", "task.answer_fields must be a list of distinct non-empty names, got"),
+        ("task.operand_min=10", "task.operand_min=10 exceeds task.operand_max=9"),
+        ("rewards={}", "rewards must be at least one reward with a non-empty name, got {}"),
+    ],
+)
+def test_every_value_out_of_its_range_is_refused_at_load_naming_the_key_and_why(
+    override: str, message: str
+) -> None:
+    """Issue 23 finding 5: these loaded silently (and failed later with a traceback, or trained)."""
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [override])
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_yaml_nested_past_the_readers_depth_is_an_error_at_its_place(tmp_path: Path) -> None:
+    """Issue 23 finding 5: deeply nested YAML raised RecursionError."""
+    deep = "[" * 3000 + "]" * 3000
+    path = tmp_path / "deep.yaml"
+    path.write_text(f"train:\n  adam_betas: {deep}\n")
+    with pytest.raises(
+        ConfigError, match=r"deep\.yaml: not valid YAML: line 2, column 113: nested more than 100"
+    ):
+        load_config(path)
+    with pytest.raises(
+        ConfigError,
+        match=r"^override 'train\.adam_betas=\[+\.\.\.': the value is not valid YAML: line 1, column 101",
+    ):
+        load_config(None, [f"train.adam_betas={deep}"])

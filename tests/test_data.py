@@ -324,3 +324,43 @@ def test_loaded_examples_remember_their_file_and_row(tmp_path):
     table = tmp_path / "data.csv"
     table.write_text("prompt,answer\nWhat is 1 + 1?,2\nWhat is 2 + 2?,4\n")
     assert [ex.source for ex in load_examples(table)] == [f"{table} row 1", f"{table} row 2"]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "prompt,answer\nWhat is 1 + 1?,2,extra\n",
+            r"ragged\.csv: line 2 \(row 1\) has 3 cells, the header 2",
+        ),
+        ("prompt,answer\nWhat is 1 + 1?\n", r"ragged\.csv: line 2 \(row 1\) has 1 cells, the header 2"),
+        ("\nprompt,answer\n\na,1\nb\n", r"ragged\.csv: line 5 \(row 2\) has 1 cells, the header 2"),
+        ("prompt,answer,answer\na,1,2\n", r"ragged\.csv: line 1: the header names the column 'answer' more"),
+    ],
+)
+def test_ragged_rows_and_ambiguous_csv_headers_name_the_file_and_the_line(tmp_path, text, message):
+    """Issue 23 finding 5: surplus cells were dropped, missing ones read as a missing field, and a repeated
+    column name silently took its last cell."""
+    path = tmp_path / "ragged.csv"
+    path.write_text(text)
+    with pytest.raises(DataError, match=message):
+        load_examples(path)
+
+
+def test_json_nested_past_the_readers_depth_names_the_file_and_the_row(tmp_path):
+    """Issue 23 finding 5: RecursionError, with a traceback."""
+    path = tmp_path / "deep.jsonl"
+    path.write_text(
+        '{"prompt": "a", "answer": 1}\n{"prompt": "b", "answer": ' + "[" * 5000 + "]" * 5000 + "}\n"
+    )
+    with pytest.raises(DataError, match=r"deep\.jsonl: row 2 is nested too deeply for Python's JSON reader"):
+        load_examples(path)
+
+
+def test_arithmetic_operands_beyond_a_machine_word_draw_distinct_problems():
+    """A space of problems larger than sys.maxsize: random.sample(range(...)) overflowed."""
+    examples = arithmetic_task(5, operand_min=-(10**12), operand_max=10**12, num_operands=3, seed=1)
+    assert len({e.prompt for e in examples}) == 5
+    for example in examples:
+        expression = example.prompt.removeprefix("What is ").split("?")[0]
+        assert str(eval(expression)) == example.fields["answer"]  # the operands and + only

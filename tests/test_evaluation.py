@@ -192,25 +192,26 @@ def test_gspo_eval_samples_data_file_and_overrides(tiny_run: Path, tmp_path: Pat
 
 
 def test_gspo_eval_errors_name_the_fix(tiny_run: Path, tmp_path: Path, capsys) -> None:
-    def failing(*args: str) -> str:
-        result = subprocess.run(
-            [sys.executable, "-m", "gspo", "eval", *args],
-            cwd=tmp_path,
-            env=ENV,
-            capture_output=True,
-            text=True,
-        )
-        assert result.returncode == 1
-        return result.stderr
+    """Each with its kind's exit code (gspo.cli.EXIT_CODES), not 1, a bug's (issue 23 finding 5)."""
+    from gspo.cli import EXIT_CODES, main
 
-    assert "steps on disk: [0, 1, 2]" in failing(str(tiny_run), "--step", "7")  # the command itself, once
-    for args, message in [
-        ([str(tmp_path / "nothing")], "no run folder, model directory or .gguf file"),
-        ([str(TINY), "--step", "1"], "--step needs a run folder"),
+    result = subprocess.run(  # the command itself, once
+        [sys.executable, "-m", "gspo", "eval", str(tiny_run), "--step", "7"],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == EXIT_CODES["run folder"] and "steps on disk: [0, 1, 2]" in result.stderr
+    assert "Traceback" not in result.stderr
+    for args, kind, message in [
+        ([str(tmp_path / "nothing")], "input", "no run folder, model directory or .gguf file"),
+        ([str(TINY), "--step", "1"], "usage", "--step needs a run folder"),
+        ([str(TINY), "a.yaml", "b"], "usage", "two targets"),
     ]:
-        from gspo.cli import main
-
-        assert main(["eval", *args]) == 1 and message in capsys.readouterr().err
+        assert main(["eval", *args]) == EXIT_CODES[kind]
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1
 
 
 def test_gspo_export_hf_then_eval_of_the_directory_gives_the_same_result(

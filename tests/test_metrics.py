@@ -102,7 +102,7 @@ def test_corrupt_middle_line_raises(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(
         '{"step": 1, "kind": "train"}\nnot json\n{"step": 2, "kind": "train"}\n'
     )
-    with pytest.raises(ValueError, match=r"metrics.jsonl:2"):
+    with pytest.raises(ValueError, match=r"metrics\.jsonl: line 2 is not a metrics line"):
         read_metrics(tmp_path)
 
 

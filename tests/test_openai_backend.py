@@ -441,3 +441,58 @@ def test_an_answer_over_the_size_limit_is_refused_without_reading_it_all() -> No
             backend = OpenAIBackend(url, tiny_tokenizer(), timeout=10, max_response_bytes=1_000_000)
             with pytest.raises(ServerError, match=message):
                 backend.generate(["x"], group_size=1, max_new_tokens=1)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (
+            b'{"choices": [{"text": "", "index": 0, "finish_reason": "length", '
+            b'"logprobs": {"tokens": ["token_id:999999"], "token_logprobs": [-0.1]}}]}',
+            r"sampled token id 999999, outside the trainer's vocabulary of 99",
+        ),
+        (
+            b'{"choices": [{"text": "1", "index": 0, "finish_reason": "length", '
+            b'"logprobs": {"tokens": ["1"], "token_logprobs": [Infinity]}}]}',
+            r"prompt 0, completion token 0: the server reported the log-probability inf, which no",
+        ),
+        (
+            b'{"choices": [{"text": "12", "index": 0, "finish_reason": "length", '
+            b'"logprobs": {"tokens": ["1", "2"], "token_logprobs": [-0.5, NaN]}}]}',
+            r"completion token 1: the server reported the log-probability nan",
+        ),
+        (
+            b'{"choices": [{"text": "1", "index": 0, "finish_reason": "length", '
+            b'"logprobs": {"tokens": ["1"], "token_logprobs": [0.5]}}]}',
+            r"the log-probability 0\.5, which no probability has \(log-probabilities are finite and <= 0\)",
+        ),
+        (b'{"choices": ' + b"[" * 5000 + b"]" * 5000 + b"}", r"the answer is JSON nested too deeply to read"),
+    ],
+)
+def test_an_answer_no_model_of_the_trainers_could_give_is_a_server_error(body: bytes, message: str) -> None:
+    """Issue 23 finding 5: out-of-vocabulary ids and infinite log-probs were accepted (or raised elsewhere),
+    deeply nested JSON raised RecursionError."""
+    respond = lambda wfile, *_: _answer(wfile, 200, body)  # noqa: E731
+    with _raw_server(respond) as (url, _), pytest.raises(ServerError, match=message) as raised:
+        OpenAIBackend(url, tiny_tokenizer(), timeout=5).generate(["x"], group_size=1, max_new_tokens=1)
+    assert str(raised.value).startswith(f"{url}/completions: ") and len(str(raised.value)) < 600
+
+
+def test_a_log_probability_rounded_just_above_zero_is_taken_as_zero() -> None:
+    body = json.dumps(
+        {
+            "choices": [
+                {
+                    "text": "1",
+                    "index": 0,
+                    "finish_reason": "length",
+                    "logprobs": {"tokens": ["1"], "token_logprobs": [2e-7]},
+                }
+            ]
+        }
+    ).encode()
+    with _raw_server(lambda wfile, *_: _answer(wfile, 200, body)) as (url, _):
+        rollouts = OpenAIBackend(url, tiny_tokenizer(), timeout=5).generate(
+            ["x"], group_size=1, max_new_tokens=1
+        )
+    assert rollouts.sampler_logprobs == [[0.0]]

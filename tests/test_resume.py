@@ -3,6 +3,7 @@ never takes over a folder that is not one of gspo's runs."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -43,8 +44,10 @@ def test_resume_refuses_changes_to_what_the_run_computes_naming_each_key(finishe
         train(resume=run, overrides=["rollout.group_size=8", "train.objective=grpo"])
     assert (run / "config.yaml").read_text() == before  # a refused resume writes nothing
     (run / "config.yaml").write_text("")  # an emptied config would resume with every default
-    with pytest.raises(ConfigError, match=r"model\.tiny: 'llama' -> None"):
+    with pytest.raises(ConfigError, match=r"config\.yaml is empty: resuming would take every key's default"):
         train(resume=run)
+    with pytest.raises(ConfigError, match=r"model\.tiny: 'llama' -> None"):  # --force: still not the model
+        train(resume=run, force=True)
 
 
 def test_resume_takes_a_longer_run_and_new_cadences(finished_run, tmp_path) -> None:
@@ -114,3 +117,61 @@ def test_config_yaml_is_replaced_atomically(tmp_path: Path, monkeypatch) -> None
     with pytest.raises(KeyboardInterrupt):
         save_config(load_config(TINY, ["train.lr=0.5"]), path)
     assert path.read_text() == before
+
+
+def _break(checkpoint: Path, how: str) -> None:
+    if how == "no trainer_state.pt":
+        (checkpoint / "trainer_state.pt").unlink()
+    else:  # a copy cut short by a full disk
+        weights = checkpoint / "model" / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+
+
+@pytest.mark.parametrize("how", ["no trainer_state.pt", "model.safetensors cut in half"])
+def test_resume_skips_an_incomplete_checkpoint_and_deletes_nothing(
+    two_step_run, tmp_path, capsys, how
+) -> None:
+    """Issue 23 finding 1: the incomplete step_2 (its trained weights) was deleted by the resumed run's
+    re-save of step 2, and metrics.jsonl truncated to step 1's lines."""
+    run = _copy(two_step_run, tmp_path)
+    _break(run / "checkpoints" / "step_000002", how)
+    weights = (run / "checkpoints" / "step_000002" / "model" / "model.safetensors").read_bytes()
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    after = [line for line in lines if json.loads(line)["step"] > 1]
+    assert after  # the run logged step 2 before "the copy" lost a file
+    train(resume=run, overrides=["progress=false"])
+    err = capsys.readouterr().err
+    assert f"{run / 'checkpoints' / 'step_000002'} is incomplete (" in err and "resuming from" in err
+    kept = run / "checkpoints" / "step_000002.incomplete"
+    assert (kept / "model" / "model.safetensors").read_bytes() == weights  # moved aside, not deleted
+    assert load_trainer_state(latest_checkpoint(run))["step"] == 2  # step 2 done again
+    assert (run / "metrics.rolled_back.jsonl").read_text().splitlines() == after
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [
+        json.loads(line)["step"] for line in lines
+    ]
+
+
+def test_a_run_with_only_incomplete_checkpoints_is_refused_not_restarted(two_step_run, tmp_path) -> None:
+    run = _copy(two_step_run, tmp_path)
+    for checkpoint in (run / "checkpoints").glob("step_*"):
+        (checkpoint / "trainer_state.pt").unlink()
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    with pytest.raises(
+        RunFolderError, match=r"has no complete checkpoint, only incomplete ones \(step_000000"
+    ):
+        train(resume=run)
+    with pytest.raises(RunFolderError, match=r"has no complete checkpoint, only incomplete ones"):
+        train(load_config(TINY, [f"output_dir={run}", *COMMON]))
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before  # nothing removed
+
+
+def test_resume_needs_the_checkpoints_own_config_or_force(two_step_run, tmp_path) -> None:
+    """Issue 23 finding 4: without it, the resume took any change (objective, group size, lr) silently."""
+    run = _copy(two_step_run, tmp_path)
+    (latest_checkpoint(run) / "config.yaml").unlink()
+    for overrides in ([], ["train.lr=0.5", "train.objective=grpo"]):
+        with pytest.raises(ConfigError, match=r"step_000002 has no config\.yaml of its own.*pass --force"):
+            train(resume=run, overrides=["train.steps=3", *overrides])
+    assert load_trainer_state(latest_checkpoint(run))["step"] == 2  # refused: nothing ran
+    train(resume=run, overrides=["train.steps=3", "progress=false"], force=True)
+    assert load_trainer_state(latest_checkpoint(run))["step"] == 3

@@ -232,8 +232,8 @@ def test_sigkill_and_resume_equals_an_uninterrupted_run(tmp_path: Path) -> None:
     )
     assert killed.returncode == -9, killed.stderr
     assert load_trainer_state(latest_checkpoint(tmp_path / "resumed"))["step"] == 2
-    resumed = _cli(
-        "train", "--resume", str(tmp_path / "resumed"), cwd=tmp_path, env=env_kill
+    resumed = _cli(  # our own reward file: trusted (a run folder's code is not, by default)
+        "train", "--resume", str(tmp_path / "resumed"), "--trust-run-code", cwd=tmp_path, env=env_kill
     )  # counter > 3 now
     assert resumed.returncode == 0, resumed.stderr
 

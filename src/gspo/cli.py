@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import argparse
 import errno
+import math
 import os
 import sys
+import typing
+from collections.abc import Callable
 
 from gspo.config import ConfigError
+from gspo.config.schema import GGUFQuant
 
 EXIT_CODES = {
     "bug": 1,  # an unexpected error: the traceback is shown
@@ -29,6 +33,17 @@ EXIT_CODES = {
 }
 
 
+COMMAND_ERRORS = {
+    "train": ("usage", "config", "input", "run folder", "disk", "reward", "server", "package", "interrupted"),
+    "eval": ("usage", "config", "input", "run folder", "disk", "reward", "package", "interrupted"),
+    "export": ("usage", "config", "input", "run folder", "disk", "package", "interrupted"),
+    "plot": ("usage", "run folder", "disk", "package", "interrupted"),
+    "config": ("usage", "interrupted"),
+}
+"""The kinds of user error each command can exit with (docs/reliability.md's table; tests check both).
+Any command exits 0 on success and 1 on a bug in gspo."""
+
+
 def _disk_message(error: OSError) -> str:
     where = f" ({error.filename})" if error.filename else ""
     if error.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -38,20 +53,27 @@ def _disk_message(error: OSError) -> str:
     return f"permission denied{where}: set output_dir to a folder you can write to"
 
 
+class UsageError(ValueError):
+    """The command line itself: options that do not go together, a value out of range."""
+
+
 def classify(error: BaseException) -> tuple[str, str] | None:
     """(kind, one-line message) of a user's error, or None for a bug."""
     from gspo.models import ModelError
     from gspo.rollout.data import DataError
     from gspo.rollout.openai import AlignmentError, ServerError
-    from gspo.rollout.rewards import RewardError
+    from gspo.rollout.rewards import RewardError, RewardFileError
     from gspo.training.checkpoint import CheckpointError
+    from gspo.training.lock import RunInUse
+    from gspo.training.metrics import MetricsError
     from gspo.training.resume import RunFolderError
 
     kinds: list[tuple[str, tuple[type[BaseException], ...]]] = [
         ("interrupted", (KeyboardInterrupt,)),
+        ("usage", (UsageError,)),
         ("config", (ConfigError,)),
-        ("input", (DataError, ModelError, FileNotFoundError)),
-        ("run folder", (RunFolderError, CheckpointError, FileExistsError)),
+        ("input", (DataError, ModelError, RewardFileError, FileNotFoundError)),
+        ("run folder", (RunFolderError, RunInUse, CheckpointError, MetricsError, FileExistsError)),
         ("reward", (RewardError,)),
         ("server", (ServerError, AlignmentError)),
         ("package", (ImportError,)),
@@ -78,15 +100,13 @@ def _train(args: argparse.Namespace) -> int:
         overrides.insert(0, config)
         config = None
     if args.resume and config is not None:
-        print(
-            "error: --resume reads RUN_DIR/config.yaml; pass only key=value overrides with it",
-            file=sys.stderr,
-        )
-        return EXIT_CODES["usage"]
-    if args.force and not args.resume:
-        print("error: --force goes with --resume RUN_DIR", file=sys.stderr)
-        return EXIT_CODES["usage"]
-    result = train(config, overrides=overrides, resume=args.resume, force=args.force)
+        raise UsageError("--resume reads RUN_DIR/config.yaml; pass only key=value overrides with it")
+    for flag, given in (("--force", args.force), ("--trust-run-code", args.trust_run_code)):
+        if given and not args.resume:
+            raise UsageError(f"{flag} goes with --resume RUN_DIR")
+    result = train(
+        config, overrides=overrides, resume=args.resume, force=args.force, trust_run_code=args.trust_run_code
+    )
     first, last = result["eval_accuracy_first"], result["eval_accuracy_last"]
     if first is not None:
         print(f"held-out accuracy: {first:.3f} -> {last:.3f}")
@@ -95,8 +115,14 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from gspo.rollout.rewards import RewardError
-    from gspo.training.evaluation import default_report_path, evaluate_target, summary_line, write_report
+    from gspo.training.checkpoint import check_output
+    from gspo.training.evaluation import (
+        default_report_path,
+        evaluate_target,
+        is_run_dir,
+        summary_line,
+        write_report,
+    )
 
     # the positionals in any order: key=value overrides, a .yaml config, and at most one target
     target, config, overrides = None, None, []
@@ -108,22 +134,27 @@ def _eval(args: argparse.Namespace) -> int:
         elif target is None:
             target = arg
         else:
-            print(f"error: two targets, {target!r} and {arg!r}: evaluate one at a time", file=sys.stderr)
-            return 2
-    try:
-        result, header = evaluate_target(
-            target,
-            config,
-            overrides,
-            step=args.step,
-            data=args.data,
-            samples=args.samples,
-            temperature=args.temperature,
-        )
-    except (ConfigError, FileNotFoundError, ImportError, RewardError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    path = write_report(result, header, args.output or default_report_path(header, args.samples))
+            raise UsageError(f"two targets, {target!r} and {arg!r}: evaluate one at a time")
+    if args.step is not None and not (target is not None and is_run_dir(target)):
+        raise UsageError(f"--step needs a run folder as the target; {target!r} is not one")
+    if args.output:  # refused before the evaluation, not after it
+        check_output(args.output, force=args.force)
+    result, header = evaluate_target(
+        target,
+        config,
+        overrides,
+        step=args.step,
+        data=args.data,
+        samples=args.samples,
+        temperature=args.temperature,
+        trust_run_code=args.trust_run_code,
+    )
+    path = write_report(
+        result,
+        header,
+        args.output or default_report_path(header, args.samples),
+        force=args.force or not args.output,
+    )
     print(summary_line(result, header))
     print(f"report: {path}")
     return 0
@@ -133,22 +164,30 @@ def _export(args: argparse.Namespace) -> int:
     from gspo.training.export import export_run
 
     if args.format == "hf" and args.quant is not None:
-        print("error: --quant applies to --format gguf only", file=sys.stderr)
-        return 2
-    try:
-        path = export_run(
-            args.run_dir, format=args.format, quant=args.quant or "f16", step=args.step, output=args.output
-        )
-    except (ConfigError, FileNotFoundError, ImportError, NotImplementedError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+        raise UsageError("--quant applies to --format gguf only")
+    path = export_run(
+        args.run_dir,
+        format=args.format,
+        quant=args.quant or "f16",
+        step=args.step,
+        output=args.output,
+        force=args.force,
+    )
     print(path)
     return 0
 
 
 def _plot(args: argparse.Namespace) -> int:
+    from gspo.training.lock import RunInUse, holder_if_locked
+    from gspo.training.metrics import metrics_path
     from gspo.training.plots import plot_run, write_summary
+    from gspo.training.resume import RunFolderError
 
+    if not metrics_path(args.run_dir).is_file():
+        raise RunFolderError(f"{args.run_dir} holds no metrics.jsonl: it is not a gspo run folder")
+    holder = holder_if_locked(args.run_dir)
+    if holder is not None:  # it writes the plots and the summary itself when it ends
+        raise RunInUse(f"{args.run_dir} is being trained by {holder}: its plots are drawn when the run ends")
     for path in plot_run(args.run_dir):
         print(path)
     print(write_summary(args.run_dir))
@@ -160,6 +199,30 @@ def _config(args: argparse.Namespace) -> int:
 
     print(describe())
     return 0
+
+
+TRUST_HELP = (
+    "import the reward files that the run folder's config names (read them first: a run folder from "
+    "someone else may hold any code); without it, name them again with rewards={...}"
+)
+
+
+def _count(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)  # argparse turns the ValueError into a usage error
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,9 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument(
         "--force",
         action="store_true",
-        help="with --resume: apply config changes beyond steps, eval/checkpoint cadence and logging "
-        "(docs/reliability.md)",
+        help="with --resume: apply config changes beyond steps, eval/checkpoint cadence and logging, or "
+        "resume a checkpoint without its own config (docs/reliability.md)",
     )
+    train.add_argument("--trust-run-code", action="store_true", help=TRUST_HELP)
     train.set_defaults(func=_train)
 
     evaluate = commands.add_parser(
@@ -199,15 +263,24 @@ def main(argv: list[str] | None = None) -> int:
         "JSON report with every problem's completions and prints one summary line.",
     )
     evaluate.add_argument("args", nargs="*", metavar="TARGET | CONFIG | key=value")
-    evaluate.add_argument("--step", type=int, help="a run folder's checkpoint of this step (default: latest)")
+    evaluate.add_argument(
+        "--step", type=_count(0), help="a run folder's checkpoint of this step (default: latest)"
+    )
     evaluate.add_argument("--data", help="evaluate every row of this JSONL/CSV/datasets file (task.* fields)")
     evaluate.add_argument(
-        "--samples", type=int, metavar="K", help="K samples per problem: pass@k and mean@K (default: greedy)"
+        "--samples",
+        type=_count(1),
+        metavar="K",
+        help="K samples per problem: pass@k and mean@K (default: greedy)",
     )
-    evaluate.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of --samples")
+    evaluate.add_argument(
+        "--temperature", type=_positive, default=1.0, help="sampling temperature of --samples (> 0)"
+    )
     evaluate.add_argument(
         "--output", help="the JSON report (default: RUN_DIR/evals/step_N.json, else ./eval_report.json)"
     )
+    evaluate.add_argument("--force", action="store_true", help="overwrite an existing --output")
+    evaluate.add_argument("--trust-run-code", action="store_true", help=TRUST_HELP)
     evaluate.set_defaults(func=_eval)
 
     export = commands.add_parser(
@@ -215,9 +288,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     export.add_argument("run_dir")
     export.add_argument("--format", choices=["hf", "gguf"], required=True)
-    export.add_argument("--quant", help="GGUF weight type: f16 (default), q8_0, bf16, f32, q4_0, q4_1, ...")
-    export.add_argument("--step", type=int, help="the checkpoint of this step (default: the latest)")
+    export.add_argument("--quant", choices=typing.get_args(GGUFQuant), help="GGUF weight type (default: f16)")
+    export.add_argument("--step", type=_count(0), help="the checkpoint of this step (default: the latest)")
     export.add_argument("--output", help="default: RUN_DIR/export/step_N-hf/ or step_N-QUANT.gguf")
+    export.add_argument(
+        "--force", action="store_true", help="write over an existing --output (never into a checkpoint)"
+    )
     export.set_defaults(func=_export)
 
     plot = commands.add_parser("plot", parents=[common], help="redraw a run's plots and summary")

@@ -3,47 +3,17 @@
 from __future__ import annotations
 
 import importlib.util
-import re
 
+from gspo.config.rules import check_values
 from gspo.config.schema import Config, ConfigError
 from gspo.core.registry import PAPER_DEFAULTS, SEQUENCE_OBJECTIVES
 
 
 def validate(config: Config) -> None:
-    """Checks of a config on its own (``load_config`` runs them); ``validate_setup`` adds the run's."""
-    positive = {
-        "rollout.prompts_per_step": config.rollout.prompts_per_step,
-        "rollout.group_size": config.rollout.group_size,
-        "rollout.max_new_tokens": config.rollout.max_new_tokens,
-        "train.steps": config.train.steps,
-        "train.minibatches": config.train.minibatches,
-        "train.micro_batch_tokens": config.train.micro_batch_tokens,
-        "train.pack_length": config.train.pack_length,
-        "train.logprob_chunk_size": config.train.logprob_chunk_size,
-        "eval.max_new_tokens": config.eval.max_new_tokens,
-        "eval.batch_size": config.eval.batch_size,
-        "checkpoint.keep": config.checkpoint.keep,
-        "rollout.generation_batch_size": config.rollout.generation_batch_size,
-        "rollout.openai.concurrency": config.rollout.openai.concurrency,
-        "rollout.llama_cpp.sync_every": config.rollout.llama_cpp.sync_every,
-    }
-    for name, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"{name} must be at least 1, got {value}")
-    if config.rollout.group_size < 2:
-        raise ConfigError(
-            f"rollout.group_size must be at least 2, got {config.rollout.group_size}: advantages compare "
-            "each completion with the others of its prompt's group, so with one every advantage is 0 and "
-            "nothing is learned"
-        )
-    if config.reward_timeout < 0 or config.train.warn_after_flat_steps < 0:
-        raise ConfigError("reward_timeout and train.warn_after_flat_steps must be >= 0 (0: off)")
-    if config.rollout.temperature <= 0:
-        raise ConfigError(f"rollout.temperature must be > 0, got {config.rollout.temperature}")
-    if not 0 < config.rollout.top_p <= 1:
-        raise ConfigError(f"rollout.top_p must be in (0, 1], got {config.rollout.top_p}")
-    if config.train.lr <= 0:
-        raise ConfigError(f"train.lr must be > 0, got {config.train.lr}")
+    """Checks of a config on its own (``load_config`` runs them); ``validate_setup`` adds the run's.
+
+    First each key's range (gspo.config.rules), then what relates several keys."""
+    check_values(config)
     _check_objective(config)
     samples = config.rollout.prompts_per_step * config.rollout.group_size
     if samples < config.train.minibatches:
@@ -51,25 +21,15 @@ def validate(config: Config) -> None:
             f"train.minibatches={config.train.minibatches} exceeds the "
             f"{samples} completions of a rollout batch (rollout.prompts_per_step x rollout.group_size)"
         )
-    if len(config.train.adam_betas) != 2:
-        raise ConfigError(f"train.adam_betas needs two numbers, got {config.train.adam_betas}")
-    if not config.rewards:
-        raise ConfigError(
-            "rewards is empty: name at least one reward function, e.g. rewards={exact_answer: 1.0}"
-        )
     if config.task.name == "file" and not config.task.data_path:
         raise ConfigError("task.name=file needs task.data_path (a .jsonl, .csv or datasets directory)")
     if config.model.path is not None and config.model.tiny is not None:
         raise ConfigError("set either model.path or model.tiny, not both")
-    if config.eval.every < 0 or config.checkpoint.every < 0:
-        raise ConfigError("eval.every and checkpoint.every must be >= 0")
-    _check_corrections(config)
-    if config.distributed.timeout_minutes <= 0:
+    if config.task.operand_min > config.task.operand_max:
         raise ConfigError(
-            f"distributed.timeout_minutes must be > 0, got {config.distributed.timeout_minutes}"
+            f"task.operand_min={config.task.operand_min} exceeds task.operand_max={config.task.operand_max}"
         )
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", config.device):
-        raise ConfigError(f'device must be "auto", "cpu", "cuda" or "cuda:N", got {config.device!r}')
+    _check_corrections(config)
     if config.train.logprob_kernel == "triton" and importlib.util.find_spec("triton") is None:
         raise ConfigError(
             "train.logprob_kernel=triton needs triton (`pip install triton`; CUDA builds of torch bring it): "
@@ -79,12 +39,6 @@ def validate(config: Config) -> None:
         raise ConfigError(
             'rollout.engine=openai needs rollout.openai.url, the API root (e.g. "http://127.0.0.1:8000/v1")'
         )
-    url = config.rollout.openai.url
-    if url is not None and not re.match(r"https?://[^/@\s]+(/|$)", url):
-        raise ConfigError(
-            f"rollout.openai.url={url!r}: give an http:// or https:// address without credentials in it "
-            '(e.g. "http://127.0.0.1:8000/v1"; the API key goes in the variable rollout.openai.api_key_env)'
-        )
     if config.rollout.engine in ("openai", "llama_cpp") and config.rollout.temperature != 1.0:
         raise ConfigError(
             f"rollout.temperature={config.rollout.temperature} with rollout.engine={config.rollout.engine}: servers report "
@@ -93,7 +47,7 @@ def validate(config: Config) -> None:
 
 
 def _check_objective(config: Config) -> None:
-    """Each objective's knobs: a clip range, or SAPO's temperatures; in range."""
+    """Each objective's knobs: a clip range, or SAPO's temperatures (their ranges: gspo.config.rules)."""
     train = config.train
     sapo = "tau_pos" in PAPER_DEFAULTS[train.objective]  # a soft gate, not a clip range
     for name in ("eps_low", "eps_high", "tau_pos", "tau_neg"):
@@ -110,10 +64,6 @@ def _check_objective(config: Config) -> None:
                 f"train.{name} is SAPO's gate temperature; train.objective={train.objective} does not use it "
                 "(set train.objective=sapo or sapo_seq, or unset it)"
             )
-        if name.startswith("tau") and not value > 0:
-            raise ConfigError(f"train.{name} must be > 0, got {value}")
-        if not value >= 0:
-            raise ConfigError(f"train.{name} must be >= 0, got {value}")
     # the ratio's lower bound is 1 - eps_low; GMPO clips log r (any eps_low), CISPO's weight may reach 0
     limit = {"gmpo": float("inf"), "cispo": 1.0}.get(train.objective)
     if train.eps_low is not None and limit is None and train.eps_low >= 1:
@@ -125,7 +75,7 @@ def _check_objective(config: Config) -> None:
 
 
 def _check_corrections(config: Config) -> None:
-    """The train-inference mismatch corrections: recompute, a level the objective has, sane bounds."""
+    """The train-inference mismatch corrections: recompute, a level the objective has, ordered bounds."""
     train = config.train
     correction = train.sampler_correction
     if correction != "none" and train.old_logprobs == "sampler":
@@ -145,12 +95,8 @@ def _check_corrections(config: Config) -> None:
         raise ConfigError(
             "train.sampler_correction_min / _max bound a correction: set train.sampler_correction too"
         )
-    if (low is not None and low < 0) or (high is not None and high <= 0):
-        raise ConfigError(f"train.sampler_correction_min must be >= 0 and _max > 0, got {low} and {high}")
     if low is not None and high is not None and low > high:
         raise ConfigError(f"train.sampler_correction_min={low} exceeds train.sampler_correction_max={high}")
-    if train.opsm_delta is not None and not train.opsm_delta >= 0:
-        raise ConfigError(f"train.opsm_delta must be >= 0 (None disables), got {train.opsm_delta}")
 
 
 def validate_setup(config: Config, *, num_processes: int, is_moe: bool) -> None:

@@ -25,6 +25,7 @@ from typing import Any, Literal
 import yaml
 
 from gspo.config.checks import validate
+from gspo.config.rules import shown
 from gspo.config.schema import Config, ConfigError
 
 
@@ -73,40 +74,42 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 return _coerce(value, arg, where)
             except ConfigError as error:
                 errors.append(str(error))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: {value!r} is not a {_type_name(tp)}")
+        raise ConfigError(
+            errors[0] if len(errors) == 1 else f"{where}: {shown(value)} is not a {_type_name(tp)}"
+        )
     if origin is Literal:
         if value not in args:
             choices = ", ".join(repr(a) for a in args)
-            raise ConfigError(f"{where}: {value!r} is not one of {choices}")
+            raise ConfigError(f"{where}: {shown(value)} is not one of {choices}")
         return value
     if origin is list:
         if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
+            raise ConfigError(f"{where}: expected a list, got {shown(value)}")
         return [_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+            raise ConfigError(f"{where}: expected a mapping, got {shown(value)}")
         return {_coerce(k, args[0], where): _coerce(v, args[1], f"{where}.{k}") for k, v in value.items()}
     if tp is float:
         if isinstance(value, str):  # PyYAML reads "1e-5" (no dot) as a string
             with contextlib.suppress(ValueError):
                 value = float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
+            raise ConfigError(f"{where}: expected a number, got {shown(value)}")
         if not math.isfinite(value):  # NaN passes every `<= 0` check
-            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+            raise ConfigError(f"{where}: expected a finite number, got {shown(value)}")
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+            raise ConfigError(f"{where}: expected an integer, got {shown(value)}")
         return value
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+            raise ConfigError(f"{where}: expected true or false, got {shown(value)}")
         return value
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
+            raise ConfigError(f"{where}: expected a string, got {shown(value)}")
         return value
     raise ConfigError(f"{where}: unsupported type {tp}")
 
@@ -117,11 +120,11 @@ def _apply(target: Any, values: dict[str, Any], prefix: str) -> None:
     for key, value in values.items():
         where = f"{prefix}{key}"
         if key not in names:
-            raise ConfigError(f"unknown config key {where!r}{_closest(key, names)}")
+            raise ConfigError(f"unknown config key {shown(where)}{_closest(str(key)[:100], names)}")
         current = getattr(target, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
-                raise ConfigError(f"{where}: expected a mapping of its fields, got {value!r}")
+                raise ConfigError(f"{where}: expected a mapping of its fields, got {shown(value)}")
             _apply(current, value, f"{where}.")
         else:
             setattr(target, key, _coerce(value, hints[key], where))
@@ -181,7 +184,9 @@ def _rename_keys(data: dict[str, Any], where: str) -> dict[str, Any]:
             for section in target_sections:
                 node = node.setdefault(section, {})
                 if not isinstance(node, dict):
-                    raise ConfigError(f"{where}{section}: expected a mapping of its fields, got {node!r}")
+                    raise ConfigError(
+                        f"{where}{section}: expected a mapping of its fields, got {shown(node)}"
+                    )
             if target_leaf in node:
                 raise ConfigError(f"{where}: both {old} and {target} are set; keep only {target}")
             node[target_leaf] = value
@@ -204,7 +209,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            data = _read_yaml(path.read_text(encoding="utf-8")) or {}
         except (yaml.YAMLError, UnicodeDecodeError) as error:
             raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(error)}") from None
         if not isinstance(data, dict):
@@ -212,12 +217,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         _apply(config, _rename_keys(data, f"{path}"), "")
     for override in overrides:
         key, sep, raw = override.partition("=")
+        shown = repr(override if len(override) <= 120 else override[:100] + "...")  # messages stay one line
         if not sep or not key:
-            raise ConfigError(
-                f"override {override!r} is not of the form section.key=value (e.g. train.lr=1e-5)"
-            )
+            raise ConfigError(f"override {shown} is not of the form section.key=value (e.g. train.lr=1e-5)")
         try:
-            _apply(config, _rename_keys(_nest(key, yaml.safe_load(raw) if raw else ""), override), "")
+            _apply(config, _rename_keys(_nest(key, _read_yaml(raw) if raw else ""), override), "")
         except (ConfigError, yaml.YAMLError) as error:
             # YAML reads some plain strings as other types ("-" is a list, "on" a bool): a string field
             # takes the text as written
@@ -226,11 +230,49 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             except ConfigError:
                 if isinstance(error, yaml.YAMLError):
                     raise ConfigError(
-                        f"override {override!r}: the value is not valid YAML: {_yaml_problem(error)}"
+                        f"override {shown}: the value is not valid YAML: {_yaml_problem(error)}"
                     ) from None
                 raise error from None
     validate(config)
     return config
+
+
+class _TooDeep(yaml.YAMLError):
+    """YAML nested deeper than the reader can follow; `problem_mark` is where."""
+
+    def __init__(self, mark: Any) -> None:
+        super().__init__(f"nested more than {YAML_MAX_DEPTH} levels deep")
+        self.problem, self.problem_mark = str(self), mark
+
+
+YAML_MAX_DEPTH = 100
+"""No config nests more than a few levels; PyYAML's reader recurses per level and fails near 1000."""
+
+
+_OPENS = (
+    yaml.BlockMappingStartToken,
+    yaml.BlockSequenceStartToken,
+    yaml.FlowMappingStartToken,
+    yaml.FlowSequenceStartToken,
+)
+_CLOSES = (yaml.BlockEndToken, yaml.FlowMappingEndToken, yaml.FlowSequenceEndToken)
+
+
+def _read_yaml(text: str) -> Any:
+    """yaml.safe_load, with nesting that would exhaust Python's recursion a YAML error at its place."""
+    try:
+        return yaml.safe_load(text)
+    except RecursionError:
+        pass
+    depth = 0  # scanning is iterative: find where the nesting passes the limit
+    for token in yaml.scan(text):
+        if isinstance(token, _OPENS):
+            depth += 1
+            if depth > YAML_MAX_DEPTH:
+                raise _TooDeep(token.start_mark)
+        elif isinstance(token, _CLOSES):
+            depth -= 1
+    raise _TooDeep(None)
 
 
 def _yaml_problem(error: Exception) -> str:

@@ -14,6 +14,10 @@ class ConfigError(ValueError):
     """A config file or override that cannot be applied; the message names the field and the fix."""
 
 
+GGUFQuant = Literal["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0"]
+"""Weight types a GGUF export can write (the ones the `gguf` package quantises in Python)."""
+
+
 @dataclass
 class ModelConfig:
     path: str | None = None
@@ -90,7 +94,7 @@ class LlamaCppConfig:
     sync_every: int = 1
     """Export the policy and restart the llama.cpp server every this many steps (between syncs the
     server's samples are up to sync_every - 1 steps off-policy)."""
-    gguf_quant: str = "f16"
+    gguf_quant: GGUFQuant = "f16"
     """The exported weights' type (f16, q8_0, bf16, f32, ...; gspo export --quant)."""
     timeout: float = 300.0
     """Seconds the server may take to start, and a request to complete."""

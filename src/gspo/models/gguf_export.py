@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import json
 import tempfile
+import typing
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-QUANTS = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
+from gspo.config.schema import GGUFQuant
+
+QUANTS: tuple[str, ...] = typing.get_args(GGUFQuant)
 """Weight types `write_gguf` can write (the ones the `gguf` package quantises in Python)."""
 SUPPORTED_ARCHITECTURES = ("llama",)
 

@@ -8,9 +8,11 @@ everything downstream, checkpoints included, sees an ordinary `PreTrainedModel`.
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from gspo.config import LoraConfig, ModelConfig
@@ -22,6 +24,63 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class ModelError(ValueError):
     """model.path names something that cannot be loaded as a model; the message says what and why."""
+
+
+SAFETENSORS_HEADER_MAX = 100 * 2**20
+"""safetensors' own limit on a header's size."""
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """What makes a .safetensors file unreadable, with the byte position, or None: its header is read
+    (a few KB) and the tensors' byte ranges it lists are checked against the file's size. Truncated copies
+    (a full disk, an interrupted download) are found here rather than as a loader's traceback."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as handle:
+            prefix = handle.read(8)
+            length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+            if not 0 < length <= SAFETENSORS_HEADER_MAX:
+                return f"{path}: not a safetensors file (its first 8 bytes give no header length)"
+            if 8 + length > size:
+                return f"{path}: truncated at byte {size:,}, inside its header of {8 + length:,} bytes (copy it again)"
+            header = json.loads(handle.read(length))
+    except OSError as error:
+        return f"{path}: cannot be read ({error.strerror or error})"
+    except (ValueError, RecursionError):
+        return f"{path}: its header (bytes 8..{8 + length}) is not the JSON of a safetensors file"
+    ends = [
+        entry["data_offsets"][1]
+        for name, entry in (header.items() if isinstance(header, dict) else ())
+        if name != "__metadata__" and isinstance(entry, dict) and len(entry.get("data_offsets") or ()) == 2
+    ]
+    if not isinstance(header, dict) or not all(isinstance(e, int) for e in ends):
+        return f"{path}: its header (bytes 8..{8 + length}) is not the JSON of a safetensors file"
+    expected = 8 + length + max(ends, default=0)
+    if size < expected:
+        return f"{path}: truncated at byte {size:,} of the {expected:,} its header lists (copy it again)"
+    return None
+
+
+def weights_problem(directory: Path) -> str | None:
+    """The first safetensors file of a saved model (or of its shard index) that is missing or unreadable."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+            return f"{index}: not a safetensors index (no weight_map of file names)"
+        files = [directory / shard for shard in shards]
+    else:
+        files = [
+            p
+            for p in (directory / "model.safetensors", directory / "adapter_model.safetensors")
+            if p.exists()
+        ]
+    for file in files:
+        problem = safetensors_problem(file) if file.is_file() else f"{file}: missing"
+        if problem:
+            return problem
+    return None
 
 
 def default_model_file() -> Path:
@@ -142,20 +201,20 @@ def load_model(config: ModelConfig, *, seed: int = 0) -> tuple[PreTrainedModel, 
                     AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **kwargs)
                 )
             except Exception as error:  # the gguf reader fails in many ways on a truncated file
-                raise ModelError(
-                    f"model.path={str(path)!r}: this GGUF file cannot be read, it is truncated or corrupt "
-                    f"({type(error).__name__}: {_first_line(error)}); download it again"
-                ) from error
+                raise ModelError(_gguf_problem(path, error)) from error
         else:
             if path.is_dir() and not (path / "config.json").is_file():
                 raise ModelError(
                     f"model.path={str(path)!r} is not a Hugging Face model directory (it has no config.json): "
                     "point it at a folder written by save_pretrained, or at a .gguf file"
                 )
+            problem = weights_problem(path) if path.is_dir() else None
+            if problem is not None:
+                raise ModelError(f"model.path={str(path)!r} cannot be loaded: {problem}")
             try:
                 tokenizer = AutoTokenizer.from_pretrained(path)
                 model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-            except (OSError, ValueError, KeyError) as error:
+            except (OSError, ValueError, KeyError, SafetensorError) as error:
                 raise ModelError(
                     f"model.path={str(path)!r} cannot be loaded as a model ({type(error).__name__}: "
                     f"{_first_line(error)})"
@@ -165,6 +224,23 @@ def load_model(config: ModelConfig, *, seed: int = 0) -> tuple[PreTrainedModel, 
     model.config.use_cache = False  # training forwards; generate() turns the cache on itself
     model.eval()
     return model, tokenizer
+
+
+def _gguf_problem(path: Path, error: Exception) -> str:
+    """Why transformers could not load a GGUF file: the file is damaged (gguf's reader fails on it too), or
+    it is whole and transformers cannot rebuild its tokenizer or architecture (llama.cpp may well run it)."""
+    why = f"({type(error).__name__}: {_first_line(error)})"
+    try:
+        import gguf
+
+        gguf.GGUFReader(path)
+    except Exception:
+        return f"model.path={str(path)!r}: this GGUF file cannot be read, it is truncated or corrupt {why}; copy it again"
+    return (
+        f"model.path={str(path)!r}: the file is a whole GGUF, but transformers cannot rebuild a model from it "
+        f"{why}; llama.cpp may run it. Evaluate the run it was exported from (gspo eval RUN_DIR) or its "
+        "`gspo export --format hf` directory instead"
+    )
 
 
 def _first_line(error: BaseException) -> str:

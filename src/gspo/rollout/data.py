@@ -20,6 +20,7 @@ import csv
 import io
 import json
 import random
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,8 +124,7 @@ def arithmetic_task(
     )
 
     examples = []
-    # random.sample over a range draws distinct indices without materialising the range, however large.
-    for index in random.Random(seed).sample(range(available), num_examples):
+    for index in _distinct_indices(available, num_examples, seed):
         operands = []
         for _ in range(num_operands):
             index, digit = divmod(index, span)
@@ -140,6 +140,18 @@ def arithmetic_task(
         answer = _evaluate(operands, chosen_ops)
         examples.append(Example(f"What is {text}? {ANSWER_INSTRUCTION}", {"answer": str(answer)}))
     return examples
+
+
+def _distinct_indices(available: int, count: int, seed: int) -> list[int]:
+    """`count` distinct draws from range(available), deterministic per seed."""
+    rng = random.Random(seed)
+    if available <= sys.maxsize:  # random.sample over a range draws without materialising it
+        return rng.sample(range(available), count)
+    # a space past len()'s limit (wide operands): draws by rejection, which the space's size makes rare
+    chosen: dict[int, None] = {}
+    while len(chosen) < count:
+        chosen.setdefault(rng.randrange(available))
+    return list(chosen)
 
 
 def _operand_text(value: int) -> str:
@@ -270,17 +282,41 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
         if not line.strip():
             continue
         try:
-            yield line_number, json.loads(line)
+            row = json.loads(line)
         except json.JSONDecodeError as error:
             raise DataError(f"{path}: row {line_number} is not valid JSON: {error}") from error
+        except RecursionError:  # Python's reader recurses per level
+            raise DataError(
+                f"{path}: row {line_number} is nested too deeply for Python's JSON reader (about 1000 "
+                "levels): flatten it"
+            ) from None
+        yield line_number, row
 
 
 def _csv_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    reader = csv.DictReader(io.StringIO(_read_text(path), newline=""))
+    reader = csv.reader(io.StringIO(_read_text(path), newline=""))
     try:
-        for row_number, row in enumerate(reader, start=1):
-            # DictReader files surplus cells under the key None; they are no field of ours.
-            yield row_number, {key: value for key, value in row.items() if key is not None}
+        header = next((cells for cells in reader if cells), None)  # the first line that is not blank
+        if header is None:
+            return
+        repeated = sorted({name for name in header if header.count(name) > 1})
+        if repeated:
+            columns = [i + 1 for i, name in enumerate(header) if name == repeated[0]]
+            raise DataError(
+                f"{path}: line {reader.line_num}: the header names the column {repeated[0]!r} more than once (columns "
+                f"{columns}): which one is meant is ambiguous; rename or drop one"
+            )
+        row_number = 0
+        for cells in reader:
+            if not cells:  # a blank line
+                continue
+            row_number += 1
+            if len(cells) != len(header):
+                raise DataError(
+                    f"{path}: line {reader.line_num} (row {row_number}) has {len(cells)} cells, the header "
+                    f"{len(header)}: every row needs one cell per column (quote a cell holding a comma)"
+                )
+            yield row_number, dict(zip(header, cells, strict=True))
     except csv.Error as error:
         raise DataError(f"{path}: line {reader.line_num}: not valid CSV ({error})") from None
 
@@ -295,7 +331,7 @@ def _dataset_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     dataset = datasets.load_from_disk(str(path))
     if isinstance(dataset, datasets.DatasetDict):
         if "train" not in dataset:
-            raise ValueError(
+            raise DataError(
                 f"{path}: a DatasetDict without a 'train' split (splits: {sorted(dataset)}); "
                 "save the split to use with dataset[split].save_to_disk(...)"
             )

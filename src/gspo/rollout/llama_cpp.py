@@ -22,14 +22,26 @@ from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from gspo.rollout.openai import ServerError
+
+
+def require_llama_cpp() -> None:
+    """An ImportError naming the install command when llama-cpp-python is missing."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise ImportError(
+            'rollout.engine=llama_cpp needs llama-cpp-python: CMAKE_ARGS="-DGGML_NATIVE=OFF" pip install '
+            "'gspo[server]' (or set rollout.engine=hf)"
+        )
+
 
 class LlamaCppServer:
     """llama-cpp-python's OpenAI-compatible server of a GGUF file on 127.0.0.1, restartable on a new file at
     the same URL (`restart`); `url` is the base URL. Stopped by `close()`, on leaving a `with`, or at exit.
 
     Needs `pip install 'gspo[server]'` (llama-cpp-python; on CPUs where its native build crashes with
-    "Illegal instruction", build it with CMAKE_ARGS="-DGGML_NATIVE=OFF"). Raises RuntimeError with the
-    server's output when it is missing or does not come up within `startup_timeout` seconds. The server runs
+    "Illegal instruction", build it with CMAKE_ARGS="-DGGML_NATIVE=OFF"). Raises ImportError when it is
+    missing, and ServerError with the server's output when it does not come up within `startup_timeout`
+    seconds. The server runs
     with OMP_WAIT_POLICY=PASSIVE: llama.cpp's spinning OpenMP workers stall badly on a CPU shared with the
     trainer.
     """
@@ -43,10 +55,7 @@ class LlamaCppServer:
         startup_timeout: float = 120.0,
         nice: int = 0,
     ) -> None:
-        if importlib.util.find_spec("llama_cpp") is None:
-            raise RuntimeError(
-                "llama-cpp-python is not installed: CMAKE_ARGS=\"-DGGML_NATIVE=OFF\" pip install 'gspo[server]'"
-            )
+        require_llama_cpp()
         with socket.socket() as probe:  # a free port
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
@@ -96,7 +105,7 @@ class LlamaCppServer:
         )
         try:
             _wait_until_up(self.process, self._log, self.url, self.startup_timeout)
-        except RuntimeError:
+        except ServerError:
             self.close()
             raise
 
@@ -199,7 +208,7 @@ def _wait_until_up(process: subprocess.Popen, log: Any, url: str, timeout: float
         if process.poll() is not None:
             log.seek(0)
             output = log.read()
-            raise RuntimeError(
+            raise ServerError(
                 f"llama-cpp-python's server exited with {process.returncode}:\n{output[-2000:]}"
             )
         try:
@@ -207,7 +216,7 @@ def _wait_until_up(process: subprocess.Popen, log: Any, url: str, timeout: float
                 return
         except OSError:
             if time.monotonic() > deadline:
-                raise RuntimeError(
+                raise ServerError(
                     f"llama-cpp-python's server did not answer on {url} within {timeout:.0f}s"
                 ) from None
             time.sleep(0.5)

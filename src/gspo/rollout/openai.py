@@ -27,11 +27,15 @@ from typing import Any, Literal, Protocol
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from gspo.config.rules import http_url_problem
 from gspo.rollout.samplers import Rollouts, tokenize_prompts
 
 TRANSIENT_HTTP = {408, 429, 500, 502, 503, 504}
 ERROR_BODY_BYTES = 64 * 1024
 """At most this much of an error answer is read (a short excerpt goes into the message)."""
+LOGPROB_ROUNDING = 1e-3
+"""A reported log-probability up to this far above 0 is a certain token's rounding (fp16 log-softmax), taken
+as 0; beyond it, or not finite, it is no log-probability and the answer is refused."""
 DEFAULT_SAMPLING = {"top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0}
 """Request fields that switch off llama.cpp's default truncations/penalties (vLLM accepts top_k/min_p too)."""
 
@@ -99,19 +103,17 @@ class OpenAIBackend:
     current: bool = False
     """An external engine: its log-probs are not the trainer's own (other kernels, dtype, quantisation)."""
     max_response_bytes: int = 128 * 2**20
+    _vocabulary: int | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        parts = urllib.parse.urlsplit(self.base_url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(
-                f"base_url={self.base_url!r}: only http:// and https:// server addresses are supported "
-                '(e.g. "http://127.0.0.1:8000/v1")'
-            )
-        if parts.username is not None or parts.password is not None:
+        problem = http_url_problem(self.base_url)
+        if problem is not None and "credentials" in problem:
             raise ValueError(
                 "base_url holds credentials (user:password@): pass the key as api_key instead, which is "
                 "kept out of messages"
             )
+        if problem is not None:
+            raise ValueError(f'base_url={self.base_url!r}: {problem} (e.g. "http://127.0.0.1:8000/v1")')
 
     # ---- transport ----------------------------------------------------------------------------------
     def post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
@@ -217,6 +219,10 @@ class OpenAIBackend:
             answer = json.loads(body)
         except ValueError:  # HTML error pages, truncated or binary bodies
             raise ServerError(f"{url}: the answer is not JSON: {self._excerpt(body)}") from None
+        except RecursionError:  # Python's JSON reader recurses per level
+            raise ServerError(
+                f"{url}: the answer is JSON nested too deeply to read: {self._excerpt(body)}"
+            ) from None
         if not isinstance(answer, dict):
             raise ServerError(
                 f"{url}: the answer is a JSON {type(answer).__name__}, not an object: {self._excerpt(body)}"
@@ -332,7 +338,13 @@ class OpenAIBackend:
     def _token_id(self, piece: str) -> int | None:
         """The trainer's id of a reported token, or None when the piece is not exactly one token."""
         if piece.startswith("token_id:"):
-            return int(piece.removeprefix("token_id:"))
+            token = int(piece.removeprefix("token_id:"))
+            if token >= self._vocabulary_size():
+                raise ServerError(
+                    f"{self.base_url.rstrip('/')}/completions: the server sampled token id {token}, outside the trainer's vocabulary "
+                    f"of {self._vocabulary_size()}: it serves another model; serve the trainer's"
+                )
+            return token
         ids = self.tokenizer.encode(piece, add_special_tokens=False)
         return ids[0] if len(ids) == 1 and self.tokenizer.decode(ids) == piece else None
 
@@ -376,7 +388,7 @@ class OpenAIBackend:
             )
         text = choice.get("text") or ""
         ids = self._token_ids(j, pieces, logprobs.get("text_offset"), text)
-        lps = [math.nan if v is None else float(v) for v in values]
+        lps = [math.nan if v is None else self._logprob(j, k, float(v)) for k, v in enumerate(values)]
         eos = self.tokenizer.eos_token_id
         # the text excludes a final EOS however the server lists it
         body = ids[:-1] if ids and ids[-1] == eos else ids
@@ -389,6 +401,20 @@ class OpenAIBackend:
         if finish == "stop" and (not ids or ids[-1] != eos):
             ids, lps = [*ids, eos], [*lps, math.nan]  # the engine stopped on EOS without listing it
         return ids, lps, finish != "stop", text
+
+    def _logprob(self, j: int, k: int, value: float) -> float:
+        """A reported log-probability, checked: finite and <= 0 (up to `LOGPROB_ROUNDING`, taken as 0)."""
+        if not (math.isfinite(value) and value <= LOGPROB_ROUNDING):
+            raise ServerError(
+                f"{self.base_url.rstrip('/')}/completions: prompt {j}, completion token {k}: the server reported the log-probability "
+                f"{value!r}, which no probability has (log-probabilities are finite and <= 0)"
+            )
+        return min(value, 0.0)
+
+    def _vocabulary_size(self) -> int:
+        if self._vocabulary is None:
+            self._vocabulary = len(self.tokenizer)
+        return self._vocabulary
 
     # ---- weights ------------------------------------------------------------------------------------
     def sync_weights(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, step: int) -> None:

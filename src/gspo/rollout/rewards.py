@@ -36,6 +36,7 @@ import torch
 __all__ = [
     "BUILTIN_REWARDS",
     "RewardError",
+    "RewardFileError",
     "RewardFunction",
     "compute_rewards",
     "correct_number",
@@ -57,6 +58,17 @@ _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 class RewardError(RuntimeError):
     """A reward function failed or returned something unusable; the message names it and the sample."""
+
+
+class RewardFileError(ValueError):
+    """A reward file that cannot be imported: it raised, or called sys.exit, while being run."""
+
+
+def _raised(error: BaseException) -> str:
+    """What a call did: "called sys.exit(3)" or "raised ValueError: ..."."""
+    if isinstance(error, SystemExit):
+        return f"called sys.exit({error.code!r}) (a reward returns its values; it does not end the process)"
+    return f"raised {type(error).__name__}: {error}"
 
 
 def _to_decimal(text: str) -> Decimal:
@@ -173,19 +185,19 @@ def _call_one(
         return function(prompts, completions, **fields)
     except RewardError:  # a timeout: calling it again per sample would only hang again
         raise
-    except Exception as batch_error:
+    except (Exception, SystemExit) as batch_error:  # sys.exit in a reward is its failure, not gspo's exit
         # The batch call does not say which sample broke it: retry one sample at a time to find out.
         for index in range(len(completions)):
             single_fields = {key: values[index : index + 1] for key, values in fields.items()}
             try:
                 function(prompts[index : index + 1], completions[index : index + 1], **single_fields)
-            except Exception as error:
+            except (Exception, SystemExit) as error:
                 raise RewardError(
-                    f"reward function {name!r} raised {type(error).__name__}: {error} "
+                    f"reward function {name!r} {_raised(error)} "
                     f"at sample {index} (completion {_excerpt(completions[index])})"
                 ) from error
         raise RewardError(
-            f"reward function {name!r} raised {type(batch_error).__name__}: {batch_error} on the batch "
+            f"reward function {name!r} {_raised(batch_error)} on the batch "
             f"of {len(completions)} samples, though no single sample raises alone"
         ) from batch_error
 
@@ -347,7 +359,23 @@ def _import_file(path: Path) -> Any:
     sys.modules[module_name] = module  # dataclasses and pickling look the module up here
     try:
         spec.loader.exec_module(module)
-    except BaseException:
+    except BaseException as error:
         del sys.modules[module_name]
-        raise
+        if isinstance(error, KeyboardInterrupt):
+            raise
+        raise RewardFileError(
+            f"reward file {path}{_line_in(error, path)}: importing it {_raised(error)}"
+        ) from error
     return module
+
+
+def _line_in(error: BaseException, path: Path) -> str:
+    """ " (line N)": the innermost line of `path` that the error passed through (or its syntax error's)."""
+    if isinstance(error, SyntaxError) and error.lineno:
+        return f" (line {error.lineno})"
+    lines, tb = [], error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == str(path):
+            lines.append(tb.tb_lineno)
+        tb = tb.tb_next
+    return f" (line {lines[-1]})" if lines else ""

@@ -1,4 +1,5 @@
-"""Building a run's parts once, each from the config: examples, rewards, run folder, model, policy, sampler."""
+"""Building a run's parts once, each from the config: examples, rewards, model, policy, sampler (the run
+folder: gspo.training.run_folder)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,8 @@ import copy
 import inspect
 import math
 import os
-import shutil
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +20,7 @@ from gspo.core.attention import supports_segments
 from gspo.core.layout import layout_is_exact
 from gspo.learning.policy import Policy, UpdateSpec, score
 from gspo.models import add_lora, default_model_file, is_lora, load_model
-from gspo.parallel.collectives import broadcast_object
-from gspo.parallel.group import is_main, world_size
+from gspo.parallel.group import world_size
 from gspo.parallel.wrap import compute_dtype, full_parameters, wrap_model
 from gspo.rollout.data import (
     TASKS,
@@ -33,12 +31,10 @@ from gspo.rollout.data import (
     load_examples,
     split_eval,
 )
-from gspo.rollout.llama_cpp import GGUFReload, LlamaCppServer, export_policy
+from gspo.rollout.llama_cpp import GGUFReload, LlamaCppServer, export_policy, require_llama_cpp
 from gspo.rollout.openai import OpenAIBackend
-from gspo.rollout.rewards import RewardFunction, resolve_reward, with_timeout
+from gspo.rollout.rewards import RewardFileError, RewardFunction, resolve_reward, with_timeout
 from gspo.rollout.samplers import HFSampler, Sampler, tokenize_prompts
-from gspo.training.checkpoint import CheckpointError, latest_checkpoint
-from gspo.training.resume import RUN_FILES, RUN_MARKER, RunFolderError, check_resume_config
 
 
 def build_examples(config: Config) -> tuple[list[Example], list[Example]]:
@@ -64,7 +60,7 @@ def build_examples(config: Config) -> tuple[list[Example], list[Example]]:
             raise ConfigError(f"task.name={task.name!r} is not one of {sorted(TASKS)} or 'file'")
         return split_eval(examples, task.num_eval, seed=task.seed)
     except ValueError as error:  # too many problems asked for, eval split too large, ...
-        if isinstance(error, ConfigError):
+        if isinstance(error, (ConfigError, DataError)):  # a data file's error names the file and the row
             raise
         raise ConfigError(f"task: {error} (see task.num_train, task.num_eval)") from error
 
@@ -81,10 +77,12 @@ def resolve_rewards(
     for name, weight in weights.items():
         try:
             function = custom[name] if name in custom else resolve_reward(name)
-        except (ValueError, TypeError, ImportError, FileNotFoundError) as error:  # unknown name, no file, ...
+        except (RewardFileError, FileNotFoundError) as error:  # the file: missing, or failing when run
+            raise RewardFileError(f"rewards.{name}: {error}") from error
+        except (ValueError, TypeError, ImportError) as error:  # unknown name, no such function, ...
             raise ConfigError(f"rewards.{name}: {error}") from error
-        except Exception as error:  # the reward file itself fails when imported
-            raise ConfigError(
+        except (Exception, SystemExit) as error:  # a module (module:function) that fails when imported
+            raise RewardFileError(
                 f"rewards.{name}: importing it raised {type(error).__name__}: {error}"
             ) from error
         resolved.append((name, with_timeout(function, config.reward_timeout, name), weight))
@@ -157,74 +155,6 @@ def lr_schedule(config: Config, total_updates: int) -> Callable[[int], float]:
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
     return factor
-
-
-def setup_run_dir(
-    config: Config, resume: str | Path | None, *, force: bool = False
-) -> tuple[Path, Path | None]:
-    """The run folder and, when resuming, its latest checkpoint (the config checked against the one it
-    was trained with: gspo.training.resume).
-
-    A new run needs an empty or new folder, or one of gspo's own runs stopped before its first
-    checkpoint (which restarts from scratch); resuming such a run restarts it the same way.
-    """
-    if resume is not None:
-        run_dir = Path(resume)
-        checkpoint = latest_checkpoint(run_dir)
-        if checkpoint is not None:
-            check_resume_config(checkpoint, config, force=force)
-            return run_dir, checkpoint
-        if not (run_dir / RUN_MARKER).is_file():
-            raise RunFolderError(
-                f"{run_dir} holds no gspo run to resume (no checkpoint in {run_dir / 'checkpoints'}): "
-                "start a new run instead"
-            )
-    else:
-        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        # rank 0's name: the ranks' clocks may straddle a second
-        run_dir = Path(broadcast_object(config.output_dir or f"runs/{config.train.objective}-{stamp}"))
-        # rank 0 decides, before anyone writes: the others would see its first files
-        refusal = broadcast_object(_new_run_refusal(run_dir) if is_main() else None)
-        if refusal is not None:
-            raise RunFolderError(refusal)
-    if is_main():
-        _start_fresh(run_dir)
-    return run_dir, None
-
-
-def _new_run_refusal(run_dir: Path) -> str | None:
-    if run_dir.exists() and not run_dir.is_dir():
-        return f"output_dir={str(run_dir)!r} is a file, not a folder: choose another output_dir"
-    try:
-        latest = latest_checkpoint(run_dir)
-    except CheckpointError as error:
-        return str(error)
-    if latest is not None:
-        return (
-            f"{run_dir} already holds a run: continue it with `gspo train --resume {run_dir}` or choose "
-            "another output_dir"
-        )
-    if run_dir.is_dir() and any(run_dir.iterdir()) and not (run_dir / RUN_MARKER).is_file():
-        found = sorted(p.name for p in run_dir.iterdir())
-        return (
-            f"{run_dir} is not empty and is not a gspo run (it holds {found[:5]}"
-            f"{' ...' if len(found) > 5 else ''}): choose a new or empty output_dir; gspo overwrites "
-            "nothing it did not write"
-        )
-    return None
-
-
-def _start_fresh(run_dir: Path) -> None:
-    """Create the run folder with its marker; a gspo run stopped before its first checkpoint loses the
-    files it wrote, so that the new run's metrics start clean."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for name in RUN_FILES:
-        path = run_dir / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
-    (run_dir / RUN_MARKER).write_text("a gspo run folder: gspo train writes here, --resume continues it\n")
 
 
 def setup_model(config: Config, checkpoint: Path | None) -> tuple[Any, Any]:
@@ -339,6 +269,7 @@ def setup_sampler(config: Config, policy: Policy, tokenizer: Any, run_dir: Path)
             policy.model, tokenizer, config.rollout.generation_batch_size, lambda: generating(policy)
         )
     if config.rollout.engine == "llama_cpp":
+        require_llama_cpp()  # before the export: its absence is known at once
         server = config.rollout.llama_cpp
         if world_size() > 1:
             raise ConfigError(

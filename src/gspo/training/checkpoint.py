@@ -4,7 +4,9 @@ Layout: RUN_DIR/checkpoints/step_000010/{model/, trainer_state.pt, config.yaml} 
 (the name of the newest complete checkpoint). A checkpoint is written into a temporary folder, synced, and
 renamed into place; `latest` is replaced atomically after that. A re-save of an existing step moves the
 complete copy aside (``.old_step_...``) and only deletes it once the new copy is in place, so a SIGKILL at
-any moment leaves a complete checkpoint that `latest_checkpoint` finds (docs/reliability.md).
+any moment leaves a complete checkpoint that `latest_checkpoint` finds (docs/reliability.md). An incomplete
+``step_*`` folder (gspo renames only complete ones: a damaged copy) is skipped, never pruned, and moved
+aside to ``step_....incomplete`` if its step is saved again.
 
 The training state holds tensors and plain data only (numpy's and Python's RNG states are converted), and
 is read back with ``torch.load(weights_only=True)``: a planted pickle is refused, never executed.
@@ -19,6 +21,7 @@ import pickle
 import random
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,7 @@ import torch
 
 from gspo.config import Config, save_config
 from gspo.models import save_model
+from gspo.models.loading import weights_problem
 
 LATEST = "latest"
 STATE_FILE = "trainer_state.pt"
@@ -134,32 +138,68 @@ def save_checkpoint(
         if not (isinstance(error, OSError) and error.errno) and _disk_full(root):
             raise OSError(errno.ENOSPC, f"No space left on device ({error})", str(root)) from error
         raise
+    if final.exists() and not is_complete(final):  # not gspo's (it renames only complete copies): kept
+        kept = keep_aside(final)
+        print(
+            f"note: {final} was incomplete ({checkpoint_problem(final)}): moved to {kept.name}",
+            file=sys.stderr,
+        )
     if final.exists():  # a re-save: keep the complete copy until the new one is in place
         shutil.rmtree(aside, ignore_errors=True)
         os.replace(final, aside)
     os.replace(tmp, final)
     _sync(root)
     _atomic_write(root / LATEST, name)
-    complete = sorted((p for p in root.iterdir() if _NAME.fullmatch(p.name) and p.is_dir()), key=_step_of)
+    # only complete checkpoints are pruned, and gspo's own temporary copies: an incomplete step_* folder
+    # was not written by gspo and may hold the only copy of some weights
+    complete = sorted(
+        (p for p in root.iterdir() if _NAME.fullmatch(p.name) and p.is_dir() and is_complete(p)), key=_step_of
+    )
     leftovers = [p for p in root.iterdir() if p.name.startswith((".tmp_", ".old_")) and p.is_dir()]
     for old in [*complete[:-keep], *leftovers]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
+def keep_aside(path: Path) -> Path:
+    """Rename `path` to the first free `NAME.incomplete[-k]` beside it; returns the new path."""
+    for k in range(1, 10_000):
+        target = path.with_name(f"{path.name}.incomplete" + (f"-{k}" if k > 1 else ""))
+        if not target.exists():
+            os.replace(path, target)
+            return target
+    raise FileExistsError(errno.EEXIST, f"no free name to keep {path} aside", str(path))
+
+
 def _step_of(path: Path) -> int:
     return int(path.name.removeprefix("step_"))
 
 
-def is_complete(checkpoint: Path) -> bool:
-    """The training state and the model's (or LoRA adapter's) config and safetensors weights are there."""
+def checkpoint_problem(checkpoint: Path) -> str | None:
+    """Why a checkpoint folder is not complete, or None: its training state, its model's (or LoRA
+    adapter's) config, and whole safetensors weights (header and length checked, not the tensors)."""
     model = checkpoint / "model"
     weights = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")
-    return (
-        (checkpoint / STATE_FILE).is_file()
-        and ((model / "config.json").is_file() or (model / "adapter_config.json").is_file())
-        and any((model / w).is_file() for w in weights)
-    )
+    if not (checkpoint / STATE_FILE).is_file():
+        return f"no {STATE_FILE}"
+    if not ((model / "config.json").is_file() or (model / "adapter_config.json").is_file()):
+        return "no model/config.json or model/adapter_config.json"
+    if not any((model / w).is_file() for w in weights):
+        return "no safetensors weights in model/"
+    return weights_problem(model)
+
+
+def is_complete(checkpoint: Path) -> bool:
+    return checkpoint_problem(checkpoint) is None
+
+
+def incomplete_checkpoints(run_dir: str | Path, *, after: int = -1) -> list[tuple[Path, str]]:
+    """(folder, why) of every incomplete ``step_*`` folder of a run whose step is above `after`."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = sorted((p for p in root.iterdir() if _NAME.fullmatch(p.name) and p.is_dir()), key=_step_of)
+    return [(p, why) for p in found if _step_of(p) > after and (why := checkpoint_problem(p)) is not None]
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -188,20 +228,43 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 
 def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
-    """A run's checkpoint of `step` (None: the latest); the error lists the steps on disk."""
+    """A run's complete checkpoint of `step` (None: the latest, with a note on stderr for each newer one
+    that is incomplete); the error says why a checkpoint is incomplete and lists the complete steps."""
     root = Path(run_dir) / "checkpoints"
     if step is None:
         found = latest_checkpoint(run_dir)
+        for folder, why in incomplete_checkpoints(run_dir, after=-1 if found is None else _step_of(found)):
+            print(f"note: skipping the incomplete checkpoint {folder} ({why})", file=sys.stderr)
     else:
         found = root / f"step_{step:06d}"
-        found = found if (found / "trainer_state.pt").is_file() else None
+        why = checkpoint_problem(found) if found.is_dir() else None
+        if why is not None:
+            raise CheckpointError(f"{found} is incomplete ({why}): choose another --step ({_steps(root)})")
+        found = found if found.is_dir() else None
     if found is None:
-        steps = sorted(int(p.name.removeprefix("step_")) for p in root.glob("step_*") if p.is_dir())
-        raise FileNotFoundError(
-            f"{run_dir}: no complete checkpoint {'' if step is None else f'of step {step} '}(steps on disk: "
-            f"{steps or 'none'}; checkpoint.keep sets how many a run keeps)"
+        raise CheckpointError(
+            f"{run_dir}: no complete checkpoint {'' if step is None else f'of step {step} '}({_steps(root)}; "
+            "checkpoint.keep sets how many a run keeps)"
         )
     return found
+
+
+def _steps(root: Path) -> str:
+    steps = sorted(_step_of(p) for p in root.glob("step_*") if _NAME.fullmatch(p.name) and is_complete(p))
+    return f"complete steps on disk: {steps or 'none'}"
+
+
+def inside_checkpoint(path: str | Path) -> Path | None:
+    """The checkpoint folder (or a run's checkpoints/ folder) that `path` is or lies in, or None."""
+    path = Path(path).resolve()
+    for folder in (path, *path.parents):
+        in_checkpoints = folder.parent.name == "checkpoints" and (
+            _NAME.fullmatch(folder.name) or folder.name.startswith((".tmp_step_", ".old_step_"))
+        )
+        pointer = folder.name == "checkpoints" and (folder / LATEST).is_file()
+        if in_checkpoints or pointer or (folder / STATE_FILE).is_file():
+            return folder
+    return None
 
 
 def checkpoint_step(checkpoint: str | Path) -> int:
@@ -225,3 +288,19 @@ def load_trainer_state(checkpoint: str | Path) -> dict[str, Any]:
         raise CheckpointError(
             f"{path} cannot be read, it is truncated or corrupt ({str(error).splitlines()[0][:200]})"
         ) from error
+
+
+def check_output(path: str | Path, *, force: bool) -> None:
+    """Refuse to write `path` (a file or a folder an export writes) inside a checkpoint, ever (a resume
+    would load what was written there), or over something that exists, unless `force`."""
+    inside = inside_checkpoint(path)
+    if inside is not None:
+        raise CheckpointError(
+            f"{path} is inside the checkpoint {inside}: gspo never writes into a checkpoint (a resume would "
+            "load it); choose another --output"
+        )
+    if Path(path).exists() and not force:
+        raise FileExistsError(
+            f"{path} exists, and gspo overwrites nothing it did not write: choose another --output, or pass "
+            "--force to write over it"
+        )

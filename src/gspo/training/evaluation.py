@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,8 @@ from gspo.rollout.data import Example, batch_fields, format_prompt, load_example
 from gspo.rollout.rewards import RewardFunction, compute_rewards
 from gspo.rollout.samplers import HFSampler
 from gspo.training.build import build_examples, load_checkpoint_policy, resolve_rewards
-from gspo.training.checkpoint import checkpoint_step, find_checkpoint
+from gspo.training.checkpoint import check_output, checkpoint_step, find_checkpoint
+from gspo.training.trust import check_run_folder_config
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -141,18 +143,24 @@ def evaluate_target(
     data: str | None = None,
     samples: int | None = None,
     temperature: float = 1.0,
+    trust_run_code: bool = False,
 ) -> tuple[Evaluation, dict[str, Any]]:
     """`gspo eval`: (evaluation, report header). target: a run folder (its checkpoint of `step`, default
     the latest), a model directory, a .gguf file, or None (the config's model; by default the embedded one).
 
     The task, rewards and eval settings come from `config_file` (default: the run's config.yaml, else the
     defaults) and `overrides`; `data` evaluates every row of a JSONL/CSV/datasets file instead of the task's
-    held-out split.
+    held-out split. Reward code named by a run's config.yaml is imported only when the overrides name it
+    again, or with `trust_run_code` (gspo.training.trust).
     """
     header: dict[str, Any] = {"target": target}
     if target is not None and is_run_dir(target):
         run_config = load_config(Path(target) / "config.yaml")
         config = load_config(config_file or Path(target) / "config.yaml", overrides)
+        if config_file is None:  # the run folder's rewards: data, until the user names them
+            check_run_folder_config(
+                config, overrides, folder=Path(target), trust_run_code=trust_run_code, server=False
+            )
         checkpoint = find_checkpoint(target, step)
         model, tokenizer = load_checkpoint_policy(run_config, checkpoint)
         header |= {"checkpoint": str(checkpoint), "step": checkpoint_step(checkpoint)}
@@ -203,12 +211,19 @@ def summary_line(evaluation: Evaluation, header: dict[str, Any]) -> str:
     return f"{metrics} ({header['problems']} problems, {header['data']}, {header['mode']}; {what})"
 
 
-def write_report(evaluation: Evaluation, header: dict[str, Any], path: str | Path) -> Path:
-    """The JSON report: the header, the metrics and every problem's completions and rewards."""
+def write_report(
+    evaluation: Evaluation, header: dict[str, Any], path: str | Path, *, force: bool = True
+) -> Path:
+    """The JSON report: the header, the metrics and every problem's completions and rewards; written
+    beside `path` and renamed into place. An existing file is replaced only with `force`, and never one
+    inside a checkpoint."""
     path = Path(path)
+    check_output(path, force=force)
     path.parent.mkdir(parents=True, exist_ok=True)
     report = {**header, "metrics": evaluation.metrics, "per_problem": evaluation.problems}
-    path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
     return path
 
 

@@ -2,18 +2,24 @@
 
 The GGUF carries the metadata and tokenizer of the GGUF the run started from, when it started from one
 (the embedded SmolLM2 does), else they are built from the HF config and tokenizer (gspo.models.gguf_export).
+
+An export reads the checkpoint and takes no lock: a checkpoint never changes once written, and a run
+being trained never writes into RUN_DIR/export. It writes beside its target and renames it into place,
+never over an existing file or folder without `force`, and never inside a checkpoint.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 from typing import Literal
 
 from gspo.config import load_config
-from gspo.models import save_model
+from gspo.models import ModelError, save_model
 from gspo.models.gguf_export import write_gguf
 from gspo.training.build import load_checkpoint_policy, source_gguf
-from gspo.training.checkpoint import checkpoint_step, find_checkpoint
+from gspo.training.checkpoint import CONFIG_FILE, check_output, checkpoint_step, find_checkpoint
 
 
 def export_run(
@@ -23,20 +29,38 @@ def export_run(
     quant: str = "f16",
     step: int | None = None,
     output: str | Path | None = None,
+    force: bool = False,
 ) -> Path:
     """Write the run's checkpoint of `step` (None: the latest) and return the path written.
 
-    output: default RUN_DIR/export/step_000040-hf/ or RUN_DIR/export/step_000040-f16.gguf.
+    output: default RUN_DIR/export/step_000040-hf/ or RUN_DIR/export/step_000040-f16.gguf. An existing
+    output is written over only with `force` (a folder: the exported files replace theirs, others stay).
     """
     if format not in ("hf", "gguf"):
         raise ValueError(f"format={format!r}: choose 'hf' or 'gguf'")
-    config = load_config(Path(run_dir) / "config.yaml")
     checkpoint = find_checkpoint(run_dir, step)
-    model, tokenizer = load_checkpoint_policy(config, checkpoint)
     name = f"step_{checkpoint_step(checkpoint):06d}"
+    default = f"{name}-hf" if format == "hf" else f"{name}-{quant}.gguf"
+    path = Path(output or Path(run_dir) / "export" / default)
+    check_output(path, force=force)  # before the model is loaded: refused at once
+    own = checkpoint / CONFIG_FILE  # the model and LoRA settings it was trained with
+    config = load_config(own if own.is_file() else Path(run_dir) / "config.yaml")
+    model, tokenizer = load_checkpoint_policy(config, checkpoint)
     if format == "hf":
-        path = Path(output or Path(run_dir) / "export" / f"{name}-hf")
+        return _save_folder(model, tokenizer, path)
+    try:
+        return write_gguf(model, tokenizer, path, quant=quant, source=source_gguf(config.model))
+    except NotImplementedError as error:  # an architecture or tokenizer the GGUF writer does not know
+        raise ModelError(str(error)) from error
+
+
+def _save_folder(model: object, tokenizer: object, path: Path) -> Path:
+    """save_pretrained into a fresh folder renamed into place; into an existing folder (force) directly."""
+    if path.exists():
         save_model(model, tokenizer, path)
         return path
-    path = Path(output or Path(run_dir) / "export" / f"{name}-{quant}.gguf")
-    return write_gguf(model, tokenizer, path, quant=quant, source=source_gguf(config.model))
+    tmp = path.with_name(f".{path.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # our own leftover of an interrupted export
+    save_model(model, tokenizer, tmp)
+    os.replace(tmp, path)
+    return path

@@ -3,7 +3,7 @@
 Each line is ``{"step": int, "kind": "train" | "eval", <key>: float | int | null, ...}``. The file is the
 source of truth: plots and the summary (``gspo.training.plots``) are drawn from it, and a resumed run rewrites it
 to the lines at or before its checkpoint's step, so that a run killed and resumed ends with exactly the
-lines of an uninterrupted one.
+lines of an uninterrupted one; the lines it drops are appended to ``metrics.rolled_back.jsonl``.
 
 Deliberate choices:
 - Non-finite floats are written as ``null``: ``NaN`` is not valid JSON and breaks other readers (jq, pandas
@@ -19,6 +19,7 @@ import json
 import math
 import numbers
 import os
+import sys
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -29,10 +30,16 @@ import torch
 from gspo.learning.reduction import tensors_to_floats
 
 METRICS_FILE = "metrics.jsonl"
+ROLLED_BACK_FILE = "metrics.rolled_back.jsonl"
+"""Where a resume moves the lines logged after the checkpoint it resumes (appended, never deleted)."""
 TENSORBOARD_DIR = "tensorboard"
 KINDS = ("train", "eval")
 
 _warned_no_tensorboard = False
+
+
+class MetricsError(ValueError):
+    """A metrics file that gspo did not write as it is (a line that is not a metrics record)."""
 
 
 def metrics_path(run_dir: str | Path) -> Path:
@@ -90,10 +97,14 @@ def _parse_lines(text: str, path: Path) -> list[tuple[str, dict[str, Any]]]:
             record = json.loads(line)
             if not isinstance(record, dict) or not isinstance(record.get("step"), int):
                 raise ValueError("not an object with an integer 'step'")
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply for json
             if number == len(lines):
                 break  # truncated by a kill mid-write
-            raise ValueError(f"{path}:{number}: malformed metrics line ({e}): {line[:200]!r}") from None
+            why = str(e) if isinstance(e, ValueError) else "nested too deeply"
+            raise MetricsError(
+                f"{path}: line {number} is not a metrics line ({why}): {line[:100]!r}; gspo writes one JSON "
+                "object per line: restore the file or remove the line"
+            ) from None
         records.append((line, record))
     return records
 
@@ -138,6 +149,20 @@ class MetricsLogger:
             return
         records = _parse_lines(text, self.path)
         kept = [line for line, record in records if resume_step is None or record["step"] <= resume_step]
+        dropped = [
+            line for line, record in records if resume_step is not None and record["step"] > resume_step
+        ]
+        if dropped:  # kept aside, not deleted: they may be all that is left of a run's later steps
+            aside = self.run_dir / ROLLED_BACK_FILE
+            with open(aside, "a", encoding="utf-8") as handle:
+                handle.write("".join(line + "\n" for line in dropped))
+                handle.flush()
+                os.fsync(handle.fileno())
+            print(
+                f"note: {self.path}: {len(dropped)} line(s) after step {resume_step}, the checkpoint resumed, "
+                f"appended to {aside}",
+                file=sys.stderr,
+            )
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
         os.replace(tmp, self.path)

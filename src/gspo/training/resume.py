@@ -14,6 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from gspo.config import Config, ConfigError, load_config, to_dict
 from gspo.learning.policy import Policy
 from gspo.parallel.state import load_optimizer_state, resume_rank_state
@@ -79,10 +81,17 @@ def config_changes(saved: Config, requested: Config) -> list[tuple[str, Any, Any
 
 
 def check_resume_config(checkpoint: Path, requested: Config, *, force: bool) -> None:
-    """Refuse a resume whose config changes more than `RESUMABLE` keys (any `FIXED` key even with force)."""
+    """Refuse a resume whose config changes more than `RESUMABLE` keys (any `FIXED` key even with force),
+    or whose checkpoint has no config of its own to compare with (unless force)."""
     path = checkpoint / CONFIG_FILE
-    if not path.is_file():  # written by a gspo that did not store it: nothing to compare with
-        return
+    if not path.is_file():
+        if force:
+            return
+        raise ConfigError(
+            f"{checkpoint} has no {CONFIG_FILE} of its own, so gspo cannot tell whether the resumed run would "
+            f"compute what it was trained to: pass --force to resume it with "
+            f"{checkpoint.parent.parent / 'config.yaml'} as it is"
+        )
     try:
         saved = load_config(path)
     except ConfigError as error:
@@ -105,9 +114,12 @@ def check_resume_config(checkpoint: Path, requested: Config, *, force: bool) -> 
         )
 
 
-def resume_config(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def resume_config(
+    run_dir: str | Path, overrides: list[str] | tuple[str, ...] = (), *, force: bool = False
+) -> Config:
     """The config a resumed run asks for: the run folder's config.yaml (or, if it is gone, the latest
-    checkpoint's) plus the overrides; `check_resume_config` then compares it with the checkpoint's."""
+    checkpoint's) plus the overrides; `check_resume_config` then compares it with the checkpoint's. An
+    emptied config.yaml (every key its default) is refused unless `force`."""
     run_dir = Path(run_dir)
     checkpoint = latest_checkpoint(run_dir)
     if checkpoint is None and not (run_dir / RUN_MARKER).is_file():
@@ -118,7 +130,21 @@ def resume_config(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = 
     path = run_dir / "config.yaml"
     if not path.is_file() and checkpoint is not None and (checkpoint / CONFIG_FILE).is_file():
         path = checkpoint / CONFIG_FILE
+    if path.is_file() and not force and _empty_yaml(path):
+        saved = "" if checkpoint is None else f" (the checkpoint's own is {checkpoint / CONFIG_FILE})"
+        raise ConfigError(
+            f"{path} is empty: resuming would take every key's default; restore it{saved}, or pass --force "
+            "to resume with the defaults"
+        )
     return load_config(path, overrides)
+
+
+def _empty_yaml(path: Path) -> bool:
+    """Whitespace, comments or an empty mapping: nothing set (an unreadable file: load_config says why)."""
+    try:
+        return not yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError, RecursionError):
+        return False
 
 
 def restore_state(checkpoint: Path, policy: Policy, stream: PromptStream, config: Config) -> int:

@@ -45,7 +45,7 @@ from gspo.rollout.data import Example, PromptStream, batch_fields, format_prompt
 from gspo.rollout.rewards import RewardError, RewardFunction, compute_rewards
 from gspo.rollout.samplers import HFSampler, Sampler
 from gspo.rollout.trajectories import TrajectoryGroup, trajectory_samples
-from gspo.training import evaluation
+from gspo.training import evaluation, lock
 from gspo.training.build import (
     build_examples,
     check_examples,
@@ -56,13 +56,14 @@ from gspo.training.build import (
     resolve_rewards,
     setup_model,
     setup_policy,
-    setup_run_dir,
     setup_sampler,
 )
 from gspo.training.checkpoint import latest_checkpoint, load_trainer_state, rng_state, save_checkpoint
 from gspo.training.metrics import MetricsLogger, SilentLogger
 from gspo.training.resume import restore_state, resume_config
+from gspo.training.run_folder import setup_run_dir, start_fresh
 from gspo.training.stalls import StallWatch
+from gspo.training.trust import check_run_folder_config
 
 
 class Trainer:
@@ -84,11 +85,14 @@ class Trainer:
         self.config = config
         self.device = resolve_device(config.device)
         init_from_env(config.distributed, self.device)  # under torchrun: join the process group
+        # the folder locked and a resume checked before any reward file is imported
+        self.run_dir, checkpoint = setup_run_dir(config, resume, force=force)
         self.rewards = resolve_rewards(config, reward_functions)
         self.train_examples, self.eval_examples = build_examples(config)
         check_examples(self.rewards, self.train_examples + self.eval_examples)
-        self.run_dir, checkpoint = setup_run_dir(config, resume, force=force)
         self.resumed = checkpoint is not None
+        if checkpoint is None:
+            start_fresh(self.run_dir)  # created and locked now that the inputs are checked
         if is_main():
             save_config(config, self.run_dir / "config.yaml")
 
@@ -306,7 +310,9 @@ class Trainer:
         self.logger.close()
         if not is_main():  # rank 0 plots and summarises
             return {"run_dir": str(self.run_dir), "eval_accuracy_first": None, "eval_accuracy_last": None}
-        return self._finish()
+        result = self._finish()
+        lock.release(self.run_dir)  # written in full: another process may continue it now
+        return result
 
     def _log_eval(self) -> dict[str, float]:
         result = self.evaluate()
@@ -345,25 +351,41 @@ def train(
     reward_functions: Mapping[str, RewardFunction] | None = None,
     resume: str | Path | None = None,
     force: bool = False,
+    trust_run_code: bool = False,
 ) -> dict[str, Any]:
     """Run GSPO training; returns the run folder and the first/last eval accuracy.
 
     ``resume``: continue that run folder (its config.yaml plus ``overrides``; ``force`` allows changes
-    beyond gspo.training.resume.RESUMABLE).
+    beyond gspo.training.resume.RESUMABLE). Reward code and a server its config names are used only when
+    ``overrides`` name them again, or ``reward_functions`` replaces them, or ``trust_run_code``
+    (gspo.training.trust).
 
     >>> from gspo import train, load_config
     >>> result = train(load_config("configs/tiny.yaml"), reward_functions={"mine": my_reward})  # doctest: +SKIP
     """
     if resume is not None:
-        config = resume_config(resume, overrides)
+        config = resume_config(resume, overrides, force=force)
+        check_run_folder_config(
+            config,
+            overrides,
+            folder=Path(resume),
+            trust_run_code=trust_run_code,
+            own_rewards=reward_functions or (),
+        )
     elif config is None or isinstance(config, (str, Path)):
         config = load_config(config, overrides)
+    trainer = None
     try:
-        result = Trainer(config, reward_functions=reward_functions, resume=resume, force=force).run()
+        trainer = Trainer(config, reward_functions=reward_functions, resume=resume, force=force)
+        result = trainer.run()
         # every rank done with the group before any rank destroys it: a gloo rank torn down while a peer
         # still finishes its run aborted once in about a dozen torchrun runs here ("terminate called without an
         # active exception"); on an error the ranks raise together and skip this
         barrier()
         return result
     finally:
+        # also after an error (the folder is as complete as it gets), or a Trainer that failed to start
+        folder = trainer.run_dir if trainer is not None else resume or config.output_dir
+        if folder is not None:
+            lock.release(folder)
         shutdown()  # only if the Trainer created the process group

@@ -1,0 +1,85 @@
+"""A run folder is data: its config.yaml may name reward code and a server, but gspo runs that code, and
+sends requests and a key to that server, only when the user names them on the command line.
+
+People share run folders the way they share checkpoints; whoever opens one (`gspo train --resume RUN`,
+`gspo eval RUN`) must not run its author's code or send its author their credentials. The checks run on
+the config before anything is imported or sent (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import yaml
+
+from gspo.config import Config, ConfigError
+from gspo.config.loading import RENAMED
+
+
+class UntrustedRunFolder(ConfigError):
+    """A run folder's config names code or a server that the user has not named themselves."""
+
+
+def code_rewards(config: Config) -> list[str]:
+    """The configured rewards that are code to import ("file.py:function", "module:function")."""
+    return [name for name in config.rewards if ":" in name]
+
+
+def overridden_keys(overrides: Sequence[str]) -> set[str]:
+    """The dotted keys the overrides set, under their current names."""
+    keys = {override.partition("=")[0].strip() for override in overrides}
+    return keys | {new for old, news in RENAMED.items() if old in keys for new in news}
+
+
+def named_rewards(overrides: Sequence[str]) -> set[str]:
+    """The reward names given in `rewards={...}` overrides."""
+    names: set[str] = set()
+    for override in overrides:
+        key, _, raw = override.partition("=")
+        if key.strip() == "rewards":
+            with contextlib.suppress(yaml.YAMLError, RecursionError):
+                value = yaml.safe_load(raw)
+                names |= {str(name) for name in value} if isinstance(value, dict) else set()
+    return names
+
+
+def check_run_folder_config(
+    config: Config,
+    overrides: Sequence[str],
+    *,
+    folder: Path,
+    trust_run_code: bool = False,
+    own_rewards: Iterable[str] = (),
+    server: bool = True,
+) -> None:
+    """Refuse what a run folder's config names that the user has not: reward code (unless it is in a
+    `rewards=` override, in `own_rewards` (callables passed from Python), or `trust_run_code`) and, with
+    `server`, rollout.engine=openai's URL and key variable (unless set by the overrides)."""
+    source = folder / "config.yaml"
+    mine = named_rewards(overrides) | set(own_rewards)
+    foreign = [name for name in code_rewards(config) if name not in mine]
+    if foreign and not trust_run_code:
+        weights = ", ".join(f"{name}: {config.rewards[name]:g}" for name in config.rewards)
+        raise UntrustedRunFolder(
+            f"{source} names the reward {foreign[0]!r}, Python code that gspo would import and run: a run "
+            f"folder is data, so its code runs only when you name it yourself. Read the code, then pass "
+            f"'rewards={{{weights}}}' on the command line, or --trust-run-code"
+        )
+    openai = config.rollout.openai
+    if not server or config.rollout.engine != "openai":
+        return
+    keys = overridden_keys(overrides)
+    if "rollout.openai.url" not in keys:
+        raise UntrustedRunFolder(
+            f"{source} sends rollouts to rollout.openai.url={openai.url!r}: a run folder does not choose "
+            f"where gspo connects; pass rollout.openai.url={openai.url} on the command line to confirm it"
+        )
+    default = type(openai)().api_key_env
+    if openai.api_key_env != default and "rollout.openai.api_key_env" not in keys:
+        raise UntrustedRunFolder(
+            f"{source} names the environment variable {openai.api_key_env!r} as the API key: a run folder "
+            f"does not choose which secret is sent; pass rollout.openai.api_key_env={openai.api_key_env} on "
+            f"the command line to send it to {openai.url}"
+        )

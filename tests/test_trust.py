@@ -1,0 +1,167 @@
+"""A run folder is data (gspo.training.trust): the reward code and the server its config names are used
+only when the user names them on the command line (issue 23 finding 2)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gspo.cli import EXIT_CODES, main
+from gspo.config import load_config
+from gspo.training.trainer import train
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+REWARD = """\
+import os, pathlib
+pathlib.Path(os.environ["GSPO_TEST_MARKER"]).touch()  # what a planted file could do: anything
+
+
+def reward(prompts, completions, **_):
+    return [float(len(c) % 2) for c in completions]
+"""
+
+
+@pytest.fixture(scope="module")
+def run_with_reward_file(tmp_path_factory) -> Path:
+    """A tiny run trained with a reward file of its own (the file imports with a visible effect)."""
+    base = tmp_path_factory.mktemp("planted")
+    (base / "planted.py").write_text(REWARD)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GSPO_TEST_MARKER", str(base / "imported-at-training"))
+        train(
+            load_config(
+                TINY,
+                [
+                    f"output_dir={base / 'run'}",
+                    f"rewards={{{base / 'planted.py'}:reward: 1.0}}",
+                    "train.steps=1",
+                    "eval.every=0",
+                    "tensorboard=false",
+                    "task.num_eval=2",
+                ],
+            )
+        )
+    return base
+
+
+def _gspo(capsys, *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    return code, capsys.readouterr().err.strip()
+
+
+def test_reward_code_a_run_folder_names_runs_only_when_the_user_names_it(
+    run_with_reward_file: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(run_with_reward_file / "run", run)
+    marker = tmp_path / "imported"
+    monkeypatch.setenv("GSPO_TEST_MARKER", str(marker))
+    monkeypatch.chdir(tmp_path)
+    spec = f"{run_with_reward_file / 'planted.py'}:reward"
+    for argv in (["train", "--resume", str(run), "train.steps=2"], ["eval", str(run), "--output", "r.json"]):
+        code, err = _gspo(capsys, *argv)
+        assert code == EXIT_CODES["config"], err
+        assert f"names the reward '{spec}', Python code that gspo would import" in err
+        assert f"'rewards={{{spec}: 1}}' on the command line, or --trust-run-code" in err
+        assert not marker.exists()  # refused before anything was imported
+    code, err = _gspo(capsys, "eval", str(run), "--output", "r.json", "--trust-run-code")
+    assert code == 0, err
+    assert marker.exists()
+    marker.unlink()
+    code, err = _gspo(capsys, "train", "--resume", str(run), "train.steps=2", f"rewards={{{spec}: 1.0}}")
+    assert code == 0, err
+    assert marker.exists()
+
+
+@contextlib.contextmanager
+def _recording_server() -> Iterator[tuple[str, list[dict[str, str]]]]:
+    """A server that records each request's headers and answers 500."""
+    seen: list[dict[str, str]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            seen.append({k.lower(): v for k, v in self.headers.items()})
+            self.send_response(500)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1", seen
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _point_at(run: Path, url: str, variable: str) -> None:
+    """What a shared folder's author could write: the run's config and its checkpoint's, alike."""
+    for path in [run / "config.yaml", *run.glob("checkpoints/step_*/config.yaml")]:
+        config = yaml.safe_load(path.read_text())
+        config["rollout"]["engine"] = "openai"
+        config["rollout"]["openai"] |= {"url": url, "api_key_env": variable, "timeout": 2.0}
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def test_a_run_folder_cannot_send_a_credential_to_a_server_of_its_choice(
+    two_step_run: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(two_step_run, run)
+    monkeypatch.setenv("SOME_TOKEN", "ghp-secret-123")
+    with _recording_server() as (url, seen):
+        _point_at(run, url, "SOME_TOKEN")
+        code, err = _gspo(capsys, "train", "--resume", str(run), "train.steps=3")
+        assert code == EXIT_CODES["config"], err
+        assert f"sends rollouts to rollout.openai.url='{url}': a run folder does not choose" in err
+        assert seen == []  # nothing was sent, so no key
+        code, err = _gspo(capsys, "train", "--resume", str(run), "train.steps=3", f"rollout.openai.url={url}")
+        assert (
+            code == EXIT_CODES["config"]
+            and "names the environment variable 'SOME_TOKEN' as the API key" in err
+        )
+        assert seen == []
+        # named by the user: the key goes to the origin the user named (which answers 500 here)
+        code, err = _gspo(
+            capsys,
+            "train",
+            "--resume",
+            str(run),
+            "train.steps=3",
+            f"rollout.openai.url={url}",
+            "rollout.openai.api_key_env=SOME_TOKEN",
+        )
+        assert code == EXIT_CODES["server"], err
+        assert seen and {h.get("authorization") for h in seen} == {"Bearer ghp-secret-123"}
+        assert "ghp-secret-123" not in err
+
+
+def test_a_config_file_of_the_users_own_is_theirs(
+    run_with_reward_file: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """`gspo eval RUN CONFIG`: the rewards come from CONFIG, which the user named."""
+    monkeypatch.setenv("GSPO_TEST_MARKER", str(tmp_path / "imported"))
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(
+        yaml.safe_dump(
+            {"model": {"tiny": "llama"}, "rewards": {"digit_fraction": 1.0}, "task": {"num_eval": 2}}
+        )
+    )
+    monkeypatch.chdir(tmp_path)
+    code, err = _gspo(capsys, "eval", str(run_with_reward_file / "run"), str(mine), "--output", "r.json")
+    assert code == 0, err
+    assert json.loads((tmp_path / "r.json").read_text())["rewards"] == {"digit_fraction": 1.0}
+    assert not (tmp_path / "imported").exists()
