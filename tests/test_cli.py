@@ -4,9 +4,12 @@ its kind (gspo.cli.EXIT_CODES); `--debug` shows the traceback instead."""
 from __future__ import annotations
 
 import errno
+import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -114,6 +117,43 @@ def test_the_exit_codes_are_distinct() -> None:
     assert len(set(EXIT_CODES.values())) == len(EXIT_CODES)
 
 
+def _quiet_command(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`python -W error::FutureWarning -m gspo ...` in a subprocess (stderr is a pipe: no progress bar)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    for name in ("HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE"):  # the defaults a new user has
+        env.pop(name, None)
+    command = [sys.executable, "-W", "error::FutureWarning", "-m", "gspo", *argv]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_commands_print_no_third_party_warning_or_bar(tmp_path: Path) -> None:
+    """A LoRA run of the tiny config, its HF export and `gspo config`: nothing on stderr (peft's and
+    transformers' warnings and loading bars filtered, gspo's bar off without a terminal)."""
+    config = _quiet_command("config", cwd=tmp_path)
+    assert config.returncode == 0 and config.stderr == "", config.stderr
+    trained = _quiet_command("train", TINY, "output_dir=run", "lora.rank=4", "train.steps=2", cwd=tmp_path)
+    assert trained.returncode == 0 and trained.stderr == "", trained.stderr
+    assert "held-out accuracy" in trained.stdout
+    exported = _quiet_command("export", "run", "--format", "hf", cwd=tmp_path)
+    assert exported.returncode == 0 and exported.stderr == "", exported.stderr
+
+
+def test_progress_shows_on_a_terminal_only(monkeypatch) -> None:
+    class Stderr:
+        def __init__(self, tty: bool) -> None:
+            self.tty = tty
+
+        def isatty(self) -> bool:
+            return self.tty
+
+    trainer = SimpleNamespace(config=SimpleNamespace(progress=True))
+    for tty, progress, shown in [(True, True, True), (False, True, False), (True, False, False)]:
+        monkeypatch.setattr(sys, "stderr", Stderr(tty))
+        trainer.config.progress = progress
+        assert gspo.training.trainer.Trainer._show_progress(trainer) is shown
+
+
 # ---- issue 23 finding 5: file format errors are one line with the file and the position; each command's
 # user errors exit with their kind's code (docs/reliability.md's table) ----------------------------------------
 def _gspo(capsys, *argv: str) -> tuple[int, str]:
@@ -168,7 +208,7 @@ def test_the_llama_cpp_engine_without_its_package_names_the_install(
         (
             "import sys\ndef reward(prompts, completions, **_):\n    sys.exit(3)\n",
             "reward",
-            "reward function '{file}:reward' called sys.exit(3) (a reward returns its values; it does not end "
+            "reward function 'reward' called sys.exit(3) (a reward returns its values; it does not end "
             "the process) at sample 0",
         ),
         ("import sys\nsys.exit(3)\n", "input", "{file} (line 2): importing it called sys.exit(3)"),

@@ -224,6 +224,58 @@ def test_an_old_key_beside_its_new_name_is_an_error(tmp_path: Path) -> None:
         load_config(path)
 
 
+def test_input_paths_in_a_config_file_are_relative_to_its_folder(tmp_path: Path, monkeypatch) -> None:
+    task = tmp_path / "task"
+    task.mkdir()
+    (task / "config.yaml").write_text(
+        "model: {path: model.gguf}\n"
+        "task: {name: file, data_path: data/train.jsonl}\n"
+        "rewards: {rewards.py:score: 1.0, correct_number: 0.5, ../shared/r.py:other: 0.25, pkg.mod:fn: 0.1}\n"
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    config = load_config("../task/config.yaml", ["output_dir=runs/x"])
+    assert config.model.path == str(task / "model.gguf")
+    assert config.task.data_path == str(task / "data" / "train.jsonl")
+    assert list(config.rewards) == [
+        f"{task / 'rewards.py'}:score",
+        "correct_number",
+        f"{tmp_path / 'shared' / 'r.py'}:other",
+        "pkg.mod:fn",  # a module, not a file
+    ]
+    assert config.output_dir == "runs/x"  # an output: where the command runs
+    # an override names a path relative to the working directory, as command-line paths do
+    assert load_config(task / "config.yaml", ["task.data_path=d.jsonl"]).task.data_path == str(
+        elsewhere / "d.jsonl"
+    )
+    assert load_config(None, ["rewards={r.py:f: 1.0}"]).rewards == {f"{elsewhere / 'r.py'}:f": 1.0}
+    # the run folder's config.yaml keeps pointing at the same files from anywhere
+    save_config(config, tmp_path / "saved.yaml")
+    assert load_config(tmp_path / "saved.yaml").rewards == config.rewards
+
+
+def test_a_path_written_relative_to_the_working_directory_gets_the_fix(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "data.jsonl").write_text("")
+    (tmp_path / "configs" / "run.yaml").write_text("task: {name: file, data_path: data.jsonl}\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        ConfigError,
+        match=r"task\.data_path: 'data\.jsonl' is read relative to the config "
+        r"file's folder.*write '\.\./data\.jsonl' or an absolute path",
+    ):
+        load_config("configs/run.yaml")
+
+
+def test_the_names_gspo_exports_import() -> None:
+    import gspo
+
+    for name in gspo.__all__:
+        assert getattr(gspo, name) is not None, name
+    assert gspo.PAPER_DEFAULTS["gspo"]["eps_low"] == 3e-4  # the paper's clip range, README's example
+
+
 def _leaf_keys(cls: type = Config, prefix: str = "") -> dict[str, object]:
     """Every leaf key of the config (dotted) and its type annotation."""
     hints = typing.get_type_hints(cls)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gspo.config import load_config
+from conftest import tiny_config
 from gspo.core.layout import Sequence
 from gspo.core.logprobs import token_logprobs
 from gspo.learning.batch import Batch
@@ -45,13 +45,6 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 KERNELS = ["torch", "triton"] if HAS_TRITON else ["torch"]
 
 
-def _config(run_dir: Path, *overrides: str):
-    return load_config(
-        TINY,
-        [f"output_dir={run_dir}", f"device={DEVICE.type}", "tensorboard=false", "progress=false", *overrides],
-    )
-
-
 def test_device_placement_puts_everything_on_the_gpu(tmp_path: Path) -> None:
     from gspo.training.trainer import Trainer
 
@@ -59,7 +52,11 @@ def test_device_placement_puts_everything_on_the_gpu(tmp_path: Path) -> None:
         assert group.resolve_device("auto") == torch.device("cuda", 0)
         assert group.resolve_device("cuda") == torch.device("cuda", 0)
         assert wrap.compute_dtype("auto", DEVICE) is torch.bfloat16  # bf16 by default on a GPU
-    trainer = Trainer(_config(tmp_path / "run", "train.steps=1", "eval.every=0", "checkpoint.every=0"))
+    trainer = Trainer(
+        tiny_config(
+            tmp_path / "run", f"device={DEVICE.type}", "train.steps=1", "eval.every=0", "checkpoint.every=0"
+        )
+    )
     trainer.train_step()
     assert trainer.device.type == DEVICE.type
     assert all(p.device.type == DEVICE.type for p in trainer.policy.model.parameters())
@@ -214,7 +211,11 @@ def test_fsdp2_on_one_gpu_rank_makes_the_one_process_updates(tmp_path: Path, mon
             with monkeypatch.context() as patch:
                 if wrapper == "fsdp2":  # wrap_model keeps a one-process model plain: force the FSDP2 branch
                     patch.setattr(wrap, "world_size", lambda: 2)
-                trainer = Trainer(_config(tmp_path / wrapper, "distributed.wrapper=fsdp2", *overrides))
+                trainer = Trainer(
+                    tiny_config(
+                        tmp_path / wrapper, f"device={DEVICE.type}", "distributed.wrapper=fsdp2", *overrides
+                    )
+                )
             assert wrap.is_fsdp(trainer.policy.scorer) == (wrapper == "fsdp2")
             if wrapper == "plain":
                 initial = {

@@ -29,6 +29,7 @@ import torch.multiprocessing as mp
 from torch.distributed.nn.functional import all_reduce
 from transformers import AutoModelForCausalLM
 
+from conftest import tiny_config
 from gspo.config import ConfigError, load_config, validate_setup
 from gspo.core.layout import Sequence
 from gspo.core.objectives import LossInputs, LossSpec, compute_loss
@@ -114,15 +115,10 @@ LEARN_OVERRIDES = {
 RANK_SIZES = (10, 6)  # uneven on purpose: ranks hold different numbers of micro-batches
 
 
-def _config(run_dir: Path, *overrides: str):
-    return load_config(
-        TINY, [f"output_dir={run_dir}", "tensorboard=false", "progress=false", "eval.every=0", *overrides]
-    )
-
-
 def _learn_config(run_dir: Path, wrapper: str, precision: str = "none"):
-    return _config(
+    return tiny_config(
         run_dir,
+        "eval.every=0",
         f"distributed.wrapper={wrapper}",
         "train.micro_batch_tokens=40",
         "train.pack_length=20",
@@ -195,8 +191,8 @@ def _scenario_resume(rank: int, out: Path, wrapper: str) -> dict[str, Any]:
     from gspo.training.trainer import Trainer
 
     common = [f"distributed.wrapper={wrapper}", "eval.every=2", "checkpoint.every=1"]
-    Trainer(_config(out / f"full_{wrapper}", "train.steps=3", *common)).run()
-    Trainer(_config(out / f"stopped_{wrapper}", "train.steps=2", *common)).run()
+    Trainer(tiny_config(out / f"full_{wrapper}", "eval.every=0", "train.steps=3", *common)).run()
+    Trainer(tiny_config(out / f"stopped_{wrapper}", "eval.every=0", "train.steps=2", *common)).run()
     resumed = out / f"stopped_{wrapper}"
     Trainer(load_config(resumed / "config.yaml", ["train.steps=3"]), resume=resumed).run()
     return {}
@@ -213,7 +209,9 @@ def _scenario_reward_failure(rank: int, out: Path) -> dict[str, Any]:
             raise ZeroDivisionError("boom")
         return [0.0] * len(completions)
 
-    config = _config(out / "flaky", "rewards={flaky: 1.0}", "checkpoint.every=0", "train.steps=3")
+    config = tiny_config(
+        out / "flaky", "eval.every=0", "rewards={flaky: 1.0}", "checkpoint.every=0", "train.steps=3"
+    )
     trainer = Trainer(config, reward_functions={"flaky": flaky})
     try:
         trainer.run()

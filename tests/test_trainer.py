@@ -12,9 +12,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from gspo.config import load_config
+from conftest import tiny_config
+from gspo.cli import main
 from gspo.core.layout import Sequence, make_micro_batches
 from gspo.core.objectives import LossInputs, LossSpec, compute_loss
+from gspo.learning import learner
 from gspo.learning.policy import score
 from gspo.rollout.rewards import RewardError
 from gspo.training.checkpoint import latest_checkpoint, load_trainer_state
@@ -24,10 +26,6 @@ from gspo.training.trainer import Trainer, train
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
-
-
-def _config(tmp_path: Path, *overrides: str):
-    return load_config(TINY, [f"output_dir={tmp_path / 'run'}", "tensorboard=false", *overrides])
 
 
 def _train_metrics(run_dir: Path) -> list[dict]:
@@ -57,25 +55,37 @@ OBJECTIVE_RUNS = [
 
 
 @pytest.mark.parametrize("objective", OBJECTIVE_RUNS, ids=lambda o: "-".join(x.split("=")[1] for x in o))
-def test_one_step_changes_parameters_with_finite_metrics(tmp_path: Path, objective: list[str]) -> None:
-    config = _config(tmp_path, *objective, "train.steps=1", "checkpoint.every=0")
-    trainer = Trainer(config)
+def test_one_step_changes_parameters_with_finite_metrics(
+    tmp_path: Path, objective: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One rollout batch, 2 minibatches: the first update is on-policy (every ratio 1 up to the sampler's
+    rounding: nothing clipped), the second is not (the first moved the policy); the step reports each
+    metric over both updates (mean; min / max of the extremes)."""
+    updates: list[dict] = []  # each optimizer update's metrics, as learner.update returns them
+    update = learner.update
+    monkeypatch.setattr(learner, "update", lambda *a: updates.append(update(*a)) or updates[-1])
+    trainer = Trainer(tiny_config(tmp_path / "run", *objective, "train.steps=1", "checkpoint.every=0"))
     before = {k: v.clone() for k, v in trainer.policy.model.state_dict().items()}
     metrics = trainer.train_step()
     after = trainer.policy.model.state_dict()
-    changed = [k for k in before if not torch.equal(before[k], after[k])]
-    assert changed, "no parameter moved after one rollout batch of updates"
+    assert [k for k in before if not torch.equal(before[k], after[k])], "no parameter moved"
     assert all(torch.isfinite(torch.tensor(float(v))) for v in metrics.values()), metrics
-    # 2 minibatches: the first is on-policy, so some ratios are exactly 1 and nothing there is clipped
-    assert metrics["ratio_token_min"] <= 1.0 <= metrics["ratio_token_max"]
-    assert 0.0 <= metrics["clip_frac_token"] <= 1.0
-    assert metrics["sampler_logprob_abs_diff"] < 1e-3  # the sampler and the trainer agree on fp32 CPU
+    assert metrics["sampler_logprob_abs_diff"] < 1e-6  # the sampler and the trainer agree on fp32 CPU
+    on, off = updates
+    assert on["ratio_token_min"] == pytest.approx(1.0, abs=1e-5) and on["clip_frac_token"] == 0.0
+    assert on["ratio_token_max"] == pytest.approx(1.0, abs=1e-5)
+    assert max(off["ratio_token_max"] - 1, 1 - off["ratio_token_min"]) > 1e-3  # the policy moved
+    assert metrics["ratio_token_min"] == min(on["ratio_token_min"], off["ratio_token_min"])
+    assert metrics["ratio_token_max"] == max(on["ratio_token_max"], off["ratio_token_max"])
+    assert metrics["clip_frac_token"] == pytest.approx((on["clip_frac_token"] + off["clip_frac_token"]) / 2)
 
 
-def test_bf16_mixed_precision_computes_in_bf16_and_keeps_fp32_master_weights(tmp_path: Path) -> None:
+def test_bf16_mixed_precision_computes_in_bf16_and_keeps_fp32_master_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     common = ("train.steps=1", "checkpoint.every=0")
-    exact = Trainer(_config(tmp_path / "fp32", *common))
-    mixed = Trainer(_config(tmp_path / "bf16", "train.mixed_precision=bf16", *common))
+    exact = Trainer(tiny_config(tmp_path / "fp32" / "run", *common))
+    mixed = Trainer(tiny_config(tmp_path / "bf16" / "run", "train.mixed_precision=bf16", *common))
     sequences = [Sequence([5, 6, 7, 8], [9, 10, 11], [True] * 3), Sequence([12, 13], [14, 15], [True] * 2)]
     (mb,) = make_micro_batches(sequences, layout="packed", pack_length=64, micro_batch_tokens=1024, pad_id=0)
     with torch.no_grad():  # the same initial weights, scored in fp32 and in bf16
@@ -89,10 +99,16 @@ def test_bf16_mixed_precision_computes_in_bf16_and_keeps_fp32_master_weights(tmp
     # round differently, beyond GSPO's clip band, so the bf16 run recomputes
     assert (exact.spec.old_logprobs, mixed.spec.old_logprobs) == ("sampler", "recompute")
 
+    updates: list[dict] = []  # each optimizer update's metrics
+    update = learner.update
+    monkeypatch.setattr(learner, "update", lambda *a: updates.append(update(*a)) or updates[-1])
     before = {k: v.clone() for k, v in mixed.policy.model.state_dict().items()}
     metrics = mixed.train_step()
     assert all(torch.isfinite(torch.tensor(float(v))) for v in metrics.values()), metrics
-    assert metrics["ratio_token_min"] <= 1.0 <= metrics["ratio_token_max"]  # first minibatch on-policy
+    # the first minibatch is on-policy and recomputed in bf16 like the update: ratios 1, nothing clipped
+    on, off = updates
+    assert (on["ratio_token_min"], on["ratio_token_max"], on["clip_frac_token"]) == (1.0, 1.0, 0.0)
+    assert max(off["ratio_token_max"] - 1, 1 - off["ratio_token_min"]) > 1e-3  # the policy moved
     assert metrics["old_logprobs_recomputed"] == 1.0
     params = dict(mixed.policy.model.named_parameters())
     assert {p.dtype for p in params.values()} == {torch.float32}  # master weights
@@ -101,15 +117,15 @@ def test_bf16_mixed_precision_computes_in_bf16_and_keeps_fp32_master_weights(tmp
 
 
 def test_two_seeded_runs_give_identical_metrics(tmp_path: Path) -> None:
-    train(_config(tmp_path / "a", "train.steps=2"))
-    train(_config(tmp_path / "b", "train.steps=2"))
+    train(tiny_config(tmp_path / "a" / "run", "train.steps=2"))
+    train(tiny_config(tmp_path / "b" / "run", "train.steps=2"))
     a, b = _train_metrics(tmp_path / "a" / "run"), _train_metrics(tmp_path / "b" / "run")
     assert a == b
     assert len([r for r in a if r["kind"] == "train"]) == 2
 
 
 def test_every_layout_of_the_trainers_rollouts_gives_the_same_gradients(tmp_path: Path) -> None:
-    trainer = Trainer(_config(tmp_path))
+    trainer = Trainer(tiny_config(tmp_path / "run"))
     group_size = trainer.config.rollout.group_size
     rollouts = trainer.sampler.generate(
         trainer.prompts(trainer.stream.next_batch()), group_size=group_size, max_new_tokens=6
@@ -139,8 +155,12 @@ def test_every_layout_of_the_trainers_rollouts_gives_the_same_gradients(tmp_path
 
 
 def test_lora_and_kl_run_and_save_an_adapter(tmp_path: Path) -> None:
-    config = _config(
-        tmp_path, "lora.rank=4", "lora.target_modules=[q_proj, v_proj]", "train.beta=0.1", "train.steps=1"
+    config = tiny_config(
+        tmp_path / "run",
+        "lora.rank=4",
+        "lora.target_modules=[q_proj, v_proj]",
+        "train.beta=0.1",
+        "train.steps=1",
     )
     result = train(config)
     checkpoint = latest_checkpoint(result["run_dir"])
@@ -158,7 +178,7 @@ def test_reward_error_names_the_function_and_leaves_a_loadable_checkpoint(tmp_pa
             raise ZeroDivisionError("boom")
         return [0.0] * len(completions)
 
-    config = _config(tmp_path, "rewards={flaky: 1.0}", "checkpoint.every=0", "eval.every=0")
+    config = tiny_config(tmp_path / "run", "rewards={flaky: 1.0}", "checkpoint.every=0", "eval.every=0")
     trainer = Trainer(config, reward_functions={"flaky": flaky})
     with pytest.raises(RewardError, match="flaky"):
         trainer.run()
@@ -179,13 +199,12 @@ def _cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess
     )
 
 
-def test_cli_reports_config_errors_clearly(tmp_path: Path) -> None:
-    unknown = _cli("train", str(TINY), "train.lrr=1", cwd=tmp_path)
-    assert unknown.returncode == 3  # EXIT_CODES["config"]
-    assert "unknown config key 'train.lrr'; did you mean 'lr'" in unknown.stderr
-    bad = _cli("train", str(TINY), "rollout.group_size=many", cwd=tmp_path)
-    assert bad.returncode == 3
-    assert "rollout.group_size: expected an integer, got 'many'" in bad.stderr
+def test_cli_reports_config_errors_clearly(tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # in-process: test_cli_runs_the_tiny_config_end_to_end starts the process
+    assert main(["train", str(TINY), "train.lrr=1"]) == 3  # EXIT_CODES["config"]
+    assert "unknown config key 'train.lrr'; did you mean 'lr'" in capsys.readouterr().err
+    assert main(["train", str(TINY), "rollout.group_size=many"]) == 3
+    assert "rollout.group_size: expected an integer, got 'many'" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()  # nothing was started
 
 
@@ -204,7 +223,9 @@ def reward(prompts, completions, **fields):
 """
 
 
-def test_sigkill_and_resume_equals_an_uninterrupted_run(tmp_path: Path) -> None:
+def test_sigkill_and_resume_equals_an_uninterrupted_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "killer.py").write_text(KILLER)
     common = [
         "train.steps=4",
@@ -213,15 +234,8 @@ def test_sigkill_and_resume_equals_an_uninterrupted_run(tmp_path: Path) -> None:
         "tensorboard=false",
         f"rewards={{{tmp_path / 'killer.py'}:reward: 1.0}}",
     ]
-    full = _cli(
-        "train",
-        str(TINY),
-        f"output_dir={tmp_path / 'full'}",
-        *common,
-        cwd=tmp_path,
-        env={"KILL_COUNTER": str(tmp_path / "count_full")},
-    )
-    assert full.returncode == 0, full.stderr
+    monkeypatch.setenv("KILL_COUNTER", str(tmp_path / "count_full"))  # the uninterrupted run: in-process
+    assert main(["train", str(TINY), f"output_dir={tmp_path / 'full'}", *common]) == 0
 
     env_kill = {
         "KILL_COUNTER": str(tmp_path / "count"),
@@ -242,7 +256,7 @@ def test_sigkill_and_resume_equals_an_uninterrupted_run(tmp_path: Path) -> None:
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_cli_runs_the_tiny_config_end_to_end(tmp_path: Path) -> None:
+def test_cli_runs_the_tiny_config_end_to_end(tmp_path: Path, capsys) -> None:
     result = _cli("train", str(TINY), "output_dir=run", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     run = tmp_path / "run"
@@ -257,8 +271,12 @@ def test_cli_runs_the_tiny_config_end_to_end(tmp_path: Path) -> None:
         assert (run / name).is_file(), name
     assert list((run / "tensorboard").iterdir())
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines if r["kind"] == "train"] == [1, 2, 3]
-    assert [r["step"] for r in lines if r["kind"] == "eval"] == [0, 2, 3]
+    assert [r["step"] for r in lines if r["kind"] == "train"] == list(range(1, 11))
+    evals = [r for r in lines if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 2, 4, 6, 8, 10]
+    # the smoke run shows learning: the answer's format (a bare number), which the first reward scores
+    assert evals[0]["accuracy"] == 0.0 and evals[-1]["accuracy"] == 1.0
+    assert "held-out accuracy: 0.000 -> 1.000" in result.stdout
     AutoModelForCausalLM.from_pretrained(latest_checkpoint(run) / "model")
-    replot = _cli("plot", str(run), cwd=tmp_path)
-    assert replot.returncode == 0 and "reward.png" in replot.stdout
+    capsys.readouterr()
+    assert main(["plot", str(run)]) == 0 and "reward.png" in capsys.readouterr().out

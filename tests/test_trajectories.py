@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -310,6 +311,22 @@ def test_a_template_that_is_not_prefix_stable_is_refused() -> None:
         tokenize_trajectory(tokenizer, Trajectory(TOOL_CONVERSATION, reward=1.0))
 
 
+def test_a_turn_that_starts_with_a_newline_keeps_its_own_tokens() -> None:
+    """The engine was prompted with the header's tokens and generated "\n5": tokenised as one string, the
+    header's newline and the turn's merged ("\n\n"), so the turn had no token boundary and was refused."""
+    tokenizer = tiny_tokenizer()
+    messages = [{"role": "user", "content": "What is 2+3?"}]
+    header = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    sampled = [*tokenizer("\n5", add_special_tokens=False).input_ids, tokenizer.eos_token_id]
+    tokens = tokenize_trajectory(
+        tokenizer,
+        Trajectory([*messages, {"role": "assistant", "content": "\n5"}], 1.0, sampler_token_ids=[sampled]),
+    )
+    assert tokens.prompt_ids == tokenizer(header, add_special_tokens=False).input_ids
+    assert tokens.completion_ids == sampled
+    assert tokens.turn == [0] * len(sampled)
+
+
 def test_groups_from_the_trainers_own_rollouts_keep_their_tokens(tmp_path: Path) -> None:
     trainer = _trainer(tmp_path)
     examples = trainer.stream.next_batch()
@@ -328,3 +345,44 @@ def test_groups_from_the_trainers_own_rollouts_keep_their_tokens(tmp_path: Path)
         ] == rollouts.sampler_logprobs[i]
     metrics = trainer.train_on_groups(groups)
     assert metrics["sampler_logprob_abs_diff"] < 1e-3  # the HF sampler and the trainer agree on fp32 CPU
+
+
+def test_groups_of_one_and_turn_rewards_not_one_per_assistant_message_are_refused() -> None:
+    tokenizer = tiny_tokenizer()
+    groups = _groups(tokenizer)
+    alone = TrajectoryGroup([groups[1].trajectories[0]])
+    with pytest.raises(TrajectoryError, match=r"group 1 has 1 trajectory: .* at least 2"):
+        trajectory_samples(tokenizer, [groups[0], alone])
+    with pytest.raises(TrajectoryError, match=r"group 0 has 0 trajectories"):
+        trajectory_samples(tokenizer, [TrajectoryGroup([]), groups[0]])
+    # two assistant messages each: one turn reward each, neither zero-padded nor cut
+    for wrong in ([1.0], [1.0, 0.0, 0.0]):
+        groups[0].trajectories[1].turn_rewards = wrong
+        with pytest.raises(
+            TrajectoryError,
+            match=rf"group 0, trajectory 1: turn_rewards has {len(wrong)} entries for 2 assistant messages",
+        ):
+            trajectory_samples(tokenizer, groups)
+    groups[0].trajectories[1].turn_rewards = [1.0, 0.0]
+    samples = trajectory_samples(tokenizer, groups)
+    assert [s.turn_rewards for s in samples] == [[0.0, 0.0], [1.0, 0.0], [0.0, 0.0], [0.0, 0.0]]
+
+
+def test_a_loop_over_train_on_groups_leaves_a_run_folder_like_gspo_train(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path, "checkpoint.every=2", "checkpoint.keep=5")
+    for _ in range(3):
+        trainer.train_on_groups(_groups(trainer.tokenizer))
+    trainer.logger.log(trainer.step, {"accuracy": 0.5}, kind="eval")  # the agent's own evaluation
+    result = trainer.finish()
+    run = trainer.run_dir
+    steps = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
+    assert steps == ["step_000002", "step_000003"]  # checkpoint.every=2, and the last step at the end
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["kind"]) for r in rows] == [(1, "train"), (2, "train"), (3, "train"), (3, "eval")]
+    assert (run / "plots" / "reward.png").is_file() and (run / "summary.md").is_file()
+    assert result["eval_accuracy_last"] == 0.5 and result["run_dir"] == str(run)
+    assert (run / ".gspo_lock").read_text() == ""  # released: another process may continue the run
+    # and the run resumes where it stopped: step, optimizer and all
+    resumed = Trainer(load_config(run / "config.yaml"), resume=run)
+    assert resumed.step == 3
+    resumed.logger.close()

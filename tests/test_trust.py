@@ -82,6 +82,33 @@ def test_reward_code_a_run_folder_names_runs_only_when_the_user_names_it(
     assert marker.exists()
 
 
+def test_a_reward_named_by_a_relative_path_or_replaced_from_python_is_the_users(
+    run_with_reward_file: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """config.rewards holds absolute paths (load_config anchors them): a `rewards=` override naming the file
+    relative to the working directory is the same reward; reward_functions replace the configured rewards,
+    so the run folder's reward file is not imported at all."""
+    run = tmp_path / "run"
+    shutil.copytree(run_with_reward_file / "run", run)
+    marker = tmp_path / "imported"
+    monkeypatch.setenv("GSPO_TEST_MARKER", str(marker))
+    monkeypatch.chdir(run_with_reward_file)
+    code, err = _gspo(
+        capsys, "train", "--resume", str(run), "train.steps=2", "rewards={planted.py:reward: 1}"
+    )
+    assert code == 0, err
+    assert marker.exists()
+    marker.unlink()
+    result = train(
+        resume=run,
+        overrides=["train.steps=3"],
+        reward_functions={"mine": lambda prompts, completions, **_: [0.0] * len(completions)},
+    )
+    assert result["run_dir"] == str(run)
+    assert not marker.exists()
+    assert yaml.safe_load((run / "config.yaml").read_text())["rewards"] == {"mine": 1.0}
+
+
 @contextlib.contextmanager
 def _recording_server() -> Iterator[tuple[str, list[dict[str, str]]]]:
     """A server that records each request's headers and answers 500."""

@@ -1,10 +1,11 @@
 """gspo: Group Sequence Policy Optimization (GSPO, GSPO-token, GRPO) for language models.
 
-Layers, each importing only the ones below it (checked by import-linter): ``gspo.training`` (the loop,
-checkpoints, metrics) > ``gspo.rollout`` (samplers, data, rewards, trajectories) > ``gspo.learning`` (the
-learner) > ``gspo.parallel`` | ``gspo.models`` > ``gspo.config`` > ``gspo.core`` (the math; its torch-free
-``gspo.core.registry`` names the config's loss choices). The names below are imported lazily, so
-``gspo.core`` works with torch alone.
+Layers, each importing only the ones below it (checked by import-linter): ``gspo.cli`` | ``gspo.client``
+(the command line; the client of `gspo serve`) > ``gspo.serve`` (the OpenAI-compatible server that trains
+on trajectory groups) > ``gspo.training`` (the loop, checkpoints, metrics) > ``gspo.rollout`` (the sampling
+engine, samplers, data, rewards, trajectories) > ``gspo.learning`` (the learner) > ``gspo.parallel`` |
+``gspo.models`` > ``gspo.config`` > ``gspo.core`` (the math; its torch-free ``gspo.core.registry`` names the
+config's loss choices). The names below are imported lazily, so ``gspo.core`` works with torch alone.
 """
 
 import importlib
@@ -18,6 +19,8 @@ _EXPORTS = {
     "train": "gspo.training.trainer",
     "Trainer": "gspo.training.trainer",
     "policy_loss": "gspo.core.objectives",
+    "PAPER_DEFAULTS": "gspo.core.objectives",
+    "PAPER_CLIP": "gspo.core.objectives",
     "compute_loss": "gspo.core.objectives",
     "LossSpec": "gspo.core.objectives",
     "LossInputs": "gspo.core.objectives",
@@ -26,6 +29,7 @@ _EXPORTS = {
     "causal_lm_logprobs": "gspo.core.logprobs",
     "Trajectory": "gspo.rollout.trajectories",
     "TrajectoryGroup": "gspo.rollout.trajectories",
+    "TrajectoryError": "gspo.rollout.trajectories",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -1,5 +1,6 @@
-"""Command line: `gspo train [CONFIG] [key=value ...] [--resume RUN_DIR [--force]]`, `gspo eval [TARGET]
-[CONFIG] [key=value ...]`, `gspo export RUN_DIR --format hf|gguf`, `gspo plot RUN_DIR`, `gspo config`.
+"""Command line: `gspo train [CONFIG] [key=value ...] [--resume RUN_DIR [--force]]`, `gspo serve [CONFIG]
+[key=value ...] [--resume RUN_DIR]`, `gspo eval [TARGET] [CONFIG] [key=value ...]`, `gspo export RUN_DIR
+--format hf|gguf`, `gspo plot RUN_DIR`, `gspo config`.
 
 A user's error (a config, data, model, run folder, disk, reward function or server problem) prints one
 line naming the problem and the fix, and exits with that kind's code (`EXIT_CODES`); `--debug` shows the
@@ -9,12 +10,14 @@ Python traceback instead. Anything else is a bug in gspo and shows its traceback
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import math
 import os
 import sys
 import typing
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 
 from gspo.config import ConfigError
 from gspo.config.schema import GGUFQuant
@@ -33,12 +36,45 @@ EXIT_CODES = {
 }
 
 
+KNOWN_WARNINGS = [
+    # peft asks transformers for a property transformers renamed; nothing for the user to do
+    (FutureWarning, r"`is_gradient_checkpointing` is deprecated"),
+    # peft saving LoRA adapters of a model loaded from a .gguf file (the embedded SmolLM2) finds no config.json
+    (UserWarning, r"Could not find a config file in .* will assume that the vocabulary was not modified"),
+]
+"""(category, message regex) of the third-party warnings the commands filter out: they say nothing a user
+can act on. gspo's own warnings (deprecated config keys, sampler mismatch, ...) stay."""
+
+
+@contextlib.contextmanager
+def _quiet_third_parties() -> Iterator[None]:
+    """While a command runs: `KNOWN_WARNINGS` filtered, and the libraries' loading and saving bars off (a
+    user's own HF_HUB_DISABLE_PROGRESS_BARS or TQDM_DISABLE setting wins); restored after (tests call
+    `main` in-process)."""
+    quiet = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"}  # gspo's own bar sets `disable` itself
+    saved = {name: os.environ.get(name) for name in quiet}
+    with warnings.catch_warnings():
+        for category, message in KNOWN_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=category)
+        for name, value in quiet.items():
+            os.environ.setdefault(name, value)
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
 COMMAND_ERRORS = {
     "train": ("usage", "config", "input", "run folder", "disk", "reward", "server", "package", "interrupted"),
     "eval": ("usage", "config", "input", "run folder", "disk", "reward", "package", "interrupted"),
     "export": ("usage", "config", "input", "run folder", "disk", "package", "interrupted"),
     "plot": ("usage", "run folder", "disk", "package", "interrupted"),
     "config": ("usage", "interrupted"),
+    "serve": ("usage", "config", "input", "run folder", "disk", "package", "interrupted"),
 }
 """The kinds of user error each command can exit with (docs/reliability.md's table; tests check both).
 Any command exits 0 on success and 1 on a bug in gspo."""
@@ -111,6 +147,26 @@ def _train(args: argparse.Namespace) -> int:
     if first is not None:
         print(f"held-out accuracy: {first:.3f} -> {last:.3f}")
     print(f"run folder: {result['run_dir']}")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from gspo.serve.server import serve
+
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config and not os.path.exists(config):
+        overrides.insert(0, config)
+        config = None
+    if args.resume and config is not None:
+        print(
+            "error: --resume reads RUN_DIR/config.yaml; pass only key=value overrides with it",
+            file=sys.stderr,
+        )
+        return EXIT_CODES["usage"]
+    if args.force and not args.resume:
+        print("error: --force goes with --resume RUN_DIR", file=sys.stderr)
+        return EXIT_CODES["usage"]
+    serve(config, overrides, resume=args.resume, force=args.force)
     return 0
 
 
@@ -253,6 +309,24 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--trust-run-code", action="store_true", help=TRUST_HELP)
     train.set_defaults(func=_train)
 
+    serving = commands.add_parser(
+        "serve",
+        parents=[common],
+        help="serve the policy on an OpenAI-compatible endpoint and train it on trajectory groups",
+        description="An OpenAI-compatible server (chat and text completions with exact token ids, "
+        "log-probs and policy versions) on serve.host:serve.port, which trains the policy on the groups "
+        "POSTed to /v1/train (docs/agents.md). Binding anything but loopback needs serve.api_key_env.",
+    )
+    serving.add_argument("config", nargs="?", help="YAML config file (optional)")
+    serving.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. serve.port=8001")
+    serving.add_argument(
+        "--resume", metavar="RUN_DIR", help="continue a served run from its latest checkpoint"
+    )
+    serving.add_argument(
+        "--force", action="store_true", help="with --resume: apply config changes (as train)"
+    )
+    serving.set_defaults(func=_serve)
+
     evaluate = commands.add_parser(
         "eval",
         parents=[common],
@@ -312,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     if extras:
         args.args = [*args.args, *extras]
     try:
-        return args.func(args)
+        with _quiet_third_parties():
+            return args.func(args)
     except BaseException as error:
         if args.debug or isinstance(error, SystemExit):
             raise

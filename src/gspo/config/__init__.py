@@ -11,6 +11,7 @@ from gspo.config.schema import (
     LoraConfig,
     ModelConfig,
     RolloutConfig,
+    ServeConfig,
     TaskConfig,
     TrainConfig,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "LoraConfig",
     "ModelConfig",
     "RolloutConfig",
+    "ServeConfig",
     "TaskConfig",
     "TrainConfig",
     "describe",

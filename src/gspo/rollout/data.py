@@ -9,6 +9,8 @@ Built-in tasks (``TASKS``) generate examples deterministically from a seed, with
 - ``arithmetic``: "What is 3 + 5? Answer with just the number.", usual precedence (``*`` before ``+ -``).
 - ``count_letter``: "How many times does the letter "r" appear in the word "strawberry"? ...".
 
+``reasoning_gym`` (gspo.rollout.reasoning_gym) draws problems from a reasoning-gym dataset the same way.
+
 User data comes from JSONL, CSV or a ``datasets`` directory saved with ``save_to_disk``
 (:func:`load_examples`). :class:`PromptStream` serves batches forever, one reshuffled pass per epoch, and its
 ``state_dict`` resumes it exactly.

@@ -33,6 +33,9 @@ from typing import Any
 
 import torch
 
+from gspo.config.loading import reward_file
+from gspo.rollout.reasoning_gym import scorer
+
 __all__ = [
     "BUILTIN_REWARDS",
     "RewardError",
@@ -41,7 +44,9 @@ __all__ = [
     "compute_rewards",
     "correct_number",
     "exact_answer",
+    "extract_answer",
     "number_format",
+    "reasoning_gym",
     "resolve_reward",
     "with_timeout",
 ]
@@ -166,11 +171,63 @@ def digit_fraction(prompts: list[str], completions: list[str], **_: Any) -> list
 
 exact_answer.validate_example = _check_has_answer  # type: ignore[attr-defined]
 
+
+_ANSWER_TAGS = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def extract_answer(completion: str) -> str:
+    """The text inside the last ``<answer>...</answer>`` block, else the last non-empty line; stripped.
+
+    >>> extract_answer("3 + 4 = 7\\n<answer> 7 </answer>\\nDone.")
+    '7'
+    >>> extract_answer("3 + 4 = 7\\nThe answer is 7.\\n\\n")
+    'The answer is 7.'
+    """
+    blocks = _ANSWER_TAGS.findall(completion)
+    if blocks:
+        return blocks[-1].strip()
+    lines = [line for line in completion.splitlines() if line.strip()]
+    return lines[-1].strip() if lines else ""
+
+
+def reasoning_gym(
+    prompts: list[str],
+    completions: list[str],
+    *,
+    entry: list[dict[str, Any]],
+    dataset: list[str],
+    dataset_config: list[dict[str, Any]],
+    **_: Any,
+) -> list[float]:
+    """reasoning-gym's own score of each answer (:func:`extract_answer`): its dataset's ``score_answer``.
+
+    The fields come from task.name=reasoning_gym (gspo.rollout.reasoning_gym): ``entry`` is the problem's
+    reasoning-gym item, ``dataset`` and ``dataset_config`` name the scorer. Scores are in [0, 1]; some
+    datasets give partial credit (chain_sum: ``len(reference) / len(answer)`` when the answer contains the
+    reference, so "<answer>The sum is 7</answer>" for 7 scores 1/12).
+    """
+    return [
+        float(scorer(name, settings)(extract_answer(completion), item))
+        for completion, item, name, settings in zip(completions, entry, dataset, dataset_config, strict=True)
+    ]
+
+
+def _check_reasoning_gym_fields(fields: dict[str, Any]) -> None:
+    if not isinstance(fields.get("entry"), dict) or "answer" not in fields["entry"]:
+        raise ValueError(
+            "field 'entry' must be a reasoning-gym item (a mapping with 'question' and 'answer')"
+        )
+    scorer(fields["dataset"], fields["dataset_config"])  # an unknown dataset or setting: a ConfigError
+
+
+reasoning_gym.validate_example = _check_reasoning_gym_fields  # type: ignore[attr-defined]
+
 BUILTIN_REWARDS: dict[str, RewardFunction] = {
     "correct_number": correct_number,
     "exact_answer": exact_answer,
     "number_format": number_format,
     "digit_fraction": digit_fraction,
+    "reasoning_gym": reasoning_gym,
 }
 
 
@@ -328,10 +385,10 @@ def resolve_reward(name_or_path: str) -> RewardFunction:
             f"'module:function' or 'path/to/file.py:function'{hint}"
         )
 
-    # rpartition keeps a Windows drive letter ("C:\\rewards.py:fn") in the module part.
     source, _, attribute = name_or_path.rpartition(":")
-    if source.endswith(".py") or "/" in source or "\\" in source:
-        module = _import_file(Path(source))
+    file = reward_file(name_or_path)
+    if file is not None:
+        module = _import_file(file)
     else:
         try:
             module = importlib.import_module(source)

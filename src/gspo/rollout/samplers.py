@@ -1,10 +1,10 @@
 """Samplers: G completions per prompt with the sampler's per-token log-probs, from any engine.
 
-A `Sampler` is the trainer's own model in this process (`HFSampler`, a KV-cached sampling loop that
-computes each prompt once for its G samples) or an
-OpenAI-compatible server (gspo.rollout.openai.OpenAIBackend). The log-probs are those of the tempered
-distribution, log_softmax(logits / temperature) at the sampled token, which the trainer also scores;
-top-p truncation is not folded into them (as in vLLM's default), and HF's implicit top_k=50 is off.
+A `Sampler` is the trainer's own model in this process (`HFSampler`, over gspo.rollout.engine's
+continuous-batching engine, which computes each prompt once for its G samples) or an OpenAI-compatible
+server (gspo.rollout.openai.OpenAIBackend). The log-probs are those of the tempered distribution,
+log_softmax(logits / temperature) at the sampled token, which the trainer also scores; top-p truncation
+is not folded into them (as in vLLM's default), and there is no implicit top-k.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from gspo.rollout.engine import Engine
+from gspo.rollout.requests import SamplingParams
 
 
 @dataclass
@@ -46,17 +48,6 @@ def tokenize_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> 
     return [tokenizer(p, add_special_tokens=add_special).input_ids for p in prompts]
 
 
-def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
-        mask[i, width - len(row) :] = 1
-    return ids, mask
-
-
-@torch.no_grad()
 def generate(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -68,108 +59,41 @@ def generate(
     top_p: float = 1.0,
     greedy: bool = False,
     batch_size: int = 64,
+    seed: int | None = None,
 ) -> Rollouts:
-    """Sample `group_size` completions of each prompt (already templated), about `batch_size` at a time.
+    """Sample `group_size` completions of each prompt (already templated), `batch_size` at a time, with
+    a sampling engine of its own (gspo.rollout.engine: each prompt computed once for its G samples, slots
+    refilled as samples end). seed: the random streams (None: drawn from torch's global generator)."""
+    engine = Engine(model, slots=batch_size, stop_token_ids=[_eos_id(tokenizer)])
+    params = SamplingParams(max_new_tokens, temperature=temperature, top_p=top_p, greedy=greedy, seed=seed)
+    return engine_rollouts(engine, tokenizer, prompts, group_size, params)
 
-    Each prompt runs through the model once: its KV cache is then copied to its G samples, which decode
-    together; a sample that has produced EOS leaves the batch. Sampling draws from torch's global RNG.
-    """
-    eos_id = tokenizer.eos_token_id
-    if eos_id is None:
-        raise ValueError("the tokenizer has no eos_token: set tokenizer.eos_token so completions can stop")
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
-    prompt_ids = tokenize_prompts(tokenizer, prompts)
-    out = Rollouts([], [], [], [], [])
-    was_training = model.training
-    model.eval()
-    per_call = max(1, batch_size // group_size)  # prompts per call: about batch_size sequences
-    for start in range(0, len(prompt_ids), per_call):
-        rows = prompt_ids[start : start + per_call]
-        new, logprobs, lengths, computed = _sample(
-            model, rows, group_size, max_new_tokens, temperature, top_p, greedy, eos_id, pad_id
-        )
-        out.computed_tokens += computed
-        for i in range(len(rows) * group_size):
-            n = int(lengths[i])
-            completion = new[i, :n].tolist()
-            out.prompt_ids.append(rows[i // group_size])
-            out.completion_ids.append(completion)
-            out.sampler_logprobs.append(logprobs[i, :n].tolist())
-            out.truncated.append(eos_id not in completion)
-            out.completions.append(tokenizer.decode(completion, skip_special_tokens=True))
-    model.train(was_training)
+
+def engine_rollouts(
+    engine: Engine,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    group_size: int,
+    params: SamplingParams,
+) -> Rollouts:
+    """`group_size` samples of each prompt from `engine`, run to completion, as sample-major Rollouts."""
+    computed = engine.computed_tokens
+    requests = engine.generate(tokenize_prompts(tokenizer, prompts), group_size, params)
+    out = Rollouts([], [], [], [], [], computed_tokens=engine.computed_tokens - computed)
+    for request in requests:
+        for sample in request.samples:
+            out.prompt_ids.append(request.prompt_ids)
+            out.completion_ids.append(sample.token_ids)
+            out.sampler_logprobs.append(sample.logprobs)
+            out.truncated.append(sample.finish_reason == "length")
+            out.completions.append(tokenizer.decode(sample.token_ids, skip_special_tokens=True))
     return out
 
 
-def _sample(
-    model: PreTrainedModel,
-    rows: list[list[int]],
-    group_size: int,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    greedy: bool,
-    eos_id: int,
-    pad_id: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Tokens (n, max_new_tokens), their log-probs, lengths (up to and including EOS) and the number of
-    tokens computed, for n = len(rows) * group_size samples."""
-    device = model.device
-    ids, mask = (t.to(device) for t in _left_pad(rows, pad_id))
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    # the prompts once; only the last position's logits are needed
-    result = model(
-        input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
-    )
-    cache = result.past_key_values
-    cache.batch_repeat_interleave(group_size)  # each prompt's keys and values for its G samples
-    logits = result.logits[:, -1].float().repeat_interleave(group_size, 0)  # (n, V)
-    mask = mask.repeat_interleave(group_size, 0)
-    position = positions[:, -1:].repeat_interleave(group_size, 0) + 1  # (n, 1)
-    n = logits.shape[0]
-    tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    logprobs = torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)
-    lengths = torch.full((n,), max_new_tokens, dtype=torch.long, device=device)
-    active = torch.arange(n, device=device)  # the samples still generating, in the cache's row order
-    computed = ids.numel()
-    for t in range(max_new_tokens):
-        # log pi_sampler = log_softmax(logits / T): the distribution the trainer scores (top-p not folded in)
-        log_pi = torch.log_softmax(logits if greedy else logits / temperature, dim=-1)
-        chosen = log_pi.argmax(-1) if greedy else _draw(log_pi, top_p)
-        tokens[active, t] = chosen
-        logprobs[active, t] = log_pi.gather(1, chosen[:, None]).squeeze(1)
-        done = chosen == eos_id
-        lengths[active[done]] = t + 1
-        keep = (~done).nonzero().squeeze(1)
-        if t == max_new_tokens - 1 or keep.numel() == 0:
-            break
-        if keep.numel() < active.numel():  # finished samples leave the batch
-            cache.batch_select_indices(keep)
-            active, chosen, mask, position = active[keep], chosen[keep], mask[keep], position[keep]
-        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-        result = model(
-            input_ids=chosen[:, None],
-            attention_mask=mask,
-            position_ids=position,
-            past_key_values=cache,
-            use_cache=True,
-        )
-        computed += chosen.numel()
-        logits = result.logits[:, -1].float()
-        position = position + 1
-    return tokens.cpu(), logprobs.cpu(), lengths.cpu(), computed
-
-
-def _draw(log_pi: torch.Tensor, top_p: float) -> torch.Tensor:
-    """One token per row from exp(log_pi), restricted to the top-p nucleus (the smallest set of the most
-    likely tokens whose probability reaches top_p; transformers' TopPLogitsWarper rule)."""
-    probs = log_pi.exp()
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1)  # ascending
-        drop = sorted_probs.cumsum(-1) <= 1 - top_p
-        drop[:, -1] = False  # the most likely token always stays
-        probs = probs.scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
-    return torch.multinomial(probs, 1).squeeze(1)
+def _eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no eos_token: set tokenizer.eos_token so completions can stop")
+    return tokenizer.eos_token_id
 
 
 class Sampler(Protocol):
@@ -190,6 +114,7 @@ class Sampler(Protocol):
         max_new_tokens: int,
         temperature: float = 1.0,
         top_p: float = 1.0,
+        seed: int | None = None,
     ) -> Rollouts: ...
 
     def sync_weights(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, step: int) -> None: ...
@@ -197,7 +122,8 @@ class Sampler(Protocol):
 
 @dataclass
 class HFSampler:
-    """The trainer's own model, sampling in this process (`generate`: each prompt computed once per group).
+    """The trainer's own model, sampling in this process through one gspo.rollout.engine.Engine of
+    `batch_size` slots (each prompt computed once per group, slots refilled as samples end).
 
     context: entered around each call, e.g. FSDP2's gathered parameters and the compute dtype's autocast.
     """
@@ -207,6 +133,15 @@ class HFSampler:
     batch_size: int = 64
     context: Callable[[], AbstractContextManager[Any]] = field(default=contextlib.nullcontext)
     current: bool = True
+    engine: Engine = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.engine = Engine(
+            self.model,
+            slots=self.batch_size,
+            stop_token_ids=[_eos_id(self.tokenizer)],
+            context=self.context,
+        )
 
     def generate(
         self,
@@ -217,19 +152,15 @@ class HFSampler:
         temperature: float = 1.0,
         top_p: float = 1.0,
         greedy: bool = False,
+        seed: int | None = None,
     ) -> Rollouts:
-        with self.context():
-            return generate(
-                self.model,
-                self.tokenizer,
-                prompts,
-                group_size=group_size,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                greedy=greedy,
-                batch_size=self.batch_size,
-            )
+        """seed: the random streams of this call (None: drawn from torch's global generator, so a seeded
+        run, and its resumption from a checkpoint, draws the same)."""
+        params = SamplingParams(
+            max_new_tokens, temperature=temperature, top_p=top_p, greedy=greedy, seed=seed
+        )
+        return engine_rollouts(self.engine, self.tokenizer, prompts, group_size, params)
 
     def sync_weights(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, step: int) -> None:
-        """Nothing to do: it samples from the trainer's own parameters."""
+        """Nothing to copy: it samples from the trainer's own parameters (the engine keeps no prompt
+        computed with the old ones: it is idle between calls)."""

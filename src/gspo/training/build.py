@@ -33,6 +33,7 @@ from gspo.rollout.data import (
 )
 from gspo.rollout.llama_cpp import GGUFReload, LlamaCppServer, export_policy, require_llama_cpp
 from gspo.rollout.openai import OpenAIBackend
+from gspo.rollout.reasoning_gym import reasoning_gym_task
 from gspo.rollout.rewards import RewardFileError, RewardFunction, resolve_reward, with_timeout
 from gspo.rollout.samplers import HFSampler, Sampler, tokenize_prompts
 
@@ -54,10 +55,19 @@ def build_examples(config: Config) -> tuple[list[Example], list[Example]]:
                 num_operands=task.num_operands,
                 seed=task.seed,
             )
+        elif task.name == "reasoning_gym":
+            examples = reasoning_gym_task(
+                task.num_train + task.num_eval,
+                dataset=task.dataset,
+                dataset_config=task.dataset_config,
+                seed=task.seed,
+            )
         elif task.name in TASKS:
             examples = TASKS[task.name](task.num_train + task.num_eval, seed=task.seed)
         else:
-            raise ConfigError(f"task.name={task.name!r} is not one of {sorted(TASKS)} or 'file'")
+            raise ConfigError(
+                f"task.name={task.name!r} is not one of {sorted(TASKS)}, 'reasoning_gym' or 'file'"
+            )
         return split_eval(examples, task.num_eval, seed=task.seed)
     except ValueError as error:  # too many problems asked for, eval split too large, ...
         if isinstance(error, (ConfigError, DataError)):  # a data file's error names the file and the row
@@ -68,11 +78,14 @@ def build_examples(config: Config) -> tuple[list[Example], list[Example]]:
 def resolve_rewards(
     config: Config, custom: Mapping[str, RewardFunction] | None
 ) -> list[tuple[str, RewardFunction, float]]:
-    """(name, function, weight) for each configured reward; `custom` callables override or add names."""
+    """(name, function, weight) of the run's rewards, in order; the first is the eval accuracy.
+
+    `custom` (Python callables by name) replaces config.rewards, as TRL's reward_funcs do: the run's
+    rewards are exactly these, each weighing config.rewards[name] where the config names it, else 1.0.
+    """
     custom = dict(custom or {})
-    weights = dict(config.rewards)
-    for name in custom:
-        weights.setdefault(name, 1.0)
+    weights = {name: config.rewards.get(name, 1.0) for name in custom} if custom else dict(config.rewards)
+    labels = {name: name for name in custom} if custom else reward_labels(list(weights))
     resolved = []
     for name, weight in weights.items():
         try:
@@ -85,8 +98,21 @@ def resolve_rewards(
             raise RewardFileError(
                 f"rewards.{name}: importing it raised {type(error).__name__}: {error}"
             ) from error
-        resolved.append((name, with_timeout(function, config.reward_timeout, name), weight))
+        label = labels[name]
+        resolved.append((label, with_timeout(function, config.reward_timeout, label), weight))
     return resolved
+
+
+def reward_labels(names: list[str]) -> dict[str, str]:
+    """Each configured reward's name in metrics, reports and messages: its function's name, as TRL names
+    them ("reward/exact_capital", not the file's absolute path), or the whole key where two share one.
+
+    >>> reward_labels(["correct_number", "/tasks/capitals/rewards.py:exact_capital"])
+    {'correct_number': 'correct_number', '/tasks/capitals/rewards.py:exact_capital': 'exact_capital'}
+    """
+    short = {name: name.rpartition(":")[2] for name in names}
+    counts = {label: list(short.values()).count(label) for label in short.values()}
+    return {name: label if counts[label] == 1 else name for name, label in short.items()}
 
 
 def check_examples(rewards: list[tuple[str, RewardFunction, float]], examples: list[Example]) -> None:

@@ -11,12 +11,13 @@ the checkpoint holds that model's weights and that data's position.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from gspo.config import Config, ConfigError, load_config, to_dict
+from gspo.config import Config, ConfigError, ServeConfig, load_config, to_dict
 from gspo.learning.policy import Policy
 from gspo.parallel.state import load_optimizer_state, resume_rank_state
 from gspo.rollout.data import PromptStream
@@ -49,11 +50,12 @@ RESUMABLE = frozenset(
         "rollout.openai.concurrency",
         "rollout.llama_cpp.timeout",
         "distributed.timeout_minutes",
+        *(f"serve.{f.name}" for f in dataclasses.fields(ServeConfig)),
     }
 )
 """Keys a resumed run may change freely: how long to train, how often to evaluate and checkpoint, what to
-show, and timeouts; none of them changes what an update computes. (With train.schedule=cosine, a new
-train.steps stretches the rest of the schedule to the new end.)"""
+show, timeouts, and how `gspo serve` listens and queues; none of them changes what an update computes.
+(With train.schedule=cosine, a new train.steps stretches the rest of the schedule to the new end.)"""
 
 FIXED = ("model.", "lora.", "task.")
 """Prefixes of keys no resume may change, even with force: the checkpoint holds that model's (or adapter's)

@@ -69,6 +69,8 @@ from gspo.training.trust import check_run_folder_config
 class Trainer:
     """A run: its config and folder, the policy, the sampler, the prompt stream, the step counter, the logger.
 
+    ``reward_functions``: Python callables by name that replace config.rewards (the first is the eval
+    accuracy; each weighs config.rewards[name] where the config names it, else 1.0).
     ``sampler``: a `Sampler` of your own (e.g. an OpenAIBackend with weight sync) instead of rollout.engine's.
     ``force``: resume even when ``config`` changes keys the checkpoint was trained with (gspo.training.resume).
     """
@@ -82,12 +84,14 @@ class Trainer:
         sampler: Sampler | None = None,
         force: bool = False,
     ) -> None:
-        self.config = config
         self.device = resolve_device(config.device)
         init_from_env(config.distributed, self.device)  # under torchrun: join the process group
         # the folder locked and a resume checked before any reward file is imported
         self.run_dir, checkpoint = setup_run_dir(config, resume, force=force)
         self.rewards = resolve_rewards(config, reward_functions)
+        if reward_functions:  # config.yaml names the rewards this run uses (eval and resume look there)
+            config = dataclasses.replace(config, rewards={name: weight for name, _, weight in self.rewards})
+        self.config = config
         self.train_examples, self.eval_examples = build_examples(config)
         check_examples(self.rewards, self.train_examples + self.eval_examples)
         self.resumed = checkpoint is not None
@@ -118,6 +122,7 @@ class Trainer:
         self.step = 0
         if checkpoint is not None:
             self.step = restore_state(checkpoint, self.policy, self.stream, config)
+        self._saved_step = self.step if checkpoint is not None else None  # the step of the latest checkpoint
         if is_main():
             self.logger = MetricsLogger(
                 self.run_dir, tensorboard=config.tensorboard, resume_step=self.step if checkpoint else None
@@ -180,7 +185,8 @@ class Trainer:
         return samples, {**per_reward, **metrics}
 
     def train_on_groups(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
-        """One step of updates on the user's own trajectory groups (gspo.rollout.trajectories); logged.
+        """One step of updates on the user's own trajectory groups (gspo.rollout.trajectories), as `run`
+        does a step: the metrics logged, a checkpoint every checkpoint.every steps; `finish` ends the run.
 
         Their engine is not the trainer's model: with train.old_logprobs=auto the old policy's log-probs
         are recomputed (the trajectories' own sampler log-probs, if any, give the mismatch metrics)."""
@@ -189,6 +195,9 @@ class Trainer:
         samples = trajectory_samples(self.tokenizer, groups, need_sampler_logprobs=need)
         metrics = self._learn(samples, {}, dataclasses.replace(self.spec, old_logprobs=old_logprobs))
         self.logger.log(self.step, metrics)
+        every = self.config.checkpoint.every
+        if every and self.step % every == 0:
+            self.checkpoint()
         return metrics
 
     def _learn(
@@ -268,6 +277,7 @@ class Trainer:
                 config=self.config,
             )
         barrier()  # complete before any rank goes on
+        self._saved_step = self.step
         return latest_checkpoint(self.run_dir)
 
     def run(self) -> dict[str, Any]:
@@ -276,7 +286,7 @@ class Trainer:
             self._log_eval()
             self.checkpoint()  # step 0: a resumable point exists before any update
         stalls = StallWatch(cfg.train.warn_after_flat_steps, cfg.rollout.prompts_per_step)
-        show = cfg.progress and is_main()
+        show = self._show_progress()
         bar = tqdm(total=cfg.train.steps, initial=self.step, disable=not show, desc="gspo", unit="step")
         while self.step < cfg.train.steps:
             start_rng, start_stream = rng_state(), self.stream.state_dict()
@@ -307,23 +317,30 @@ class Trainer:
             if last or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
                 self.checkpoint()
         bar.close()
-        self.logger.close()
-        if not is_main():  # rank 0 plots and summarises
-            return {"run_dir": str(self.run_dir), "eval_accuracy_first": None, "eval_accuracy_last": None}
-        result = self._finish()
-        lock.release(self.run_dir)  # written in full: another process may continue it now
-        return result
+        return self.finish()
+
+    def _show_progress(self) -> bool:
+        """The progress bar and eval lines: interactive runs only (a terminal), so logs and pipes stay quiet."""
+        return self.config.progress and is_main() and sys.stderr.isatty()
 
     def _log_eval(self) -> dict[str, float]:
         result = self.evaluate()
         self.logger.log(self.step, result, kind="eval")
-        if self.config.progress and is_main():
+        if self._show_progress():
             tqdm.write(
                 f"step {self.step}: eval accuracy {result['accuracy']:.3f} (reward {result['reward_mean']:.3f})"
             )
         return result
 
-    def _finish(self) -> dict[str, Any]:
+    def finish(self) -> dict[str, Any]:
+        """End the run as `gspo train` does: a checkpoint of the last step (unless it has one), the metrics
+        closed, plots/*.png and summary.md written, the run folder's lock released. Returns the run folder, the first and last eval
+        accuracy (None without evaluations) and the summary's path; every rank calls it."""
+        if self._saved_step != self.step:
+            self.checkpoint()
+        self.logger.close()
+        if not is_main():  # rank 0 plots and summarises
+            return {"run_dir": str(self.run_dir), "eval_accuracy_first": None, "eval_accuracy_last": None}
         from gspo.training.metrics import read_metrics
         from gspo.training.plots import write_summary
 
@@ -335,6 +352,7 @@ class Trainer:
         except ImportError as error:  # plots are optional; the metrics are on disk
             print(f"plots skipped: {error}")
         summary = write_summary(self.run_dir)
+        lock.release(self.run_dir)  # written in full: another process may continue it now
         first, last = (evals[0]["accuracy"], evals[-1]["accuracy"]) if evals else (None, None)
         return {
             "run_dir": str(self.run_dir),
@@ -369,8 +387,8 @@ def train(
             config,
             overrides,
             folder=Path(resume),
-            trust_run_code=trust_run_code,
-            own_rewards=reward_functions or (),
+            # reward_functions replace the config's rewards: its reward files are never imported
+            trust_run_code=trust_run_code or bool(reward_functions),
         )
     elif config is None or isinstance(config, (str, Path)):
         config = load_config(config, overrides)

@@ -9,13 +9,14 @@ the config before anything is imported or sent (docs/reliability.md).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Sequence
+import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
 
 from gspo.config import Config, ConfigError
-from gspo.config.loading import RENAMED
+from gspo.config.loading import RENAMED, reward_file
 
 
 class UntrustedRunFolder(ConfigError):
@@ -34,15 +35,23 @@ def overridden_keys(overrides: Sequence[str]) -> set[str]:
 
 
 def named_rewards(overrides: Sequence[str]) -> set[str]:
-    """The reward names given in `rewards={...}` overrides."""
+    """The reward names given in `rewards={...}` overrides, a reward file's path made absolute against the
+    working directory as load_config does with an override's paths (config.rewards holds them so)."""
     names: set[str] = set()
     for override in overrides:
         key, _, raw = override.partition("=")
         if key.strip() == "rewards":
             with contextlib.suppress(yaml.YAMLError, RecursionError):
                 value = yaml.safe_load(raw)
-                names |= {str(name) for name in value} if isinstance(value, dict) else set()
+                names |= {_absolute(str(name)) for name in value} if isinstance(value, dict) else set()
     return names
+
+
+def _absolute(name: str) -> str:
+    file = reward_file(name)
+    if file is None:
+        return name
+    return f"{os.path.abspath(file.expanduser())}:{name.rpartition(':')[2]}"
 
 
 def check_run_folder_config(
@@ -51,14 +60,13 @@ def check_run_folder_config(
     *,
     folder: Path,
     trust_run_code: bool = False,
-    own_rewards: Iterable[str] = (),
     server: bool = True,
 ) -> None:
     """Refuse what a run folder's config names that the user has not: reward code (unless it is in a
-    `rewards=` override, in `own_rewards` (callables passed from Python), or `trust_run_code`) and, with
-    `server`, rollout.engine=openai's URL and key variable (unless set by the overrides)."""
+    `rewards=` override, or `trust_run_code`) and, with `server`, rollout.engine=openai's URL and key
+    variable (unless set by the overrides)."""
     source = folder / "config.yaml"
-    mine = named_rewards(overrides) | set(own_rewards)
+    mine = named_rewards(overrides)
     foreign = [name for name in code_rewards(config) if name not in mine]
     if foreign and not trust_run_code:
         weights = ", ".join(f"{name}: {config.rewards[name]:g}" for name in config.rewards)

@@ -10,18 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from conftest import tiny_config
 from gspo.config import ConfigError, load_config
 from gspo.rollout.data import DataError
 from gspo.rollout.rewards import RewardError
 from gspo.training.checkpoint import latest_checkpoint, load_trainer_state
 from gspo.training.trainer import Trainer
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "tiny.yaml"
-
-
-def _config(tmp_path: Path, *overrides: str):
-    return load_config(TINY, [f"output_dir={tmp_path / 'run'}", "tensorboard=false", *overrides])
 
 
 def _file_task(path: Path) -> list[str]:
@@ -36,7 +30,7 @@ def test_a_prompt_longer_than_the_context_is_refused_at_start_naming_the_row(tmp
     with pytest.raises(
         DataError, match=r"data\.jsonl row 4: the prompt is 6\d\d tokens .* > the model's context of 512"
     ):
-        Trainer(_config(tmp_path, *_file_task(data)))
+        Trainer(tiny_config(tmp_path / "run", *_file_task(data)))
 
 
 def test_an_answer_a_reward_cannot_use_is_refused_at_start_naming_the_row(tmp_path: Path) -> None:
@@ -47,12 +41,12 @@ def test_an_answer_a_reward_cannot_use_is_refused_at_start_naming_the_row(tmp_pa
     with pytest.raises(
         DataError, match=r"data\.csv row 3: answer 'six' is not a number, which reward 'correct_number'"
     ):
-        Trainer(_config(tmp_path, *_file_task(data)))
+        Trainer(tiny_config(tmp_path / "run", *_file_task(data)))
     # a field a reward needs that the data does not have
     data.write_text("prompt,solution\nWhat is 1 + 1?,2\nWhat is 2 + 2?,4\n")
     overrides = [*_file_task(data), "task.answer_fields=[solution]"]
     with pytest.raises(DataError, match=r"row 1: reward 'correct_number' needs the field\(s\) \['answer'\]"):
-        Trainer(_config(tmp_path, *overrides))
+        Trainer(tiny_config(tmp_path / "run", *overrides))
     assert not (tmp_path / "run").exists()  # refused before the run folder was made
 
 
@@ -60,7 +54,7 @@ def test_an_unknown_reward_name_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(
         ConfigError, match=r"rewards\.exact_anwser: unknown reward .*did you mean 'exact_answer'"
     ):
-        Trainer(_config(tmp_path, "rewards={exact_anwser: 1.0}"))
+        Trainer(tiny_config(tmp_path / "run", "rewards={exact_anwser: 1.0}"))
 
 
 def test_a_hung_reward_function_stops_the_run_with_a_checkpoint_to_resume(tmp_path: Path) -> None:
@@ -73,7 +67,7 @@ def test_a_hung_reward_function_stops_the_run_with_a_checkpoint_to_resume(tmp_pa
             never.wait()
         return [0.0] * len(completions)
 
-    config = _config(tmp_path, "rewards={hangs: 1.0}", "reward_timeout=1", "eval.every=0")
+    config = tiny_config(tmp_path / "run", "rewards={hangs: 1.0}", "reward_timeout=1", "eval.every=0")
     trainer = Trainer(config, reward_functions={"hangs": hangs_in_step_1})
     start = time.perf_counter()
     with pytest.raises(RewardError, match=r"'hangs' did not return within 1 s"):
@@ -81,3 +75,47 @@ def test_a_hung_reward_function_stops_the_run_with_a_checkpoint_to_resume(tmp_pa
     never.set()
     assert time.perf_counter() - start < 30
     assert load_trainer_state(latest_checkpoint(trainer.run_dir))["step"] == 0
+
+
+def _brevity(prompts, completions, **_):
+    return [1.0 if len(c) < 3 else 0.0 for c in completions]
+
+
+def test_reward_functions_from_python_replace_the_configured_rewards(tmp_path: Path) -> None:
+    from gspo.rollout.rewards import number_format
+    from gspo.training.build import resolve_rewards
+
+    config = tiny_config(tmp_path, "rewards={correct_number: 1.0, brevity: 0.25}")
+    resolved = resolve_rewards(config, {"number_format": number_format, "brevity": _brevity})
+    # exactly the functions given, in their order (the first is the accuracy); a weight the config
+    # gives their name applies, else 1.0; correct_number, configured but not given, is gone
+    assert [(name, weight) for name, _, weight in resolved] == [("number_format", 1.0), ("brevity", 0.25)]
+    assert resolved[1][1](["p"] * 2, ["12", "1234"]) == [1.0, 0.0]
+    # without Python functions, the config's rewards as they are
+    assert [n for n, _, _ in resolve_rewards(tiny_config(tmp_path), None)] == list(
+        tiny_config(tmp_path).rewards
+    )
+
+    trainer = Trainer(tiny_config(tmp_path), reward_functions={"brevity": _brevity})
+    assert trainer.config.rewards == {"brevity": 1.0}  # what the run folder's config.yaml says it used
+    assert load_config(trainer.run_dir / "config.yaml").rewards == {"brevity": 1.0}
+    trainer.logger.close()
+
+
+def test_configured_rewards_are_named_by_their_function_unless_two_share_one() -> None:
+    from gspo.training.build import reward_labels
+
+    names = [
+        "correct_number",
+        "/tasks/a/rewards.py:score",
+        "b.py:score",
+        "pkg.mod:brevity",
+        "c.py:exact_answer",
+    ]
+    assert reward_labels(names) == {
+        "correct_number": "correct_number",
+        "/tasks/a/rewards.py:score": "/tasks/a/rewards.py:score",  # two functions named score
+        "b.py:score": "b.py:score",
+        "pkg.mod:brevity": "brevity",
+        "c.py:exact_answer": "exact_answer",
+    }

@@ -1,0 +1,273 @@
+"""The one place the server touches the sampling engine (gspo.rollout.engine): a driver thread steps it.
+
+asyncio handlers `submit` a prompt and read its samples' tokens from a `Handle`'s queue as each engine step
+draws them (tokens can be streamed at once); `cancel` frees a request's slots at the next step (a client
+that went away). The driver thread is the only caller of `Engine.step`; it sleeps while there is no work.
+Between two steps it runs the calls the server queues with `between_steps` (e.g. copying new weights into
+the sampling model, then `reset_prefix_cache`). `pause` stops admitting new requests and waits until the
+running ones have finished (the engine is idle), so the weights can change with no sample straddling two
+versions; `resume` admits again. Every token is tagged with the policy version the engine sampled it from.
+An engine error fails the requests in flight with that error, and a fresh engine takes over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gspo.rollout.engine import Engine
+from gspo.rollout.requests import Event, SamplingParams
+from gspo.rollout.sampling import stream_key
+
+
+def sampling_params(
+    max_tokens: int, *, temperature: float, top_p: float, seed: int | None, prompt: int, top_logprobs: int
+) -> SamplingParams:
+    """The engine's parameters of one prompt of a request: temperature 0 is greedy; with a seed, prompt j
+    of the request draws from streams (seed, j, sample), so a request's samples repeat exactly."""
+    return SamplingParams(
+        max_tokens,
+        temperature=temperature if temperature > 0 else 1.0,
+        top_p=top_p,
+        greedy=temperature == 0,
+        seed=None if seed is None else stream_key(seed, prompt),
+        top_logprobs=top_logprobs,
+    )
+
+
+class Busy(RuntimeError):
+    """More samples are waiting than serve.max_waiting allows."""
+
+
+class EngineFailure(RuntimeError):
+    """The engine raised while sampling; the requests in flight get this error."""
+
+
+@dataclass(frozen=True)
+class Token:
+    """One drawn token of sample `index` of a request (token -1 when it was cancelled)."""
+
+    index: int
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] | None
+    finish_reason: str | None
+    version: int
+
+
+@dataclass(eq=False)
+class Handle:
+    """A request as an asyncio handler sees it: its tokens arrive on `queue` as lists (one per step), or
+    an exception when the engine failed or the server stops."""
+
+    prompt_ids: list[int]
+    n: int
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[list[Token] | BaseException] = field(default_factory=asyncio.Queue)
+    cancelled: bool = False
+    request: Any = None  # the engine's Request, once admitted
+
+    def deliver(self, item: list[Token] | BaseException) -> None:
+        """From the driver thread: hand `item` to the handler's event loop."""
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class Driver:
+    """Steps `engine_factory()`'s engine in a thread while there is work (module docstring)."""
+
+    def __init__(self, engine_factory: Callable[[], Engine], *, max_waiting: int) -> None:
+        self.engine_factory = engine_factory
+        self.engine = engine_factory()
+        self.max_waiting = max_waiting
+        self.version = 0
+        """The policy version the engine's weights are (set between steps, or while paused)."""
+        self.steps = 0
+        self.tokens = 0
+        self.errors = 0
+        self.last_error: str | None = None
+        self._cond = threading.Condition()
+        self._pending: collections.deque[Handle] = collections.deque()  # accepted, not given to the engine
+        self._live: dict[int, Handle] = {}  # engine request id -> handle
+        self._calls: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = (
+            collections.deque()
+        )
+        self._paused = False
+        self._drained = threading.Event()
+        self._stopping = False
+        self._busy_since: float | None = None  # when the current step began (health: a stuck step shows)
+        self._thread = threading.Thread(target=self._run, name="gspo-engine", daemon=True)
+        self._thread.start()
+
+    # ---- the event loop's side -------------------------------------------------------------------------
+    def submit(self, prompt_ids: Sequence[int], n: int, params: SamplingParams) -> Handle:
+        """Queue n samples of a prompt (raises Busy beyond serve.max_waiting samples waiting)."""
+        handle = Handle(list(prompt_ids), n, params, asyncio.get_running_loop())
+        with self._cond:
+            if self._stopping:
+                raise EngineFailure("the server is shutting down")
+            waiting = sum(h.n for h in self._pending)
+            if waiting + n > self.max_waiting:
+                raise Busy(f"{waiting} samples are waiting for a slot (serve.max_waiting={self.max_waiting})")
+            self._pending.append(handle)
+            self._cond.notify()
+        return handle
+
+    def cancel(self, handle: Handle) -> None:
+        """Stop a request: not started, it never starts; running, its slots are freed at the next step."""
+        with self._cond:
+            handle.cancelled = True
+            if handle in self._pending:
+                self._pending.remove(handle)
+            elif handle.request is not None:
+                self.engine.cancel(handle.request)
+            self._cond.notify()
+
+    def between_steps(self, call: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run `call` in the driver thread before its next step; the future holds its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            self._calls.append((call, future))
+            self._cond.notify()
+        return future
+
+    async def pause(self, timeout: float) -> None:
+        """Admit nothing new and wait until the engine has finished what it runs (TimeoutError after
+        `timeout` seconds, admitting again)."""
+        with self._cond:
+            self._paused = True
+            self._drained.clear()
+            self._cond.notify()
+        if not await asyncio.to_thread(self._drained.wait, timeout):
+            self.resume()
+            raise TimeoutError(f"the running samples did not finish within {timeout:.0f} s")
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the thread; requests still waiting or running get an error."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout)
+        self._fail_all(EngineFailure("the server is shutting down"))
+
+    def status(self) -> dict[str, Any]:
+        with self._cond:
+            waiting = sum(h.n for h in self._pending)
+            running = sum(h.n for h in self._live.values())
+            busy = self._busy_since
+        return {
+            "alive": self._thread.is_alive(),
+            "paused": self._paused,
+            "version": self.version,
+            "waiting_samples": waiting,
+            "running_samples": running,
+            "slots": self.engine.slots,
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "step_seconds": round(time.monotonic() - busy, 3) if busy is not None else 0.0,
+            "errors": self.errors,
+            "last_error": self.last_error,
+        }
+
+    # ---- the driver thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._has_work():
+                    if self._paused:
+                        self._drained.set()
+                    self._cond.wait(timeout=1.0)
+                if self._stopping:
+                    return
+                calls = list(self._calls)
+                self._calls.clear()
+                admitted = [] if self._paused else list(self._pending)
+                if admitted:
+                    self._pending.clear()
+            for call, future in calls:
+                try:
+                    future.set_result(call())
+                except BaseException as error:  # the caller sees it
+                    future.set_exception(error)
+            for handle in admitted:
+                self._admit(handle)
+            if not self.engine.idle:
+                self._step()
+            else:
+                self.engine.release()  # no work: the cache's memory goes back
+
+    def _has_work(self) -> bool:
+        return (
+            self._stopping
+            or bool(self._calls)
+            or (not self._paused and bool(self._pending))
+            or not self.engine.idle
+        )
+
+    def _admit(self, handle: Handle) -> None:
+        try:
+            request = self.engine.submit(handle.prompt_ids, handle.n, handle.params)
+        except ValueError as error:  # checked by the handlers first: a prompt past the context, ...
+            handle.deliver(error)
+            return
+        with self._cond:
+            handle.request = request
+            self._live[request.id] = handle
+            if handle.cancelled:  # cancelled between leaving the queue and now
+                self.engine.cancel(request)
+
+    def _step(self) -> None:
+        self._busy_since = time.monotonic()
+        try:
+            events = self.engine.step()
+        except Exception as error:  # a bug or out of memory: fail what runs, start a fresh engine
+            self.errors += 1
+            self.last_error = f"{type(error).__name__}: {error}"
+            traceback.print_exc()
+            # what it ran fails; what waits to be admitted goes to the fresh engine
+            self._fail_all(EngineFailure(f"the sampling engine failed: {self.last_error}"), waiting=False)
+            self.engine = self.engine_factory()
+            return
+        finally:
+            self._busy_since = None
+        self.steps += 1
+        self.tokens += sum(e.token >= 0 for e in events)
+        self._deliver(events)
+
+    def _deliver(self, events: list[Event]) -> None:
+        by_request: dict[int, list[Token]] = collections.defaultdict(list)
+        for e in events:
+            by_request[e.sample.request.id].append(
+                Token(e.sample.index, e.token, e.logprob, e.top_logprobs, e.finish_reason, self.version)
+            )
+        with self._cond:
+            handles = {rid: self._live.get(rid) for rid in by_request}
+            for rid, handle in handles.items():
+                if handle is not None and handle.request.done:
+                    del self._live[rid]
+        for rid, tokens in by_request.items():
+            if handles[rid] is not None:
+                handles[rid].deliver(tokens)
+
+    def _fail_all(self, error: BaseException, *, waiting: bool = True) -> None:
+        with self._cond:
+            handles = [*(self._pending if waiting else []), *self._live.values()]
+            if waiting:
+                self._pending.clear()
+            self._live.clear()
+        for handle in handles:
+            handle.deliver(error)

@@ -1,0 +1,169 @@
+"""One request's samples as they are drawn: their tokens, text (stop strings applied) and records.
+
+`Choice` follows one sample: each drawn token is appended with its log-prob and policy version, the text
+is decoded again (held back where it might still become a stop string or ends inside a character), and a
+stop string ends the choice there: its text stops before the string, its tokens keep the one that
+completed it (what the model produced; the template's end-of-turn token is then context in the next turn).
+`follow` waits for a request's tokens with a deadline, and cancels the request when its client is gone,
+when it times out, or when every choice has ended on a stop string.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gspo.serve.chat import parse_tool_calls, turn_key
+from gspo.serve.driver import Driver, Handle, Token
+from gspo.serve.protocol import ServeError
+from gspo.serve.records import Record, float_array, new_completion_id, token_array
+
+DISCONNECT_CHECK = 0.5
+"""Seconds between checks that a client waiting for a whole answer is still connected."""
+
+
+@dataclass
+class Choice:
+    """One sample of a request, as far as it has been drawn."""
+
+    index: int
+    completion_id: str = field(default_factory=new_completion_id)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    tops: list[list[tuple[int, float]]] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    text: str = ""
+    sent: int = 0
+    """Characters of `text` already streamed."""
+    finish_reason: str | None = None
+    stop_token: bool = False
+    """It ended on a stop token (kept in `tokens`, not in `text`)."""
+    reported: bool = False
+    """Its end has been sent (streaming)."""
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Decoder:
+    """Turns a choice's tokens into text: special tokens skipped, stop strings applied."""
+
+    tokenizer: Any
+    stop: list[str]
+    stop_ids: frozenset[int]
+
+    def add(self, choice: Choice, token: Token) -> None:
+        """Record one drawn token (ignored once the choice has ended)."""
+        if choice.done:
+            return
+        if token.token < 0:  # cancelled before it ended: the client is gone or a stop string ended it
+            choice.finish_reason = "cancelled"
+            return
+        choice.tokens.append(token.token)
+        choice.logprobs.append(token.logprob)
+        if token.top is not None:
+            choice.tops.append(token.top)
+        choice.versions.append(token.version)
+        choice.stop_token = token.finish_reason == "stop" and token.token in self.stop_ids
+        shown = choice.tokens[:-1] if choice.stop_token else choice.tokens
+        text = self.tokenizer.decode(shown, skip_special_tokens=True)
+        hit = self._first_stop(text, len(choice.text))
+        if hit is not None:
+            text, choice.finish_reason = text[:hit], "stop"
+        else:
+            choice.finish_reason = token.finish_reason
+        choice.text = text
+
+    def _first_stop(self, text: str, previous: int) -> int | None:
+        if not self.stop:
+            return None
+        start = max(0, previous - max(len(s) for s in self.stop) + 1)
+        hits = [p for p in (text.find(s, start) for s in self.stop) if p >= 0]
+        return min(hits) if hits else None
+
+    def delta(self, choice: Choice) -> str:
+        """The text not streamed yet that can no longer change: all of it once the choice has ended; before
+        that, not a trailing partial character nor a tail that may still begin a stop string."""
+        end = len(choice.text)
+        if not choice.done:
+            while end > choice.sent and choice.text[end - 1] == "\ufffd":
+                end -= 1
+            if self.stop:
+                end = max(choice.sent, end - max(len(s) for s in self.stop) + 1)
+        out = choice.text[choice.sent : end]
+        choice.sent = end
+        return out
+
+
+async def follow(
+    driver: Driver,
+    handle: Handle,
+    *,
+    deadline: float,
+    disconnected: Callable[[], Awaitable[bool]] | None = None,
+) -> AsyncIterator[list[Token]]:
+    """The request's tokens, a list per engine step, until all its samples have ended. Cancels the request
+    when the caller stops iterating early, the deadline passes (ServeError 504) or `disconnected()`."""
+    ended: set[int] = set()
+    check = time.monotonic() + DISCONNECT_CHECK
+    try:
+        while len(ended) < handle.n:
+            now = time.monotonic()
+            if disconnected is not None and now >= check:  # on a clock: tokens may arrive every few ms
+                if await disconnected():
+                    return
+                check = now + DISCONNECT_CHECK
+            try:
+                item = await asyncio.wait_for(handle.queue.get(), max(min(deadline, check) - now, 0.0))
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise ServeError(
+                        504,
+                        "the request took longer than serve.request_timeout; it was cancelled",
+                        code="timeout",
+                    ) from None
+                continue
+            if isinstance(item, BaseException):
+                raise ServeError(503, f"{item}", code="engine_error") from None
+            ended.update(t.index for t in item if t.finish_reason is not None)
+            yield item
+    finally:
+        if len(ended) < handle.n:
+            driver.cancel(handle)
+
+
+def make_record(
+    choice: Choice, prompt_ids: list[int], *, temperature: float, greedy: bool, tools: bool
+) -> tuple[Record, str, list[dict[str, Any]]]:
+    """The record of a finished choice, with the content and tool calls its response shows; a choice
+    whose log-probs are not finite (a numerical fault in the engine) is refused, not recorded."""
+    if not all(math.isfinite(lp) for lp in choice.logprobs):
+        raise ServeError(
+            500,
+            "the sampling engine produced non-finite log-probs; the completion was dropped",
+            code="engine_error",
+        )
+    content, calls = parse_tool_calls(choice.text) if tools else (choice.text, [])
+    reason = choice.finish_reason or "stop"
+    if reason == "cancelled":  # cancelled by us after a stop string; a client that left gets no record
+        reason = "stop"
+    if calls:
+        reason = "tool_calls"
+    record = Record(
+        id=choice.completion_id,
+        prompt_ids=token_array(prompt_ids),
+        completion_ids=token_array(choice.tokens),
+        logprobs=float_array(choice.logprobs),
+        versions=(min(choice.versions, default=0), max(choice.versions, default=0)),
+        temperature=temperature,
+        greedy=greedy,
+        content=turn_key(content, calls),
+        finish_reason=reason,
+    )
+    return record, content, calls

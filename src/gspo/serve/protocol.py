@@ -1,0 +1,146 @@
+"""The requests the server accepts, as pydantic models, and its errors in OpenAI's JSON shape.
+
+Fields follow OpenAI's API; an unknown field is refused (naming it) rather than ignored, and fields that
+would change the sampled distribution in ways the trainer does not score (penalties, logit bias, JSON mode)
+are refused unless they are at their neutral value. Fields clients send that change nothing here (user,
+metadata, store, ...) are accepted. gspo's own fields: a message's ``completion_id`` (the record whose
+tokens an assistant message is), and the train request.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ServeError(Exception):
+    """A request the server refuses: HTTP `status`, a one-line message, the field it is about (`param`)."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict[str, Any]:
+        kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
+            self.status, "invalid_request_error" if self.status < 500 else "server_error"
+        )
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(BaseModel):
+    """A chat message; keys beyond these are passed to the chat template (templates may read them)."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    completion_id: str | None = None
+    """gspo: the completion this assistant message is (its recorded tokens are used, not a re-tokenisation)."""
+
+
+class SamplingFields(_Strict):
+    """What chat and text completions share."""
+
+    model: str
+    n: int = Field(1, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    frequency_penalty: float | None = Field(None, ge=0.0, le=0.0)
+    """Refused unless 0: penalties change the distribution the trainer scores."""
+    presence_penalty: float | None = Field(None, ge=0.0, le=0.0)
+    logit_bias: dict[str, float] | None = Field(None, max_length=0)
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+
+class ChatRequest(SamplingFields):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto"] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Literal["text"]] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: Literal[False] = False
+    suffix: None = None
+    best_of: int | None = Field(None, ge=1)
+
+
+class TrajectoryIn(_Strict):
+    """One episode: the completions of its turns, in order, and its reward."""
+
+    completion_ids: list[str] = Field(min_length=1)
+    reward: float = Field(allow_inf_nan=False)
+    turn_rewards: list[float] | None = Field(None, min_length=1)
+    """One per turn (completion), for per-turn advantages (reward-to-go: docs/trajectories.md)."""
+    advantages: list[list[float]] | None = Field(None, min_length=1)
+    """Per turn, one advantage per completion token: used as given (no group normalisation)."""
+
+
+class GroupIn(_Strict):
+    trajectories: list[TrajectoryIn] = Field(min_length=1)
+
+
+class TrainRequest(_Strict):
+    model: str | None = None
+    groups: list[GroupIn] = Field(min_length=1)
+    request_id: str | None = Field(None, min_length=1, max_length=200)
+    """An idempotency key: a train call repeating the id of one already applied returns its answer again
+    instead of training twice (a client retrying after a lost answer)."""
+
+
+_TYPE_TAG = re.compile(r"(str|int|float|bool|none|[a-z-]+\[.*\])")
+"""How pydantic names the member of a union in an error's location ("str", "list[int]", ...)."""
+
+
+def field_name(location: tuple[Any, ...]) -> str:
+    """pydantic's error location as a field name: ("body", "messages", 0, "role") -> "messages[0].role"."""
+    parts: list[str] = []
+    for item in location:
+        if item == "body" and not parts:
+            continue
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        elif isinstance(item, str) and not _TYPE_TAG.fullmatch(item):
+            parts.append(("." if parts else "") + item)
+    return "".join(parts)

@@ -1,0 +1,241 @@
+"""`gspo serve`: build the policy as `gspo train` does, put the sampling engine and the trainer behind the
+ASGI app, and run it with uvicorn on serve.host:serve.port.
+
+The config is `gspo train`'s (model, LoRA, objective, optimiser, checkpoints) plus its `serve` section. With
+--resume, the run folder's config is used, and how the server listens (serve.host, serve.port,
+serve.api_key_env) comes from the command line alone: a run folder someone shared cannot open the server to
+the network or pick which environment variable holds a key. The socket is bound before the model loads, so
+a port in use fails at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import ipaddress
+import os
+import random
+import socket
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+
+from gspo.config import Config, ConfigError, load_config, save_config, validate
+from gspo.config.checks import LOOPBACK
+from gspo.learning.policy import UpdateSpec
+from gspo.rollout.engine import Engine
+from gspo.serve.app import Service, create_app
+from gspo.serve.driver import Driver
+from gspo.serve.openai_api import Inference
+from gspo.serve.records import RecordStore
+from gspo.serve.service import Trainer, load_serve_checkpoint
+from gspo.training import lock
+from gspo.training.build import choose_layout, setup_model, setup_policy
+from gspo.training.metrics import MetricsLogger
+from gspo.training.resume import resume_config
+from gspo.training.run_folder import setup_run_dir, start_fresh
+
+LISTEN_KEYS = ("serve.host", "serve.port", "serve.api_key_env")
+"""How the server listens: on --resume these come from the command line, never from the run folder."""
+
+
+def serve_config(config: str | Path | None, overrides: list[str], resume: str | Path | None) -> Config:
+    """The config to serve: CONFIG plus overrides; with --resume the run's own, its listen keys from the
+    command line only (module docstring)."""
+    if resume is None:
+        return load_config(config, overrides)
+    listen = [o for o in overrides if o.partition("=")[0] in LISTEN_KEYS]
+    resumed = resume_config(resume, [o for o in overrides if o not in listen])
+    given = load_config(None, listen)
+    for key in LISTEN_KEYS:
+        name = key.removeprefix("serve.")
+        setattr(resumed.serve, name, getattr(given.serve, name))
+    validate(resumed)
+    return resumed
+
+
+def api_key(config: Config) -> str | None:
+    """The key clients must send: the value of the variable serve.api_key_env names (None: no key)."""
+    name = config.serve.api_key_env
+    if name is None:
+        return None
+    value = os.environ.get(name, "").strip()
+    if not value:
+        raise ConfigError(f"serve.api_key_env={name}, but ${name} is empty or not set: export the key in it")
+    return value
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (port 0: a free one); a port in use or not ours is a ConfigError."""
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    except ValueError:  # a host name
+        family = socket.AF_INET6 if host not in LOOPBACK and ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as error:
+        sock.close()
+        raise ConfigError(
+            f"cannot listen on {host}:{port} ({error.strerror or error}): choose another serve.port (0 picks a "
+            "free one) or serve.host"
+        ) from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def stop_token_ids(tokenizer: Any, model: torch.nn.Module) -> frozenset[int]:
+    """The tokenizer's EOS and the model's generation-config EOS ids (chat models end turns with one)."""
+    ids = {tokenizer.eos_token_id}
+    generation = getattr(model, "generation_config", None)
+    extra = getattr(generation, "eos_token_id", None) if generation is not None else None
+    ids.update(extra if isinstance(extra, list) else [extra])
+    return frozenset(i for i in ids if i is not None)
+
+
+def _aligned(model: torch.nn.Module) -> torch.nn.Module:
+    """The model with every parameter in memory of its own. Weights read from a safetensors file can lie at
+    the file's offsets (8 bytes past a 64-byte boundary here), where the CPU's matrix-vector kernels round
+    differently: a resumed server then drew log-probs 1 ulp off the ones the same weights gave before the
+    kill (tests/test_serve.py's kill -9 test)."""
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.data_ptr() % 64:
+                parameter.data = parameter.data.clone()
+    return model
+
+
+def build_service(
+    config: Config, *, resume: str | Path | None = None, force: bool = False, key: str | None = None
+) -> Service:
+    """The policy, engine driver, records and trainer of a `gspo serve` run (module docstring)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("gspo serve runs in one process: start it without torchrun")
+    from gspo.parallel.group import resolve_device
+
+    device = resolve_device(config.device)
+    transformers.utils.logging.disable_progress_bar()  # the log shows requests, not loading bars
+    # the folder checked, then locked for this process (one writer per run folder: gspo.training.lock)
+    run_dir, checkpoint = setup_run_dir(config, resume, force=force)
+    if checkpoint is None:
+        start_fresh(run_dir)
+    save_config(config, run_dir / "config.yaml")
+    torch.manual_seed(config.seed)
+    random.seed(config.seed)
+    np.random.seed(config.seed)
+    model, tokenizer = setup_model(config, checkpoint)
+    model = _aligned(model.to(device))
+    layout = choose_layout(config, model, tokenizer.pad_token_id)
+    policy = setup_policy(config, model, device, resumed=checkpoint is not None)
+    spec = UpdateSpec.from_config(config, layout=layout, pad_id=tokenizer.pad_token_id)
+    version, answers = 0, {}
+    if checkpoint is not None:
+        version, answers = load_serve_checkpoint(checkpoint, policy, config)
+    serve = config.serve
+    # stale: the engine samples from a copy while the policy trains; wait: from the policy itself
+    sampling = policy.model if serve.during_update == "wait" else copy.deepcopy(policy.model)
+    stops = stop_token_ids(tokenizer, model)
+    driver = Driver(
+        lambda: Engine(sampling, slots=serve.slots, stop_token_ids=sorted(stops), context=policy.autocast),
+        max_waiting=serve.max_waiting,
+    )
+    driver.version = version
+    records = RecordStore(serve.max_records, serve.record_ttl)
+    logger = MetricsLogger(
+        run_dir, tensorboard=config.tensorboard, resume_step=version if checkpoint is not None else None
+    )
+    trainer = Trainer(
+        config, policy, spec, tokenizer, run_dir, driver, records, sampling, logger, version, answers
+    )
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    context = getattr(text, "max_position_embeddings", None) or driver.engine.max_length
+    vocab = model.get_input_embeddings().num_embeddings
+    inference = Inference(tokenizer, driver, records, serve, context, stops, vocab)
+    return Service(inference, trainer, key)
+
+
+def close_service(service: Service) -> None:
+    """Stop sampling, checkpoint what is not on disk yet (serve.durable=false), close the metrics."""
+    trainer = service.trainer
+    service.inference.driver.close()
+    if trainer.version != trainer.saved_version:
+        trainer._save()
+    trainer.logger.close()
+    lock.release(trainer.run_dir)  # written in full: another process may continue it now
+
+
+def serve(
+    config: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    resume: str | Path | None = None,
+    force: bool = False,
+) -> None:
+    """Run `gspo serve` until interrupted (SIGINT/SIGTERM: uvicorn's graceful shutdown)."""
+    try:
+        import uvicorn
+    except ImportError as error:
+        raise ImportError(
+            f"gspo serve needs the server packages: pip install 'gspo[serve]' ({error})"
+        ) from None
+    resolved = serve_config(config, list(overrides), resume)
+    key = api_key(resolved)
+    sock = bind(resolved.serve.host, resolved.serve.port)
+    service = build_service(resolved, resume=resume, force=force, key=key)
+    port = sock.getsockname()[1]
+    host = resolved.serve.host
+    shown = f"[{host}]" if ":" in host else host
+    print(
+        f"gspo serve: http://{shown}:{port}/v1 model {resolved.serve.model_name!r}, policy version "
+        f"{service.trainer.version}, run folder {service.trainer.run_dir}"
+        + (", API key required" if key else ""),
+        flush=True,
+    )
+    # stdout carries the one line above (scripts read the address from it); the request log goes to stderr,
+    # so a reader that stops after that line cannot block the server on a full pipe
+    logging = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    logging["handlers"]["access"]["stream"] = "ext://sys.stderr"
+    config = uvicorn.Config(
+        create_app(service), log_level="info", log_config=logging, timeout_graceful_shutdown=5
+    )
+    server = uvicorn.Server(config)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        close_service(service)
+
+
+@dataclass
+class Running:
+    """A server running in a thread of this process (tests, benchmarks): its URL and how to stop it."""
+
+    url: str
+    service: Service
+    server: Any
+    thread: threading.Thread
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        close_service(self.service)
+
+
+def start_in_thread(service: Service, host: str = "127.0.0.1") -> Running:
+    """Serve `service` on a free port of `host` in a daemon thread; returns once it accepts requests."""
+    import uvicorn
+
+    sock = bind(host, 0)
+    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started and thread.is_alive():
+        with contextlib.suppress(Exception):
+            thread.join(0.02)
+    return Running(f"http://{host}:{sock.getsockname()[1]}/v1", service, server, thread)

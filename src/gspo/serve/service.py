@@ -1,0 +1,237 @@
+"""The server's trainer: one train call at a time on the live policy, the sampling weights kept in step,
+every acknowledged step on disk.
+
+A train call (gspo.serve.training) waits for the one before it, then, with serve.during_update=wait, stops
+admitting samples and waits for the running ones to finish; with "stale" sampling goes on from its own copy
+of the weights. After the updates the policy version goes up by one, the step's metrics go to
+metrics.jsonl, and (serve.durable) a checkpoint is written before the answer, so a kill after an answer
+loses nothing it acknowledged; then the sampling weights take the new ones. A failed update or checkpoint
+puts the policy back as it was. `--resume` restores weights, optimizer, schedule, RNG and the version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gspo.config import Config
+from gspo.learning.policy import Policy, UpdateSpec
+from gspo.parallel.state import load_optimizer_state, optimizer_state, savable_model
+from gspo.serve.driver import Driver
+from gspo.serve.protocol import ServeError, TrainRequest
+from gspo.serve.records import RecordStore
+from gspo.serve.training import Snapshot, prepare_update, resolve, run_update
+from gspo.training.checkpoint import load_trainer_state, rng_state, save_checkpoint, set_rng_state
+from gspo.training.metrics import MetricsLogger
+from gspo.training.resume import apply_optimizer_settings
+
+REMEMBERED_CALLS = 64
+"""Train calls whose answers are kept (and checkpointed) by request_id, so a retried call is not applied twice."""
+
+
+def save_serve_checkpoint(
+    config: Config, run_dir: Path, policy: Policy, tokenizer: Any, version: int, answers: dict[str, Any]
+) -> Path:
+    """Checkpoint `version` (gspo.training.checkpoint's atomic save): weights, optimizer, schedule, RNG,
+    and the answers of the last train calls by request_id."""
+    state = {
+        "optimizer": optimizer_state(policy.model, policy.optimizer),
+        "scheduler": policy.scheduler.state_dict(),
+        "rng": rng_state(),
+        "serve": {"version": version, "answers": dict(answers)},
+    }
+    model = savable_model(policy.scorer, policy.model)
+    return save_checkpoint(
+        run_dir,
+        version,
+        model=model,
+        tokenizer=tokenizer,
+        state=state,
+        keep=config.checkpoint.keep,
+        config=config,
+    )
+
+
+def load_serve_checkpoint(checkpoint: Path, policy: Policy, config: Config) -> tuple[int, dict[str, Any]]:
+    """Put back a checkpoint's optimizer, schedule and RNG (the weights were loaded with the model);
+    returns its version and the remembered answers."""
+    state = load_trainer_state(checkpoint)
+    load_optimizer_state(policy.model, policy.optimizer, state["optimizer"])
+    policy.scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"])
+    apply_optimizer_settings(policy, config)
+    serve = state.get("serve", {})  # a checkpoint of `gspo train`: its step is the version
+    return int(serve.get("version", state["step"])), dict(serve.get("answers", {}))
+
+
+@dataclass
+class Trainer:
+    """Train calls on the live policy (module docstring). `sampling_model` is the model the engine samples
+    from: the policy's own (during_update=wait) or a copy (stale)."""
+
+    config: Config
+    policy: Policy
+    spec: UpdateSpec
+    tokenizer: Any
+    run_dir: Path
+    driver: Driver
+    records: RecordStore
+    sampling_model: torch.nn.Module
+    logger: MetricsLogger
+    version: int = 0
+    answers: dict[str, Any] = field(default_factory=dict)
+    state: str = "idle"
+    calls: int = 0
+    saved_version: int = 0
+    last_error: str | None = None
+    last_metrics: dict[str, float] = field(default_factory=dict)
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def __post_init__(self) -> None:
+        self.snapshot = Snapshot(self.policy)
+        self.answers = collections.OrderedDict(self.answers)
+        self.saved_version = self.version
+
+    async def train(self, request: TrainRequest) -> dict[str, Any]:
+        if request.request_id is not None and request.request_id in self.answers:
+            return self.answers[request.request_id] | {"repeated": True}
+        serve = self.config.serve
+        resolve(request, self.records, self.version, serve.max_staleness)  # refuse at once what cannot train
+        try:
+            await asyncio.wait_for(self._lock.acquire(), serve.train_timeout)
+        except TimeoutError:
+            raise ServeError(
+                503, "another train call ran longer than serve.train_timeout", code="busy"
+            ) from None
+        try:
+            if request.request_id is not None and request.request_id in self.answers:
+                return self.answers[request.request_id] | {"repeated": True}
+            rebuilt = resolve(request, self.records, self.version, serve.max_staleness)  # versions moved?
+            update = prepare_update(request, rebuilt, self.config, self.policy, self.spec, self.version)
+            return await self._apply(request, update)
+        finally:
+            self.state = "idle"
+            self._lock.release()
+
+    async def _apply(self, request: TrainRequest, update: Any) -> dict[str, Any]:
+        wait = self.config.serve.during_update == "wait"
+        t0 = time.perf_counter()
+        if wait:
+            self.state = "waiting for the running samples"
+            try:
+                await self.driver.pause(self.config.serve.request_timeout)
+            except TimeoutError as error:
+                raise ServeError(503, f"could not start the update: {error}", code="busy") from None
+        try:
+            self.state = "training"
+            t1 = time.perf_counter()
+            try:
+                metrics = await asyncio.to_thread(run_update, self.policy, update, self.snapshot)
+            except Exception as error:
+                raise self._failed("the update", error) from error
+            metrics |= {"time_wait_samples": t1 - t0, "time_train": time.perf_counter() - t1}
+            metrics["lr"] = self.policy.scheduler.get_last_lr()[0]
+            answer = {
+                "object": "train",
+                "version": self.version + 1,
+                "metrics": metrics,
+                "split_trajectories": update.split,
+                "old_logprobs": update.spec.old_logprobs,
+                "checkpoint": None,
+                "request_id": request.request_id,
+            }
+            path = await self._record_step(metrics, request.request_id, answer)
+            answer["checkpoint"] = str(path) if path is not None else None
+            await self._publish()
+        finally:
+            if wait:
+                self.driver.resume()
+        self.calls += 1
+        return answer
+
+    def _failed(self, what: str, error: BaseException) -> ServeError:
+        self.last_error = f"{what} failed: {type(error).__name__}: {error}"
+        return ServeError(
+            500,
+            f"{self.last_error}; the weights, optimizer and schedule are as they were (policy version {self.version})",
+            code="update_failed",
+        )
+
+    async def _record_step(
+        self, metrics: dict[str, float], request_id: str | None, answer: dict[str, Any]
+    ) -> Path | None:
+        """Version + 1, its metrics logged, its answer remembered, and (durable) its checkpoint on disk; a
+        checkpoint that fails undoes the step."""
+        self.version += 1
+        self.last_metrics = metrics
+        self.logger.log(self.version, metrics)
+        self._remember(request_id, answer)  # before the checkpoint, which keeps it
+        every = self.config.checkpoint.every
+        if not (self.config.serve.durable or (every and self.version % every == 0)):
+            return None
+        self.state = "checkpointing"
+        t0 = time.perf_counter()
+        try:
+            path = await asyncio.to_thread(self._save)
+        except Exception as error:
+            self.snapshot.restore()
+            self.version -= 1
+            self.answers.pop(request_id, None)
+            raise self._failed("the checkpoint", error) from error
+        metrics["time_checkpoint"] = time.perf_counter() - t0
+        return path
+
+    def _save(self) -> Path:
+        path = save_serve_checkpoint(
+            self.config, self.run_dir, self.policy, self.tokenizer, self.version, self.answers
+        )
+        self.saved_version = self.version
+        return path
+
+    async def _publish(self) -> None:
+        """The sampling engine takes the new weights and version (stale: between two of its steps)."""
+        live = [p for p in self.policy.model.parameters() if p.requires_grad]
+        copy = [p for p in self.sampling_model.parameters() if p.requires_grad]
+        version = self.version
+
+        @torch.no_grad()
+        def take() -> None:
+            if copy and copy[0] is not live[0]:
+                torch._foreach_copy_(copy, [p.detach() for p in live])
+            self.driver.engine.reset_prefix_cache()
+            self.driver.version = version
+
+        await asyncio.wrap_future(self.driver.between_steps(take))
+
+    def _remember(self, request_id: str | None, answer: dict[str, Any]) -> None:
+        if request_id is None:
+            return
+        self.answers[request_id] = answer
+        while len(self.answers) > REMEMBERED_CALLS:
+            self.answers.popitem(last=False)
+
+    async def checkpoint(self) -> Path:
+        """A checkpoint of the current version now (POST /v1/checkpoint; at shutdown when not durable)."""
+        async with self._lock:
+            self.state = "checkpointing"
+            try:
+                return await asyncio.to_thread(self._save)
+            finally:
+                self.state = "idle"
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "state": self.state,
+            "train_calls": self.calls,
+            "checkpointed_version": self.saved_version,
+            "last_error": self.last_error,
+            "last_metrics": self.last_metrics,
+            "run_dir": str(self.run_dir),
+        }
