@@ -112,7 +112,7 @@ def test_two_runs_started_at_once_on_one_folder_leave_one_consistent_run(tmp_pat
     codes = sorted(code for code, _ in results)
     assert codes == [0, EXIT_CODES["run folder"]], results
     refused = next(err for code, err in results if code)
-    assert "is in use by pid" in refused or "already holds a run" in refused
+    assert "is in use by " in refused or "already holds a run" in refused
     assert "Traceback" not in refused
     from gspo.training.metrics import read_metrics
 
@@ -130,6 +130,30 @@ def test_a_lock_record_cut_short_is_not_a_crash(tmp_path: Path) -> None:
     other = _holder(tmp_path)
     try:
         with pytest.raises(RunInUse, match=rf"in use by pid {other.pid}"):
+            lock.acquire(tmp_path, "me")
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_holder_that_has_just_locked_is_named_once_it_writes_its_record(tmp_path: Path) -> None:
+    """The race CI met: two runs at once, the second refused between the first's flock and its record."""
+    from gspo.training import lock
+    from gspo.training.lock import RunInUse
+
+    code = (
+        "import fcntl, json, os, time\n"
+        f"fd = os.open({str(tmp_path / LOCK_FILE)!r}, os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+        "print('locked', flush=True)\n"
+        "time.sleep(0.15)\n"
+        "os.pwrite(fd, json.dumps({'pid': os.getpid(), 'host': 'h', 'command': 'late', 'since': 'now'}).encode(), 0)\n"
+        "time.sleep(600)\n"
+    )
+    other = subprocess.Popen([sys.executable, "-c", code], env=ENV, stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "locked"
+        with pytest.raises(RunInUse, match=rf"in use by pid {other.pid} on h \(`late`"):
             lock.acquire(tmp_path, "me")
     finally:
         other.kill()

@@ -63,6 +63,11 @@ def acquire(run_dir: str | Path, command: str) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = _holder(fd)
+        for _ in range(25):  # a holder that has just locked writes its record a moment later
+            if holder is not None:
+                break
+            time.sleep(0.02)
+            holder = _holder(fd)
         os.close(fd)
         raise RunInUse(
             f"{run_dir} is in use by {_describe(holder)}: one process writes a run folder at a time; wait for "
