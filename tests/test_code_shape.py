@@ -17,11 +17,6 @@ SCRIPTS = ROOT / "scripts"
 MAX_LINES = 60
 MAX_PUBLIC_PARAMETERS = 8
 KNOWN = {
-    # being reworked on other branches of issue 22 (the CLI, config validation, the sampling engine)
-    "cli.py:main",
-    "config/checks.py:validate",
-    "rollout/openai.py:generate",
-    "rollout/samplers.py:generate",
     # the chunked log-prob backward passes read as one loop over the chunks (61-63 lines)
     "core/logprobs.py:_backward_chunks",
     "core/triton_logprobs.py:backward",
@@ -62,6 +57,12 @@ def test_no_new_long_function_or_wide_public_signature() -> None:
     assert not new, (
         f"split these functions or pass a record (limits {MAX_LINES} lines, {MAX_PUBLIC_PARAMETERS} parameters): {new}"
     )
+
+
+def test_every_known_exception_is_still_over_the_limits() -> None:
+    """A function split since it was listed leaves KNOWN, so that the list stays the whole truth."""
+    found = oversized() | {f"scripts/{name}": shape for name, shape in oversized(SCRIPTS).items()}
+    assert not KNOWN - found.keys(), f"no longer over the limits, remove from KNOWN: {KNOWN - found.keys()}"
 
 
 def test_the_counting_sees_a_long_function_and_a_wide_signature(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ import torch
 from gspo.config import load_config
 from gspo.models import save_model, tiny_tokenizer
 from gspo.rollout.data import Example, format_prompt
+from gspo.rollout.requests import SamplingParams
 from gspo.rollout.rewards import exact_answer
 from gspo.rollout.samplers import generate, tokenize_prompts
 from gspo.training.build import build_examples
@@ -126,9 +127,7 @@ def build_model(spec: Spec, tokenizer: Any, seed: int) -> torch.nn.Module:
 
 def greedy_accuracy(model: torch.nn.Module, tokenizer: Any, examples: list[Example]) -> float:
     prompts = [format_prompt(tokenizer, ex.prompt) for ex in examples]
-    rollouts = generate(
-        model, tokenizer, prompts, group_size=1, max_new_tokens=4, greedy=True, batch_size=100
-    )
+    rollouts = generate(model, tokenizer, prompts, SamplingParams(4, greedy=True), batch_size=100)
     rewards = exact_answer(prompts, rollouts.completions, answer=[ex.fields["answer"] for ex in examples])
     return sum(rewards) / len(rewards)
 

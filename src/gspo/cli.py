@@ -281,19 +281,8 @@ def _positive(text: str) -> float:
     return value
 
 
-def main(argv: list[str] | None = None) -> int:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of an error"
-    )
-    parser = argparse.ArgumentParser(
-        prog="gspo",
-        description="GSPO / GSPO-token / GRPO fine-tuning of language models.",
-        epilog="exit codes: " + ", ".join(f"{code} {kind}" for kind, code in EXIT_CODES.items()),
-    )
-    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    commands = parser.add_subparsers(dest="command", required=True)
-
+def _add_train(commands: typing.Any, common: argparse.ArgumentParser) -> None:
+    """`gspo train [CONFIG] [key=value ...]`."""
     train = commands.add_parser(
         "train", parents=[common], help="train (defaults: SmolLM2-135M-Instruct on arithmetic)"
     )
@@ -309,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--trust-run-code", action="store_true", help=TRUST_HELP)
     train.set_defaults(func=_train)
 
+
+def _add_serve(commands: typing.Any, common: argparse.ArgumentParser) -> None:
+    """`gspo serve [CONFIG] [key=value ...]`."""
     serving = commands.add_parser(
         "serve",
         parents=[common],
@@ -327,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     serving.set_defaults(func=_serve)
 
+
+def _add_eval(commands: typing.Any, common: argparse.ArgumentParser) -> None:
+    """`gspo eval [TARGET] [CONFIG] [key=value ...]`."""
     evaluate = commands.add_parser(
         "eval",
         parents=[common],
@@ -357,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     evaluate.add_argument("--trust-run-code", action="store_true", help=TRUST_HELP)
     evaluate.set_defaults(func=_eval)
 
+
+def _add_export(commands: typing.Any, common: argparse.ArgumentParser) -> None:
+    """`gspo export RUN_DIR --format hf|gguf`."""
     export = commands.add_parser(
         "export", parents=[common], help="a run's checkpoint as a Hugging Face directory or GGUF file"
     )
@@ -370,6 +368,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     export.set_defaults(func=_export)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `gspo` command line: one sub-command per task."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of an error"
+    )
+    parser = argparse.ArgumentParser(
+        prog="gspo",
+        description="GSPO / GSPO-token / GRPO fine-tuning of language models.",
+        epilog="exit codes: " + ", ".join(f"{code} {kind}" for kind, code in EXIT_CODES.items()),
+    )
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_train, _add_serve, _add_eval, _add_export):
+        add(commands, common)
+
     plot = commands.add_parser("plot", parents=[common], help="redraw a run's plots and summary")
     plot.add_argument("run_dir")
     plot.set_defaults(func=_plot)
@@ -378,7 +393,11 @@ def main(argv: list[str] | None = None) -> int:
         "config", parents=[common], help="list every config key with its default and meaning"
     )
     config.set_defaults(func=_config)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     # `gspo eval RUN --samples 4 key=value`: positionals after an option come back as extras
     args, extras = parser.parse_known_args(argv)
     if extras and (args.command != "eval" or any(x.startswith("-") for x in extras)):

@@ -251,38 +251,12 @@ class OpenAIBackend:
             raise ValueError("the tokenizer has no eos_token: completions could not be aligned")
         prompt_ids = tokenize_prompts(self.tokenizer, prompts)
         base_seed = seed if seed is not None else random.randrange(2**31)
+        request = {"max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
+        resample_cap = 10 * len(prompts) * group_size
 
         def sample(j: int) -> list[tuple[list[int], list[float], bool, str]]:
-            out: list[tuple[list[int], list[float], bool, str]] = []
-            attempt = 0
-            while len(out) < group_size:
-                payload = {
-                    **self.sampling,
-                    "prompt": prompt_ids[j] if self.send_token_ids else prompts[j],
-                    "n": group_size - len(out),
-                    "max_tokens": max_new_tokens,
-                    "temperature": temperature,
-                    "top_p": top_p,
-                    "logprobs": 1,
-                    "seed": (base_seed + 1_000_003 * j + attempt) % 2**31,  # every request its own
-                    "stream": False,
-                }
-                if self.model is not None:
-                    payload["model"] = self.model
-                response = self.post("/completions", payload)
-                choices = self._choices(response)
-                if not self.send_token_ids and len(choices) == 1:
-                    usage = response.get("usage")
-                    self._check_prompt(j, prompt_ids[j], usage if isinstance(usage, dict) else {})
-                attempt += 1
-                for choice in choices[: group_size - len(out)]:
-                    try:
-                        out.append(self._align(j, choice))
-                    except AlignmentError:
-                        if self.misaligned == "raise" or self.resampled >= 10 * len(prompts) * group_size:
-                            raise
-                        self.resampled += 1
-            return out
+            prompt = prompt_ids[j] if self.send_token_ids else prompts[j]
+            return self._sample_group(j, prompt, prompt_ids[j], group_size, request, base_seed, resample_cap)
 
         with ThreadPoolExecutor(max_workers=max(1, self.max_concurrency)) as pool:
             per_prompt = list(pool.map(sample, range(len(prompts))))
@@ -295,6 +269,47 @@ class OpenAIBackend:
                 rollouts.truncated.append(truncated)
                 rollouts.completions.append(text)
         return rollouts
+
+    def _sample_group(
+        self,
+        j: int,
+        prompt: str | list[int],
+        prompt_ids: list[int],
+        group_size: int,
+        request: dict[str, Any],
+        base_seed: int,
+        resample_cap: int,
+    ) -> list[tuple[list[int], list[float], bool, str]]:
+        """Prompt j's `group_size` samples (ids, log-probs, truncated, text), asking again for those that
+        do not align (misaligned="resample", at most `resample_cap` over the call)."""
+        out: list[tuple[list[int], list[float], bool, str]] = []
+        attempt = 0
+        while len(out) < group_size:
+            payload = {
+                **self.sampling,
+                **request,
+                "prompt": prompt,
+                "n": group_size - len(out),
+                "logprobs": 1,
+                "seed": (base_seed + 1_000_003 * j + attempt) % 2**31,  # every request its own
+                "stream": False,
+            }
+            if self.model is not None:
+                payload["model"] = self.model
+            response = self.post("/completions", payload)
+            choices = self._choices(response)
+            if not self.send_token_ids and len(choices) == 1:
+                usage = response.get("usage")
+                self._check_prompt(j, prompt_ids, usage if isinstance(usage, dict) else {})
+            attempt += 1
+            for choice in choices[: group_size - len(out)]:
+                try:
+                    out.append(self._align(j, choice))
+                except AlignmentError:
+                    if self.misaligned == "raise" or self.resampled >= resample_cap:
+                        raise
+                    self.resampled += 1
+        return out
 
     def _choices(self, response: dict[str, Any]) -> list[dict[str, Any]]:
         """The response's choices in index order, each checked to have the shape `_align` reads."""

@@ -52,20 +52,16 @@ def generate(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     prompts: list[str],
+    params: SamplingParams,
     *,
-    group_size: int,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    greedy: bool = False,
+    group_size: int = 1,
     batch_size: int = 64,
-    seed: int | None = None,
 ) -> Rollouts:
     """Sample `group_size` completions of each prompt (already templated), `batch_size` at a time, with
     a sampling engine of its own (gspo.rollout.engine: each prompt computed once for its G samples, slots
-    refilled as samples end). seed: the random streams (None: drawn from torch's global generator)."""
+    refilled as samples end). params.seed: the random streams (None: drawn from torch's global
+    generator)."""
     engine = Engine(model, slots=batch_size, stop_token_ids=[_eos_id(tokenizer)])
-    params = SamplingParams(max_new_tokens, temperature=temperature, top_p=top_p, greedy=greedy, seed=seed)
     return engine_rollouts(engine, tokenizer, prompts, group_size, params)
 
 
