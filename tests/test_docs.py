@@ -178,14 +178,19 @@ def _gspo_imports(code: str) -> list[tuple[str, str]]:
     ]
 
 
-def _train_overrides(code: str) -> list[list[str]]:
-    """The key=value arguments of each `gspo train` command in a bash block (`[optional]` ones left out)."""
+def _train_overrides(code: str) -> list[tuple[Path | None, list[str]]]:
+    """The config file (a repo path, or None) and key=value arguments of each `gspo train` command in
+    `code` (`[optional]` parts without quotes inside left out)."""
     commands = []
     for line in code.replace("\\\n", " ").splitlines():
         if re.search(r"gspo train\b", line):
             after = re.split(r"gspo train\b", line, maxsplit=1)[1]
-            words = shlex.split(re.sub(r"\[[^\]]*\]", "", after), comments=True)  # the shell's words
-            commands.append([w for w in words if "=" in w and not w.startswith("-") and "$" not in w])
+            words = shlex.split(
+                re.sub(r"(^|\s)\[[^\]'\"]*\]", " ", after), comments=True
+            )  # the shell's words
+            config = next((ROOT / w for w in words[:1] if w.endswith(".yaml") and (ROOT / w).is_file()), None)
+            overrides = [w for w in words if "=" in w and not w.startswith("-") and "$" not in w]
+            commands.append((config, overrides))
     return commands
 
 
@@ -198,8 +203,8 @@ def test_illustrative_blocks_still_import_and_load(path: Path) -> None:
             for module, name in _gspo_imports(block.code):
                 assert hasattr(importlib.import_module(module), name), f"{block.where()}: {module}.{name}"
         elif block.language == "bash":
-            for overrides in _train_overrides(block.code):
-                load_config(None, overrides)
+            for config, overrides in _train_overrides(block.code):
+                load_config(config, overrides)
 
 
 def test_inline_train_commands_load() -> None:
@@ -208,10 +213,10 @@ def test_inline_train_commands_load() -> None:
     for path in [ROOT / "README.md", *DOCS]:
         text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S).replace("\n", " ")
         for match in re.finditer(r"`((?:python -m )?gspo train\b[^`]*)`", text):
-            for overrides in _train_overrides(match.group(1)):
+            for config, overrides in _train_overrides(match.group(1)):
                 real = [o for o in overrides if not re.fullmatch(r"key=value|[\w.]+=[A-Z]+", o)]
                 try:
-                    load_config(None, real)
+                    load_config(config, real)
                 except Exception as error:
                     pytest.fail(f"{path.name}: `{match.group(1)}`: {error}")
 
