@@ -374,14 +374,18 @@ def test_a_failed_update_leaves_weights_optimizer_and_version_as_they_were(tmp_p
 
 
 def test_a_client_that_disconnects_frees_its_slot(tmp_path, monkeypatch) -> None:
-    """Greedy on the fresh tiny model runs all 480 tokens (about 5 s here): a client that leaves after the
-    first chunk, or gives up waiting for a whole answer, has its request cancelled before it ends, and the
-    engine stops decoding it at once. Counted from the tokens decoded when the disconnect was seen, not
-    from the start: how many tokens a poll interval holds depends on the machine's load."""
+    """Greedy on the fresh tiny model runs all 480 tokens: a client that leaves after the first chunk, or
+    gives up waiting for a whole answer, has its request cancelled before it ends, and the engine stops
+    decoding it at once. Each engine step is slowed to at least 10 ms, so the 480 tokens take at least
+    4.8 s on any machine (on a fast idle one they once ended before the disconnect was seen). Counted from
+    the tokens decoded when the disconnect was seen, not from the start: how many tokens a poll interval
+    holds depends on the machine's load."""
     monkeypatch.setattr(serve_generation, "DISCONNECT_CHECK", 0.05)  # poll often: the test's seconds
     running = _start(tmp_path / "run")
     try:
         driver = running.service.inference.driver
+        real_step = driver.engine.step
+        monkeypatch.setattr(driver.engine, "step", lambda: (time.sleep(0.01), real_step())[1])
         seen: list[int] = []  # driver.tokens at each cancel
         real_cancel = driver.cancel
         monkeypatch.setattr(
