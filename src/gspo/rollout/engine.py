@@ -128,7 +128,7 @@ class Engine:
             raise ValueError(
                 f"the prompt has {len(prompt_ids)} tokens, the model's limit is {self.max_length}"
             )
-        seed = params.seed if params.seed is not None else int(torch.randint(1 << 62, ()).item())
+        seed = _seed(params)
         with self._lock:
             request = Request(next(self._ids), list(prompt_ids), params, seed)
             request.samples = [Completion(request, i) for i in range(n)]
@@ -169,7 +169,7 @@ class Engine:
         """n samples of each prompt, run until the engine is idle; request j draws with the seed
         stream_key(seed, j), seed = params.seed or one from torch's global generator. Returns the requests
         in the prompts' order."""
-        base = params.seed if params.seed is not None else int(torch.randint(1 << 62, ()).item())
+        base = _seed(params)
         requests = [
             self.submit(p, n, dataclasses.replace(params, seed=stream_key(base, j)))
             for j, p in enumerate(prompts)
@@ -414,3 +414,8 @@ class Engine:
             order[hole] = mover
         self._slots = [self._slots[i] for i in order]
         self._pending = min(self._pending, kept)
+
+
+def _seed(params: SamplingParams) -> int:
+    """The request's seed, or a fresh one from torch's global generator (so a seeded run draws the same)."""
+    return params.seed if params.seed is not None else int(torch.randint(1 << 62, ()).item())
