@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from gspo.core.logprobs import decoder_and_head
-from gspo.rollout.kv_cache import SlotCache, make_plan, slot_attention
+from gspo.rollout.kv_cache import SlotCache, cache_kwarg, make_plan, slot_attention
 from gspo.rollout.requests import Completion, Event, Request, SamplingParams
 from gspo.rollout.sampling import Row, draw, stream_key, uniform
 
@@ -90,6 +90,7 @@ class Engine:
             raise ValueError(f"slots={slots}: the engine needs at least one slot")
         self.model, self.slots, self.context = model, slots, context
         self.decoder, self.head = decoder_and_head(model)
+        self._cache_kwarg = cache_kwarg(self.decoder)
         self.stop_token_ids = frozenset(stop_token_ids)
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.num_layers = config.num_hidden_layers
@@ -319,7 +320,11 @@ class Engine:
         cache.plan = plan = make_plan(starts, lengths, ids.shape[1], width, self.windows, dtype)
         with slot_attention(self.decoder):
             out = self.decoder(
-                input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, gspo_plan=plan
+                input_ids=ids,
+                position_ids=positions,
+                use_cache=True,
+                gspo_plan=plan,
+                **{self._cache_kwarg: cache},
             )
         cache.plan = None
         if plan.calls == 0:

@@ -15,6 +15,7 @@ h with kv head h // (H / kv_heads), the same pairing).
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -175,10 +176,16 @@ def _slot_attention_forward(
 AttentionInterface.register(NAME, _slot_attention_forward)
 
 
+def cache_kwarg(decoder: torch.nn.Module) -> str:
+    """The name under which `decoder`'s forward takes a cache: "cache" from transformers 5.24 on (where
+    "past_key_values" is deprecated, and gone from 5.40), "past_key_values" before."""
+    return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+
+
 @contextlib.contextmanager
 def slot_attention(model: torch.nn.Module) -> Iterator[None]:
     """Within the block, `model`'s attention is the slot cache's: its forwards take
-    `past_key_values=` a SlotCache whose `plan` is set and `gspo_plan=` the same plan. `model`: a
+    a SlotCache (`cache_kwarg`) whose `plan` is set and `gspo_plan=` the same plan. `model`: a
     transformers model whose config the block switches and restores (no other forward of the same
     model may run meanwhile)."""
     config = model.config
