@@ -55,7 +55,7 @@ from typing import Any
 import torch
 import transformers
 
-from gspo.core.layout import Sequence
+from gspo.core.layout import TokenSequence
 from gspo.core.logprobs import token_logprobs
 from gspo.core.objectives import PAPER_CLIP, LossInputs, LossSpec, compute_loss
 from gspo.learning.batch import Batch
@@ -156,7 +156,7 @@ def make_batch(spec: ModelSpec, prompts: int, prompt_len: int, length: int, seed
         for _ in range(G):
             n = int(torch.randint(length // 2, length + 1, (), generator=g))
             completion = torch.randint(3, spec.vocab, (n,), generator=g).tolist()
-            sequences.append(Sequence(prompt, completion, [True] * n))
+            sequences.append(TokenSequence(prompt, completion, [True] * n))
             groups.append(group)
     advantages = torch.randn(len(sequences), generator=g)
     return Batch(sequences, advantages, [[math.nan] * len(s.completion_ids) for s in sequences], groups)

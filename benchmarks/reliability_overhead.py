@@ -1,4 +1,4 @@
-"""What issue 23's checks cost, side by side in one process: each next to what it adds to.
+"""What the reliability checks (docs/reliability.md) cost, side by side in one process: each next to what it adds to.
 
 - Checkpoint completeness: `checkpoint_problem` (files present, and each safetensors file's header read and
   checked against its size) against the file-existence test it replaced, on a checkpoint whose weights file

@@ -29,7 +29,7 @@ import torch
 from transformers import AutoTokenizer
 
 from gspo.config import ModelConfig
-from gspo.core.layout import Sequence, make_micro_batches
+from gspo.core.layout import TokenSequence, make_micro_batches
 from gspo.core.logprobs import causal_lm_logprobs
 from gspo.core.mismatch import SEQUENCE_CLIP, TOKEN_CLIP
 from gspo.models import default_model_file, load_model
@@ -85,7 +85,7 @@ def main() -> None:
     t0 = time.perf_counter()
     model, _ = load_model(ModelConfig())  # the same GGUF file, de-quantised to fp32
     sequences = [
-        Sequence(p, c, [True] * len(c))
+        TokenSequence(p, c, [True] * len(c))
         for p, c in zip(rollouts.prompt_ids, rollouts.completion_ids, strict=True)
     ]
     trainer_logprobs: list[list[float]] = [[] for _ in sequences]

@@ -32,8 +32,8 @@ import warnings
 import openai
 import torch
 
-import gspo.serve.training as serve_training
-from gspo.client import Client, Trajectory, TrajectoryGroup, completion_id
+import gspo.serve.updates as serve_training
+from gspo.client import Client, Episode, EpisodeGroup, completion_id
 from gspo.config import load_config
 from gspo.learning.batch import make_batch
 from gspo.learning.learner import learn
@@ -99,12 +99,12 @@ def throughput(url: str, args: argparse.Namespace) -> list:
     return replies
 
 
-def groups_of(replies: list) -> list[TrajectoryGroup]:
+def groups_of(replies: list) -> list[EpisodeGroup]:
     """The sessions' trajectories (all turns), in groups of 4 with rewards 0, 1, 2, 3."""
     trajectories = [
-        Trajectory([completion_id(r) for r in rs], reward=float(i % 4)) for i, rs in enumerate(replies)
+        Episode([completion_id(r) for r in rs], reward=float(i % 4)) for i, rs in enumerate(replies)
     ]
-    return [TrajectoryGroup(trajectories[j : j + 4]) for j in range(0, len(trajectories), 4)]
+    return [EpisodeGroup(trajectories[j : j + 4]) for j in range(0, len(trajectories), 4)]
 
 
 def train_calls(running, url: str, args: argparse.Namespace) -> None:

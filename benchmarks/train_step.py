@@ -32,7 +32,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from gspo.config import load_config
-from gspo.core.layout import Sequence
+from gspo.core.layout import TokenSequence
 from gspo.learning.batch import Batch, make_batch
 from gspo.learning.learner import learn
 from gspo.training.trainer import Trainer
@@ -133,7 +133,7 @@ def long_prefix_batch(prompts: int, vocab: int, seed: int, system: int = 0) -> B
         prompt = common + torch.randint(3, vocab, (LONG_PREFIX["prompt"] - system,), generator=g).tolist()
         for _ in range(LONG_PREFIX["group_size"]):
             completion = torch.randint(3, vocab, (LONG_PREFIX["completion"],), generator=g).tolist()
-            sequences.append(Sequence(prompt, completion, [True] * len(completion)))
+            sequences.append(TokenSequence(prompt, completion, [True] * len(completion)))
             groups.append(group)
     advantages = torch.randn(len(sequences), generator=g)
     return Batch(sequences, advantages, [[float("nan")] * len(s.completion_ids) for s in sequences], groups)

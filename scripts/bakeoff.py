@@ -1,6 +1,6 @@
 """The GSPO family side by side on the paper study's tiny MoE task: GSPO, GRPO, GMPO, SAPO and CISPO.
 
-What it does (issue 13), with scripts/experiments/bakeoff.py on the paper study's model, cold start, task,
+What it does, with scripts/experiments/family.py on the paper study's model, cold start, task,
 rollout sizes and run layout (scripts/experiments/moe_task.py):
   1. the shared cold start (a ~0.45M-parameter Qwen3-MoE, SFT on sums until it answers some of them);
   2. a learning-rate sweep stated up front: every method at each of `Bakeoff.sweep_lrs`, one seed kept out of
@@ -30,7 +30,7 @@ import os
 import sys
 from pathlib import Path
 
-from experiments import bakeoff, runs
+from experiments import family, runs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,15 +47,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     load = runs.LoadMonitor()
     load.start()
-    bake = bakeoff.REDUCED if args.reduced else bakeoff.FULL
+    bake = family.REDUCED if args.reduced else family.FULL
     threads = runs.threads_per_worker(args.workers)
-    results = bakeoff.study(bake, args.runs_dir, args.report_dir, args.workers, threads)
+    results = family.study(bake, args.runs_dir, args.report_dir, args.workers, threads)
     note = load.sentence() + (f"{args.note.strip()} " if args.note.strip() else "")
-    path = bakeoff.write_report(args.report_dir, results, reduced=args.reduced, note=note, command=command)
+    path = family.write_report(args.report_dir, results, reduced=args.reduced, note=note, command=command)
     print(
         f"report: {path} ({results.cost.total_seconds:.0f} s wall, {results.cost.cpu_seconds:.0f} s CPU in runs)"
     )
-    for c in bakeoff.verdicts(results.table):
+    for c in family.verdicts(results.table):
         print(f"  {c.method} vs GSPO, {c.metric}: {c.verdict}")
     return 0
 

@@ -95,12 +95,12 @@ def smollm2_trainer(smollm2) -> Callable[[], contextlib.AbstractContextManager[N
 def rollout_logprobs() -> Callable[..., list[torch.Tensor]]:
     """The trainer's fp32 log-probs of each rollout's completion tokens (padded layout, no grad): the
     reference a sampler's reported log-probs are compared with."""
-    from gspo.core.layout import Sequence, make_micro_batches
+    from gspo.core.layout import TokenSequence, make_micro_batches
     from gspo.core.logprobs import causal_lm_logprobs
 
     def score(model: torch.nn.Module, rollouts) -> list[torch.Tensor]:
         sequences = [
-            Sequence(p, c, [True] * len(c))
+            TokenSequence(p, c, [True] * len(c))
             for p, c in zip(rollouts.prompt_ids, rollouts.completion_ids, strict=True)
         ]
         (mb,) = make_micro_batches(

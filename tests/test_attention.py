@@ -8,7 +8,7 @@ from transformers import AttentionInterface, LlamaConfig
 
 from gspo.config import ModelConfig
 from gspo.core import attention
-from gspo.core.layout import Sequence, make_micro_batches
+from gspo.core.layout import TokenSequence, make_micro_batches
 from gspo.core.logprobs import causal_lm_logprobs
 from gspo.models import load_model
 
@@ -28,14 +28,14 @@ def test_layout_of_packed_rows_by_hand() -> None:
     assert torch.equal(order[layout.inverse], torch.arange(12))
 
 
-def _sequences(seed: int) -> list[Sequence]:
+def _sequences(seed: int) -> list[TokenSequence]:
     """Mixed lengths (3..60 tokens): several buckets, and rows holding several sequences."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for n_prompt in (2, 40, 5, 17, 3, 50, 9, 1):
         prompt = torch.randint(3, 90, (n_prompt,), generator=g).tolist()
         completion = torch.randint(3, 90, (int(torch.randint(1, 10, (), generator=g)),), generator=g).tolist()
-        out.append(Sequence(prompt, completion, [True] * len(completion)))
+        out.append(TokenSequence(prompt, completion, [True] * len(completion)))
     return out
 
 
@@ -197,7 +197,7 @@ def test_tree_attention_over_a_trie_sees_exactly_each_token_s_ancestors() -> Non
     ]
 
 
-def _groups(seed: int) -> list[Sequence]:
+def _groups(seed: int) -> list[TokenSequence]:
     """Four groups of 1 to 4 completions of 1..9 tokens; prompts of 30, 2, 11 and 7 tokens, the third
     continuing the second and the fourth sharing the first one's first 5 tokens (a trie, not just groups)."""
     g = torch.Generator().manual_seed(seed)
@@ -211,7 +211,7 @@ def _groups(seed: int) -> list[Sequence]:
             completion = torch.randint(
                 3, 90, (int(torch.randint(1, 10, (), generator=g)),), generator=g
             ).tolist()
-            out.append(Sequence(prompt, completion, [True] * len(completion)))
+            out.append(TokenSequence(prompt, completion, [True] * len(completion)))
     return out
 
 

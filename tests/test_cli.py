@@ -154,7 +154,7 @@ def test_progress_shows_on_a_terminal_only(monkeypatch) -> None:
         assert gspo.training.trainer.Trainer._show_progress(trainer) is shown
 
 
-# ---- issue 23 finding 5: file format errors are one line with the file and the position; each command's
+# ---- file format errors are one line with the file and the position; each command's
 # user errors exit with their kind's code (docs/reliability.md's table) ----------------------------------------
 def _gspo(capsys, *argv: str) -> tuple[int, str]:
     code = main(list(argv))

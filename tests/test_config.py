@@ -356,7 +356,7 @@ def test_every_key_whose_type_does_not_say_it_all_has_one_rule() -> None:
 def test_every_value_out_of_its_range_is_refused_at_load_naming_the_key_and_why(
     override: str, message: str
 ) -> None:
-    """Issue 23 finding 5: these loaded silently (and failed later with a traceback, or trained)."""
+    """These loaded silently (and failed later with a traceback, or trained)."""
     with pytest.raises(ConfigError) as error:
         load_config(None, [override])
     assert message in str(error.value)
@@ -364,7 +364,7 @@ def test_every_value_out_of_its_range_is_refused_at_load_naming_the_key_and_why(
 
 
 def test_yaml_nested_past_the_readers_depth_is_an_error_at_its_place(tmp_path: Path) -> None:
-    """Issue 23 finding 5: deeply nested YAML raised RecursionError."""
+    """Deeply nested YAML raised RecursionError."""
     deep = "[" * 3000 + "]" * 3000
     path = tmp_path / "deep.yaml"
     path.write_text(f"train:\n  adam_betas: {deep}\n")

@@ -1,4 +1,4 @@
-"""Property-based fuzzing of config values through `gspo train` (issue 23): random keys, extreme values and
+"""Property-based fuzzing of config values through `gspo train`: random keys, extreme values and
 wrong types, as overrides of configs/tiny.yaml. Whatever they are, gspo answers with an exit code of the
 documented table for `train` (gspo.cli.COMMAND_ERRORS), one line and no traceback, and writes nothing
 outside the run folder.

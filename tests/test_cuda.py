@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from gspo.core.layout import Sequence
+from gspo.core.layout import TokenSequence
 from gspo.core.logprobs import token_logprobs
 from gspo.learning.batch import Batch
 from gspo.learning.learner import learn
@@ -177,7 +177,7 @@ def _batch() -> Batch:
         prompt = torch.randint(3, 90, (5,), generator=g).tolist()
         for _ in range(3):
             completion = torch.randint(3, 90, (int(torch.randint(3, 12, (), generator=g)),), generator=g)
-            sequences.append(Sequence(prompt, completion.tolist(), [True] * len(completion)))
+            sequences.append(TokenSequence(prompt, completion.tolist(), [True] * len(completion)))
             groups.append(owner)
     advantages = torch.randn(len(sequences), generator=g)
     return Batch(sequences, advantages, [[-4.0] * len(s.completion_ids) for s in sequences], groups)

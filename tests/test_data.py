@@ -339,7 +339,7 @@ def test_loaded_examples_remember_their_file_and_row(tmp_path):
     ],
 )
 def test_ragged_rows_and_ambiguous_csv_headers_name_the_file_and_the_line(tmp_path, text, message):
-    """Issue 23 finding 5: surplus cells were dropped, missing ones read as a missing field, and a repeated
+    """Surplus cells were dropped, missing ones read as a missing field, and a repeated
     column name silently took its last cell."""
     path = tmp_path / "ragged.csv"
     path.write_text(text)
@@ -348,7 +348,7 @@ def test_ragged_rows_and_ambiguous_csv_headers_name_the_file_and_the_line(tmp_pa
 
 
 def test_json_nested_past_the_readers_depth_names_the_file_and_the_row(tmp_path):
-    """Issue 23 finding 5: RecursionError, with a traceback."""
+    """Deep nesting raised RecursionError, with a traceback."""
     path = tmp_path / "deep.jsonl"
     path.write_text(
         '{"prompt": "a", "answer": 1}\n{"prompt": "b", "answer": ' + "[" * 5000 + "]" * 5000 + "}\n"

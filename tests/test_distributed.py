@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import tiny_config
 from gspo.config import ConfigError, load_config, validate_setup
-from gspo.core.layout import Sequence
+from gspo.core.layout import TokenSequence
 from gspo.core.objectives import LossInputs, LossSpec, compute_loss
 from gspo.learning.batch import Batch
 from gspo.learning.learner import learn, minibatches
@@ -132,7 +132,7 @@ def _learn_config(run_dir: Path, wrapper: str, precision: str = "none"):
 GROUPS = [0, 0, 0, 1, 1, 1, 1, 2, 2, 3, 4, 4, 4, 5, 5, 5]
 
 
-def _fixed_batch() -> tuple[list[Sequence], torch.Tensor, list[list[float]]]:
+def _fixed_batch() -> tuple[list[TokenSequence], torch.Tensor, list[list[float]]]:
     """Groups of 1 to 4 sequences sharing a prompt, the prompts a common 2-token start, so the shared-prefix
     layout shares within groups and across them."""
     g = torch.Generator().manual_seed(3)
@@ -149,7 +149,7 @@ def _fixed_batch() -> tuple[list[Sequence], torch.Tensor, list[list[float]]]:
         completion = torch.randint(3, 90, (int(torch.randint(1, 9, (), generator=g)),), generator=g).tolist()
         mask = [True] * len(completion)
         mask[-1] = len(completion) < 6  # long ones have an untrained last token (a truncation mask)
-        sequences.append(Sequence(prompt, completion, mask))
+        sequences.append(TokenSequence(prompt, completion, mask))
     advantages = torch.randn(len(sequences), generator=g)
     advantages[::5] = 0.0
     sampler = [[-4.0] * len(s.completion_ids) for s in sequences]

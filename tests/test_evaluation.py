@@ -192,7 +192,7 @@ def test_gspo_eval_samples_data_file_and_overrides(tiny_run: Path, tmp_path: Pat
 
 
 def test_gspo_eval_errors_name_the_fix(tiny_run: Path, tmp_path: Path, capsys) -> None:
-    """Each with its kind's exit code (gspo.cli.EXIT_CODES), not 1, a bug's (issue 23 finding 5)."""
+    """Each with its kind's exit code (gspo.cli.EXIT_CODES), not 1, a bug's."""
     from gspo.cli import EXIT_CODES, main
 
     result = subprocess.run(  # the command itself, once

@@ -6,19 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gspo.core.layout import Sequence, layout_is_exact, make_micro_batches
+from gspo.core.layout import TokenSequence, layout_is_exact, make_micro_batches
 
 
-def _sequences() -> list[Sequence]:
+def _sequences() -> list[TokenSequence]:
     return [
-        Sequence([10, 11, 12], [20, 21], [True, True]),
-        Sequence([13], [22, 23, 24, 25], [True, False, True, True]),
-        Sequence([14, 15, 16, 17, 18], [26], [True]),
-        Sequence([19, 19], [27, 28, 29], [False, False, False]),
+        TokenSequence([10, 11, 12], [20, 21], [True, True]),
+        TokenSequence([13], [22, 23, 24, 25], [True, False, True, True]),
+        TokenSequence([14, 15, 16, 17, 18], [26], [True]),
+        TokenSequence([19, 19], [27, 28, 29], [False, False, False]),
     ]
 
 
-def _check_layout(sequences: list[Sequence], batches, packed: bool) -> None:
+def _check_layout(sequences: list[TokenSequence], batches, packed: bool) -> None:
     seen = []
     for mb in batches:
         ids = mb.input_ids.reshape(-1)
@@ -69,7 +69,7 @@ def test_micro_batches_respect_the_token_budget() -> None:
 
 
 def test_a_sequence_longer_than_the_pack_length_gets_its_own_row() -> None:
-    seqs = [Sequence(list(range(1, 20)), [30, 31], [True, True]), Sequence([1], [2], [True])]
+    seqs = [TokenSequence(list(range(1, 20)), [30, 31], [True, True]), TokenSequence([1], [2], [True])]
     batches = make_micro_batches(seqs, layout="packed", pack_length=8, micro_batch_tokens=1000, pad_id=0)
     _check_layout(seqs, batches, packed=True)
     assert batches[0].input_ids.shape[0] == 2
@@ -116,12 +116,12 @@ def test_a_micro_batch_moves_every_tensor_and_keeps_its_indices() -> None:
         assert packed or moved.attention_mask.device.type == "meta"
 
 
-def _groups() -> list[Sequence]:
+def _groups() -> list[TokenSequence]:
     """Three groups (prompts of 4, 2 and 3 tokens) of completions of varied lengths, some untrained."""
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
     completions = [[[20, 21], [22], [23, 24, 25]], [[26, 27, 28, 29], [30]], [[31, 32], [33, 34], [35]]]
     return [
-        Sequence(prompt, c, [k != 1] * len(c))
+        TokenSequence(prompt, c, [k != 1] * len(c))
         for prompt, group in zip(prompts, completions, strict=True)
         for k, c in enumerate(group)
     ]
@@ -137,7 +137,7 @@ def _walk_up(mb, row: int, t: int) -> list[int]:
     return path[::-1]
 
 
-def _check_tree_rows(seqs: list[Sequence], mb) -> None:
+def _check_tree_rows(seqs: list[TokenSequence], mb) -> None:
     """Every sequence is recovered whole by walking up from its last token; its completion tokens are
     scored in `indices` order with their segments; each tree computes each of its prompt prefixes once."""
     lp = mb.logprob_mask
@@ -188,7 +188,7 @@ def test_prompts_sharing_a_start_share_it_in_one_tree() -> None:
     system = [3, 4, 5]
     prompts = [[*system, 6, 7], [*system, 6, 7, 8, 9], [*system, 10], [*system, 6, 11], [12, 13]]
     seqs = [
-        Sequence(prompt, [20 + 3 * p + k] * (k + 1), [k != 1] * (k + 1))
+        TokenSequence(prompt, [20 + 3 * p + k] * (k + 1), [k != 1] * (k + 1))
         for p, prompt in enumerate(prompts)
         for k in range(3)
     ]
@@ -209,8 +209,8 @@ def test_tree_rows_fill_by_what_a_prompt_adds() -> None:
     """Two groups sharing a 6-token start fit a 16-token row together (6 + 2 * (1 + 3) = 14), though each
     counts 6 + 1 + 3 = 10 alone; a group of another prompt (10 tokens) then needs a new row."""
     system = [3, 4, 5, 6, 7, 8]
-    seqs = [Sequence([*system, 10 + g], [30 + g, 31, 32], [True] * 3) for g in range(2)]
-    seqs += [Sequence([40] * 7, [41, 42, 43], [True] * 3)]
+    seqs = [TokenSequence([*system, 10 + g], [30 + g, 31, 32], [True] * 3) for g in range(2)]
+    seqs += [TokenSequence([40] * 7, [41, 42, 43], [True] * 3)]
     batches = make_micro_batches(
         seqs, layout="shared_prefix", pack_length=16, micro_batch_tokens=1000, pad_id=0
     )
@@ -223,7 +223,7 @@ def test_tree_rows_fill_by_what_a_prompt_adds() -> None:
 
 def test_a_tree_longer_than_pack_length_repeats_its_prompt_in_a_new_tree() -> None:
     prompt = [5, 6, 7, 8]
-    seqs = [Sequence(prompt, [20 + k] * 3, [True] * 3) for k in range(4)]  # 4 + 4 * 3 = 16 tokens
+    seqs = [TokenSequence(prompt, [20 + k] * 3, [True] * 3) for k in range(4)]  # 4 + 4 * 3 = 16 tokens
     batches = make_micro_batches(
         seqs, layout="shared_prefix", pack_length=10, micro_batch_tokens=1000, pad_id=0
     )
@@ -262,7 +262,7 @@ def test_groups_share_a_start_in_one_tree_only_when_it_saves_more_than_the_tree_
     40 x 1536 = 61,440 >= 260 x 120 = 31,200, one tree."""
     common = list(range(3, 3 + start))
     seqs = [
-        Sequence([*common, *range(100 + 20 * g, 120 + 20 * g)], [200 + g] * 100, [True] * 100)
+        TokenSequence([*common, *range(100 + 20 * g, 120 + 20 * g)], [200 + g] * 100, [True] * 100)
         for g in range(2)
         for _ in range(2)
     ]

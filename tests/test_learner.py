@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gspo.core.advantages import group_advantages
-from gspo.core.layout import Sequence
+from gspo.core.layout import TokenSequence
 from gspo.core.objectives import LossSpec
 from gspo.learning import learner
 from gspo.learning.batch import Batch, Sample, make_batch
@@ -84,7 +84,7 @@ def _batch() -> Batch:
     for i in range(12):
         prompt = torch.randint(3, 60, (3 + i % 4,), generator=g).tolist()
         completion = torch.randint(3, 60, (2 + i % 5,), generator=g).tolist()
-        sequences.append(Sequence(prompt, completion, [True] * len(completion)))
+        sequences.append(TokenSequence(prompt, completion, [True] * len(completion)))
     advantages = torch.randn(12, generator=g)
     return Batch(
         sequences,
@@ -148,7 +148,7 @@ def _group_batch(per_token: bool = False) -> Batch:
             completion = torch.randint(
                 3, 60, (int(torch.randint(1, 6, (), generator=g)),), generator=g
             ).tolist()
-            sequences.append(Sequence(prompt, completion, [True] * len(completion)))
+            sequences.append(TokenSequence(prompt, completion, [True] * len(completion)))
             groups.append(group)
     if per_token:
         advantages = [torch.randn(len(s.completion_ids), generator=g).tolist() for s in sequences]

@@ -1,5 +1,5 @@
 """One writer per run folder (gspo.training.lock): a second process is refused naming the holder, a lock
-left by a SIGKILL is taken over with a note, readers need no lock (issue 23 finding 3)."""
+left by a SIGKILL is taken over with a note, readers need no lock."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import torch
 
 from conftest import tiny_config
 from gspo.config import ConfigError
-from gspo.core.layout import MicroBatch, Sequence, make_micro_batches
+from gspo.core.layout import MicroBatch, TokenSequence, make_micro_batches
 from gspo.core.logprobs import causal_lm_logprobs
 from gspo.learning import learner
 from gspo.models import moe, tiny_model
@@ -33,7 +33,7 @@ def _packed() -> list[MicroBatch]:
     sequences = []
     for n_prompt, n_completion in [(9, 5), (14, 3), (6, 8), (11, 4), (7, 6), (12, 2)]:
         ids = torch.randint(3, 99, (n_prompt + n_completion,), generator=g).tolist()
-        sequences.append(Sequence(ids[:n_prompt], ids[n_prompt:], [True] * n_completion))
+        sequences.append(TokenSequence(ids[:n_prompt], ids[n_prompt:], [True] * n_completion))
     micro = make_micro_batches(sequences, layout="packed", pack_length=32, micro_batch_tokens=64, pad_id=0)
     assert len(micro) == 2 and all(mb.attention_mask is None for mb in micro)
     return micro

@@ -467,7 +467,7 @@ def test_an_answer_over_the_size_limit_is_refused_without_reading_it_all() -> No
     ],
 )
 def test_an_answer_no_model_of_the_trainers_could_give_is_a_server_error(body: bytes, message: str) -> None:
-    """Issue 23 finding 5: out-of-vocabulary ids and infinite log-probs were accepted (or raised elsewhere),
+    """Out-of-vocabulary ids and infinite log-probs were accepted (or raised elsewhere),
     deeply nested JSON raised RecursionError."""
     respond = lambda wfile, *_: _answer(wfile, 200, body)  # noqa: E731
     with _raw_server(respond) as (url, _), pytest.raises(ServerError, match=message) as raised:

@@ -265,7 +265,7 @@ def test_token_importance_sampling_equals_trls(mode, objective):
 @pytest.mark.parametrize("mode", ["sequence_truncate", "sequence_mask"])
 def test_sequence_importance_sampling_is_trls_on_the_length_normalised_ratio(mode):
     """Pinned difference: TRL's sequence ratio is the product exp(sum_t log rho_t), gspo's the length-normalised
-    exp(mean_t log rho_t) (issue 13; GSPO's s_i). Ours on sampler equals TRL's on sampler' whose per-token
+    exp(mean_t log rho_t) (GSPO's s_i). Ours on sampler equals TRL's on sampler' whose per-token
     log rho is divided by |y_i|; on the raw sampler the two differ."""
     logp, old, sampler, adv, mask = batch(3)
     bounds = (0.9, 1.1)

@@ -131,7 +131,7 @@ def _break(checkpoint: Path, how: str) -> None:
 def test_resume_skips_an_incomplete_checkpoint_and_deletes_nothing(
     two_step_run, tmp_path, capsys, how
 ) -> None:
-    """Issue 23 finding 1: the incomplete step_2 (its trained weights) was deleted by the resumed run's
+    """The incomplete step_2 (its trained weights) was deleted by the resumed run's
     re-save of step 2, and metrics.jsonl truncated to step 1's lines."""
     run = _copy(two_step_run, tmp_path)
     _break(run / "checkpoints" / "step_000002", how)
@@ -166,7 +166,7 @@ def test_a_run_with_only_incomplete_checkpoints_is_refused_not_restarted(two_ste
 
 
 def test_resume_needs_the_checkpoints_own_config_or_force(two_step_run, tmp_path) -> None:
-    """Issue 23 finding 4: without it, the resume took any change (objective, group size, lr) silently."""
+    """Without it, the resume took any change (objective, group size, lr) silently."""
     run = _copy(two_step_run, tmp_path)
     (latest_checkpoint(run) / "config.yaml").unlink()
     for overrides in ([], ["train.lr=0.5", "train.objective=grpo"]):

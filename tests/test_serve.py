@@ -26,10 +26,10 @@ import pytest
 import torch
 
 import gspo.serve.generation as serve_generation
-import gspo.serve.training as serve_training
+import gspo.serve.updates as serve_training
 from conftest import tiny_config
 from gspo.cli import main
-from gspo.client import Client, Trajectory, TrajectoryGroup, completion_id
+from gspo.client import Client, Episode, EpisodeGroup, completion_id
 from gspo.config import ConfigError, load_config
 from gspo.core.layout import make_micro_batches
 from gspo.learning.policy import score
@@ -64,11 +64,9 @@ def _chat(client: openai.OpenAI, messages: list, **kwargs):
     return client.chat.completions.create(model="gspo", messages=messages, max_tokens=6, **kwargs)
 
 
-def _group(client: openai.OpenAI, size: int) -> list[TrajectoryGroup]:
+def _group(client: openai.OpenAI, size: int) -> list[EpisodeGroup]:
     """One group of `size` fresh one-turn trajectories with rewards 0 .. size - 1."""
-    return [
-        TrajectoryGroup([Trajectory([completion_id(_chat(client, QUESTION))], float(r)) for r in range(size)])
-    ]
+    return [EpisodeGroup([Episode([completion_id(_chat(client, QUESTION))], float(r)) for r in range(size)])]
 
 
 def _extra(obj) -> dict:
@@ -220,11 +218,11 @@ def test_multi_turn_training_uses_the_sampled_tokens_bit_for_bit(client, server,
             _extra(replies[1])["spliced_messages"] == [1] and _extra(replies[1])["unmatched_messages"] == []
         )
     trajectories = [
-        Trajectory([completion_id(r) for r in replies], reward=float(i))
+        Episode([completion_id(r) for r in replies], reward=float(i))
         for i, (replies, _) in enumerate(sessions)
     ]
     version = server.service.trainer.version
-    answer = Client(server.url).train([TrajectoryGroup(trajectories)])
+    answer = Client(server.url).train([EpisodeGroup(trajectories)])
     assert answer["version"] == version + 1 and answer["split_trajectories"] == []
     assert answer["old_logprobs"] == "sampler" and answer["metrics"]["split_trajectories"] == 0
     (batch, _, recomputed, order) = seen[0]
@@ -259,10 +257,10 @@ def test_a_rewritten_history_is_trained_as_exact_segments_and_reported(client, s
     assert _extra(second)["unmatched_messages"] == [1]
     other = _chat(client, QUESTION, seed=3)
     groups = [
-        TrajectoryGroup(
+        EpisodeGroup(
             [
-                Trajectory([completion_id(first), completion_id(second)], 1.0),
-                Trajectory([completion_id(other)], 0.0),
+                Episode([completion_id(first), completion_id(second)], 1.0),
+                Episode([completion_id(other)], 0.0),
             ]
         )
     ]
@@ -432,9 +430,7 @@ def test_wait_mode_holds_requests_during_an_update_and_stale_mode_serves_them(tm
         try:
             client = openai.OpenAI(base_url=running.url, api_key="none", max_retries=0)
             group = [
-                TrajectoryGroup(
-                    [Trajectory([completion_id(_chat(client, QUESTION))], float(r)) for r in range(2)]
-                )
+                EpisodeGroup([Episode([completion_id(_chat(client, QUESTION))], float(r)) for r in range(2)])
             ]
             old = _chat(client, QUESTION)
             trainer = threading.Thread(target=Client(running.url).train, args=(group,))
@@ -451,11 +447,7 @@ def test_wait_mode_holds_requests_during_an_update_and_stale_mode_serves_them(tm
             # a completion of version 0 trains at version 1 (max_staleness 1), recomputing the old policy
             fresh = _chat(client, QUESTION)
             answer = Client(running.url).train(
-                [
-                    TrajectoryGroup(
-                        [Trajectory([completion_id(old)], 1.0), Trajectory([completion_id(fresh)], 0.0)]
-                    )
-                ]
+                [EpisodeGroup([Episode([completion_id(old)], 1.0), Episode([completion_id(fresh)], 0.0)])]
             )
             assert answer["old_logprobs"] == "recompute" and answer["metrics"]["staleness_max"] == 1
         finally:
@@ -467,10 +459,8 @@ def test_completions_older_than_max_staleness_are_refused(tmp_path) -> None:
     try:
         client = openai.OpenAI(base_url=running.url, api_key="none", max_retries=0)
         old = [completion_id(_chat(client, QUESTION)) for _ in range(3)]
-        Client(running.url).train([TrajectoryGroup([Trajectory([old[0]], 1.0), Trajectory([old[1]], 0.0)])])
-        status, body = _error(
-            lambda: Client(running.url).train([TrajectoryGroup([Trajectory([old[2]], 1.0)])])
-        )
+        Client(running.url).train([EpisodeGroup([Episode([old[0]], 1.0), Episode([old[1]], 0.0)])])
+        status, body = _error(lambda: Client(running.url).train([EpisodeGroup([Episode([old[2]], 1.0)])]))
         assert status == 400 and body["code"] == "stale_completion"
         assert (
             body["param"] == "groups[0].trajectories[0].completion_ids[0]"
@@ -482,9 +472,7 @@ def test_completions_older_than_max_staleness_are_refused(tmp_path) -> None:
 
 def test_a_repeated_request_id_is_applied_once(client, server) -> None:
     api = Client(server.url)
-    group = [
-        TrajectoryGroup([Trajectory([completion_id(_chat(client, QUESTION))], float(r)) for r in range(2)])
-    ]
+    group = [EpisodeGroup([Episode([completion_id(_chat(client, QUESTION))], float(r)) for r in range(2)])]
     first = api.train(group, request_id="call-1")
     again = api.train(group, request_id="call-1")
     assert again["version"] == first["version"] == server.service.trainer.version and again["repeated"]
@@ -493,8 +481,8 @@ def test_a_repeated_request_id_is_applied_once(client, server) -> None:
 def test_client_gather_runs_the_rollout_g_times_per_scenario(server) -> None:
     api = Client(server.url)
 
-    async def rollout(agent: openai.AsyncOpenAI, scenario: int) -> Trajectory:
-        trajectory = Trajectory()
+    async def rollout(agent: openai.AsyncOpenAI, scenario: int) -> Episode:
+        trajectory = Episode()
         reply = await agent.chat.completions.create(
             model=api.model, messages=[{"role": "user", "content": str(scenario)}], max_tokens=3
         )

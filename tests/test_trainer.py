@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import tiny_config
 from gspo.cli import main
-from gspo.core.layout import Sequence, make_micro_batches
+from gspo.core.layout import TokenSequence, make_micro_batches
 from gspo.core.objectives import LossInputs, LossSpec, compute_loss
 from gspo.learning import learner
 from gspo.learning.policy import score
@@ -86,7 +86,10 @@ def test_bf16_mixed_precision_computes_in_bf16_and_keeps_fp32_master_weights(
     common = ("train.steps=1", "checkpoint.every=0")
     exact = Trainer(tiny_config(tmp_path / "fp32" / "run", *common))
     mixed = Trainer(tiny_config(tmp_path / "bf16" / "run", "train.mixed_precision=bf16", *common))
-    sequences = [Sequence([5, 6, 7, 8], [9, 10, 11], [True] * 3), Sequence([12, 13], [14, 15], [True] * 2)]
+    sequences = [
+        TokenSequence([5, 6, 7, 8], [9, 10, 11], [True] * 3),
+        TokenSequence([12, 13], [14, 15], [True] * 2),
+    ]
     (mb,) = make_micro_batches(sequences, layout="packed", pack_length=64, micro_batch_tokens=1024, pad_id=0)
     with torch.no_grad():  # the same initial weights, scored in fp32 and in bf16
         gap = (
@@ -131,7 +134,7 @@ def test_every_layout_of_the_trainers_rollouts_gives_the_same_gradients(tmp_path
         trainer.prompts(trainer.stream.next_batch()), group_size=group_size, max_new_tokens=6
     )
     sequences = [
-        Sequence(p, c, [True] * len(c))
+        TokenSequence(p, c, [True] * len(c))
         for p, c in zip(rollouts.prompt_ids, rollouts.completion_ids, strict=False)
     ]
     advantages = torch.linspace(-1, 1, len(sequences))

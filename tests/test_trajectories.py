@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gspo.config import ConfigError, load_config
-from gspo.core.layout import Sequence
+from gspo.core.layout import TokenSequence
 from gspo.core.mismatch import mismatch_metrics, sampler_log_ratios
 from gspo.learning.batch import Batch, make_batch
 from gspo.learning.learner import learn, minibatches
@@ -157,8 +157,8 @@ def _groups(tokenizer) -> list[TrajectoryGroup]:
     ]
 
 
-def _sequence(tokens) -> Sequence:
-    return Sequence(tokens.prompt_ids, tokens.completion_ids, [t >= 0 for t in tokens.turn])
+def _sequence(tokens) -> TokenSequence:
+    return TokenSequence(tokens.prompt_ids, tokens.completion_ids, [t >= 0 for t in tokens.turn])
 
 
 def _with_logprobs(trainer: Trainer, groups: list[TrajectoryGroup]) -> list[TrajectoryGroup]:

@@ -166,12 +166,15 @@ def test_kernel_choice(monkeypatch):
 
 def test_update_spec_selects_the_kernel_for_a_shared_prefix_micro_batch():
     """The learner's `score` passes UpdateSpec.logprob_kernel down: both kernels, one micro-batch."""
-    from gspo.core.layout import Sequence, make_micro_batches
+    from gspo.core.layout import TokenSequence, make_micro_batches
     from gspo.learning.policy import UpdateSpec, score
 
     model = tiny_model("llama", vocab_size=V, seed=1).to(DEVICE)
     prompt = [5, 6, 7]
-    sequences = [Sequence(prompt, [8, 9, 10, 11], [True] * 4), Sequence(prompt, [12, 13], [True] * 2)]
+    sequences = [
+        TokenSequence(prompt, [8, 9, 10, 11], [True] * 4),
+        TokenSequence(prompt, [12, 13], [True] * 2),
+    ]
     (mb,) = make_micro_batches(
         sequences, layout="shared_prefix", pack_length=64, micro_batch_tokens=256, pad_id=0
     )

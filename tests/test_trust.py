@@ -1,5 +1,5 @@
 """A run folder is data (gspo.training.trust): the reward code and the server its config names are used
-only when the user names them on the command line (issue 23 finding 2)."""
+only when the user names them on the command line."""
 
 from __future__ import annotations
 

@@ -10,17 +10,17 @@ from __future__ import annotations
 import openai
 from game import Game
 
-from gspo.client import Trajectory
+from gspo.client import Episode
 
 
 async def play(
     client: openai.AsyncOpenAI, model: str, game: Game, *, temperature: float = 1.0, seed: int | None = None
-) -> Trajectory:
+) -> Episode:
     """Play `game` to its end; the trajectory's reward: 1 for a win, plus 0.2 x the share of guesses that
     respect the hints given so far (a denser signal for a small model). seed: the game's sampling seed
     (evaluation), one per turn derived from it."""
     messages: list = [{"role": "user", "content": game.rules()}]
-    trajectory = Trajectory()
+    trajectory = Episode()
     while not game.over:
         reply = await client.chat.completions.create(
             model=model,

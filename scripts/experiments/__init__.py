@@ -6,6 +6,6 @@
 - ``plots``: one line per method over rollouts, a band over seeds;
 - ``report``: markdown reports from the templates in ``templates/``.
 
-Each study (``paper``, ``bakeoff``, ``split``) names its runs, its numbers, its verdicts and its template;
+Each study (``paper``, ``family`` (the bake-off), ``split``) names its runs, its numbers, its verdicts and its template;
 ``scripts/reproduce_paper.py``, ``scripts/bakeoff.py`` and ``scripts/minibatch_split.py`` run them.
 """

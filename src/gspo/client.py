@@ -1,14 +1,14 @@
 """A thin client for `gspo serve`: the official openai SDK pointed at the server, and training on groups.
 
 Your agent is ordinary code against `openai.AsyncOpenAI` (or `OpenAI`). Each completion the server returns
-carries a ``completion_id``; a `Trajectory` collects those of one episode, in order, with its reward.
+carries a ``completion_id``; an `Episode` collects those of one episode, in order, with its reward.
 `Client.gather` runs your rollout function G times per scenario, concurrently (the server batches the
 requests), and `Client.train` posts the groups: the server rebuilds each trajectory from the tokens it
 sampled and runs the configured objective's updates on the live policy (docs/agents.md).
 
 >>> client = Client("http://127.0.0.1:8000/v1")  # doctest: +SKIP
 >>> async def rollout(openai, scenario):  # doctest: +SKIP
-...     trajectory = Trajectory()
+...     trajectory = Episode()
 ...     reply = await openai.chat.completions.create(model=client.model, messages=[...])
 ...     trajectory.add(reply)
 ...     trajectory.reward = score(reply.choices[0].message.content, scenario)
@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
+import warnings
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,7 +49,7 @@ def completion_id(response: Any, choice: int = 0) -> str:
 
 
 @dataclass
-class Trajectory:
+class Episode:
     """One episode: the completion ids of its turns (in order) and its reward.
 
     turn_rewards: optional, one per turn, for per-turn advantages; metrics: your own numbers, averaged by
@@ -72,17 +73,33 @@ class Trajectory:
 
 
 @dataclass
-class TrajectoryGroup:
+class EpisodeGroup:
     """The trajectories of one scenario: advantages compare them with each other."""
 
-    trajectories: list[Trajectory] = field(default_factory=list)
+    trajectories: list[Episode] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"trajectories": [t.to_json() for t in self.trajectories]}
 
 
-Rollout = Callable[[openai.AsyncOpenAI, Any], Awaitable[Trajectory]]
-"""Your agent: (the async client, a scenario) -> a finished Trajectory with its reward."""
+_RENAMED = {"Trajectory": Episode, "TrajectoryGroup": EpisodeGroup}
+
+
+def __getattr__(name: str) -> Any:
+    """The names before 0.2 (gspo.Trajectory is a chat conversation; the client's record is an Episode)."""
+    if name in _RENAMED:
+        new = _RENAMED[name]
+        warnings.warn(
+            f"gspo.client.{name} is now gspo.client.{new.__name__}; the old name goes in a later release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return new
+    raise AttributeError(f"module 'gspo.client' has no attribute {name!r}")
+
+
+Rollout = Callable[[openai.AsyncOpenAI, Any], Awaitable[Episode]]
+"""Your agent: (the async client, a scenario) -> a finished Episode with its reward."""
 
 
 class Client:
@@ -133,7 +150,7 @@ class Client:
         group_size: int,
         *,
         max_exceptions: int = 0,
-    ) -> list[TrajectoryGroup]:
+    ) -> list[EpisodeGroup]:
         """`group_size` rollouts of each scenario, all at once; a group per scenario. A rollout that raises
         is dropped (and its group if none is left) up to `max_exceptions` of them, then the error is raised.
         Each rollout gets the same scenario object: build the episode's own state from it (rollouts that
@@ -146,19 +163,19 @@ class Client:
             raise failed[0]
         groups = []
         for j in range(len(scenarios)):
-            kept = [r for r in results[j * group_size : (j + 1) * group_size] if isinstance(r, Trajectory)]
+            kept = [r for r in results[j * group_size : (j + 1) * group_size] if isinstance(r, Episode)]
             if kept:
-                groups.append(TrajectoryGroup(kept))
+                groups.append(EpisodeGroup(kept))
         return groups
 
-    def train(self, groups: Iterable[TrajectoryGroup], *, request_id: str | None = None) -> dict[str, Any]:
+    def train(self, groups: Iterable[EpisodeGroup], *, request_id: str | None = None) -> dict[str, Any]:
         """One train call on `groups`; returns the server's answer (version, metrics, split trajectories).
         A request id makes retries safe: the server applies a call once however often it arrives."""
         body = {"groups": [g.to_json() for g in groups], "request_id": request_id or uuid.uuid4().hex}
         return self.openai.post("/train", body=body, cast_to=object)
 
     async def atrain(
-        self, groups: Iterable[TrajectoryGroup], *, request_id: str | None = None
+        self, groups: Iterable[EpisodeGroup], *, request_id: str | None = None
     ) -> dict[str, Any]:
         body = {"groups": [g.to_json() for g in groups], "request_id": request_id or uuid.uuid4().hex}
         return await self.async_openai.post("/train", body=body, cast_to=object)

@@ -23,7 +23,7 @@ LAYOUTS = ("shared_prefix", "packed", "padded")
 
 
 @dataclass
-class Sequence:
+class TokenSequence:
     """One prompt+completion to score; `train_mask[k]` says whether completion token k gets gradient."""
 
     prompt_ids: list[int]
@@ -92,7 +92,7 @@ layer's matmuls): sharing pays when s >= T n / (3 d). 3 d = 1536 for d = 512; la
 readily than this rule lets them. A group's own samples always share their whole prompt."""
 
 
-def _pieces(sequences: list[Sequence], row: list[int], tree: bool) -> list[Piece]:
+def _pieces(sequences: list[TokenSequence], row: list[int], tree: bool) -> list[Piece]:
     """A row's tokens in order: each sequence's prompt then completion; in prefix trees (``row`` sorted by
     prompt) a prompt only from where it leaves the previous sequence's, its completion a new branch, and a
     new tree instead where a prompt of another group shares too little with it (MERGE_WIDTH)."""
@@ -114,15 +114,15 @@ def _pieces(sequences: list[Sequence], row: list[int], tree: bool) -> list[Piece
     return out
 
 
-def _row_length(sequences: list[Sequence], row: list[int], tree: bool) -> int:
+def _row_length(sequences: list[TokenSequence], row: list[int], tree: bool) -> int:
     return sum(len(tokens) for tokens, _, _ in _pieces(sequences, row, tree))
 
 
-def _by_prompt(sequences: list[Sequence], row: list[int]) -> list[int]:
+def _by_prompt(sequences: list[TokenSequence], row: list[int]) -> list[int]:
     return sorted(row, key=lambda i: sequences[i].prompt_ids)
 
 
-def _tree_rows(sequences: list[Sequence], pack_length: int) -> list[list[int]]:
+def _tree_rows(sequences: list[TokenSequence], pack_length: int) -> list[list[int]]:
     """Sequences in prefix-tree rows of at most ``pack_length`` tokens (a longer group's samples split
     into trees of their own). A prompt's samples go together (as many as fit), largest first, each into the
     first row where the row's trees, laid out with them, still fit; what they add is at least their tokens
@@ -183,7 +183,7 @@ def _first_fit_rows(lengths: list[int], pack_length: int) -> list[list[int]]:
     return rows
 
 
-def _build(sequences: list[Sequence], rows: list[list[int]], pad_id: int, layout: str) -> MicroBatch:
+def _build(sequences: list[TokenSequence], rows: list[list[int]], pad_id: int, layout: str) -> MicroBatch:
     """One micro-batch from rows of sequence indices."""
     tree = layout == "shared_prefix"
     pieces = [_pieces(sequences, row, tree) for row in rows]
@@ -222,7 +222,7 @@ def _build(sequences: list[Sequence], rows: list[list[int]], pad_id: int, layout
 
 
 def make_micro_batches(
-    sequences: list[Sequence], *, layout: str, pack_length: int, micro_batch_tokens: int, pad_id: int
+    sequences: list[TokenSequence], *, layout: str, pack_length: int, micro_batch_tokens: int, pad_id: int
 ) -> list[MicroBatch]:
     """Split `sequences` into micro-batches of at most `micro_batch_tokens` tokens (padding included).
 
@@ -265,10 +265,10 @@ def layout_is_exact(
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(1, vocab_size, (22,), generator=generator).tolist()
     sequences = [
-        Sequence(tokens[:3], tokens[3:8], [True] * 5),
-        Sequence(tokens[8:10], tokens[10:14], [True] * 4),
-        Sequence(tokens[:3], tokens[14:18], [True] * 4),  # the first one's prompt
-        Sequence(tokens[:2] + tokens[18:19], tokens[19:], [True] * 3),  # its first two tokens
+        TokenSequence(tokens[:3], tokens[3:8], [True] * 5),
+        TokenSequence(tokens[8:10], tokens[10:14], [True] * 4),
+        TokenSequence(tokens[:3], tokens[14:18], [True] * 4),  # the first one's prompt
+        TokenSequence(tokens[:2] + tokens[18:19], tokens[19:], [True] * 3),  # its first two tokens
     ]
     values = []
     for candidate in (layout, "padded"):

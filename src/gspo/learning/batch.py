@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from gspo.core.advantages import group_advantages
-from gspo.core.layout import Sequence
+from gspo.core.layout import TokenSequence
 from gspo.parallel.collectives import all_gather_objects
 from gspo.parallel.group import rank
 
@@ -56,7 +56,7 @@ class Batch:
     (per-turn rewards); groups: the (global) group of each sequence.
     """
 
-    sequences: list[Sequence]
+    sequences: list[TokenSequence]
     advantages: Tensor | list[list[float]]
     sampler_logprobs: list[list[float]]
     groups: list[int]
@@ -113,7 +113,7 @@ def make_batch(
         mask = list(s.train_mask) if s.train_mask is not None else [True] * len(s.completion_ids)
         if mask_truncated and s.truncated:
             mask = [False] * len(mask)
-        sequences.append(Sequence(s.prompt_ids, s.completion_ids, mask))
+        sequences.append(TokenSequence(s.prompt_ids, s.completion_ids, mask))
         if per_turn:  # each token takes its turn's advantage; 0 on context tokens
             turn_adv = advantages[first + i].tolist()
             turns = s.turns if s.turns is not None else [0] * len(s.completion_ids)

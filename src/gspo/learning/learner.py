@@ -3,7 +3,7 @@
 `learn(policy, spec, batch, seed=...)` takes everything it uses as arguments and returns its metrics. The
 batch is shuffled (seeded) and split into ``spec.minibatches`` minibatches, each laid out in micro-batches
 of at most ``spec.micro_batch_tokens`` tokens (`minibatches`); `old_policy` scores exactly that layout and
-returns one `Minibatch` record per update (its old, sampler's and reference log-probs and MoE expert
+returns one `UpdateBatch` record per update (its old, sampler's and reference log-probs and MoE expert
 choices), so the first minibatch is exactly on-policy. `update` is one optimizer update whose micro-batches
 share the minibatch's loss normaliser, so accumulation reproduces the full-minibatch gradient exactly.
 """
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gspo.core.layout import MicroBatch, Sequence, make_micro_batches
+from gspo.core.layout import MicroBatch, TokenSequence, make_micro_batches
 from gspo.core.mismatch import mismatch_metrics, sampler_log_ratios
 from gspo.core.objectives import LossInputs, compute_loss
 from gspo.learning.batch import Batch
@@ -54,7 +54,7 @@ def place(values: list[list[float]], mb: MicroBatch) -> torch.Tensor:
 
 def minibatches(
     spec: UpdateSpec,
-    sequences: list[Sequence],
+    sequences: list[TokenSequence],
     *,
     seed: int,
     device: torch.device,
@@ -105,7 +105,7 @@ def _split(order: list[int], parts: int) -> list[np.ndarray]:
 
 
 @dataclass
-class Minibatch:
+class UpdateBatch:
     """One optimizer update's share of the batch and what the old policy said about it, per micro-batch:
     log-probs laid out like the micro-batch's flattened tokens (R*L,), expert choices of MoE models."""
 
@@ -161,7 +161,7 @@ def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def old_policy(
     policy: Policy, spec: UpdateSpec, batch: Batch, layout: list[tuple[list[int], list[MicroBatch]]]
-) -> tuple[list[Minibatch], dict[str, float]]:
+) -> tuple[list[UpdateBatch], dict[str, float]]:
     """The minibatches of ``layout`` with the old policy's log-probs (and reference ones, expert choices),
     before any update; and the metrics of the old-policy pass.
 
@@ -187,7 +187,7 @@ def old_policy(
                 old, routes = sampled, _expert_choices(policy, micro)
             ref = [policy.reference_logprobs(mb, spec) for mb in micro] if spec.loss.beta > 0 else None
             parts.append(
-                Minibatch(index, ids, micro, old, sampled, ref, routes, old_is_sampled=not recompute)
+                UpdateBatch(index, ids, micro, old, sampled, ref, routes, old_is_sampled=not recompute)
             )
     if spec.old_logprobs == "recompute":  # both log-probs known: how far apart
         metrics = mismatch.metrics()
@@ -227,7 +227,9 @@ def _expert_choices(policy: Policy, micro: list[MicroBatch]) -> list[moe.Routing
         return [moe.expert_choices(policy.model, mb) for mb in micro]
 
 
-def update(policy: Policy, spec: UpdateSpec, minibatch: Minibatch, advantages: Advantages) -> dict[str, Any]:
+def update(
+    policy: Policy, spec: UpdateSpec, minibatch: UpdateBatch, advantages: Advantages
+) -> dict[str, Any]:
     """One optimizer update on a minibatch: gradient accumulation over its micro-batches, then one step.
 
     advantages: the batch's, (n,) one per sequence or one list per sequence with a value per completion
@@ -262,7 +264,7 @@ def update(policy: Policy, spec: UpdateSpec, minibatch: Minibatch, advantages: A
     return out | (mismatch.metrics() if mismatch is not None else {})
 
 
-def _normalizer(spec: UpdateSpec, minibatch: Minibatch) -> float:
+def _normalizer(spec: UpdateSpec, minibatch: UpdateBatch) -> float:
     """The minibatch's loss normaliser over all ranks: B sequences, its tokens for token-mean, or B x
     max_new_tokens for Dr. GRPO; each rank's loss is its share of the one-process loss, and the ranks'
     gradients are summed."""
@@ -277,7 +279,7 @@ def _normalizer(spec: UpdateSpec, minibatch: Minibatch) -> float:
 
 def _loss_inputs(
     spec: UpdateSpec,
-    minibatch: Minibatch,
+    minibatch: UpdateBatch,
     j: int,
     logp: torch.Tensor,
     advantages: Advantages,
@@ -354,7 +356,7 @@ def learn(
     return {**reduce_metrics(updates), **out}
 
 
-def _token_counts(batch: Batch, parts: list[Minibatch]) -> dict[str, float]:
+def _token_counts(batch: Batch, parts: list[UpdateBatch]) -> dict[str, float]:
     """What the updates compute vs what is there, over all ranks: real tokens (each sequence whole), unique
     tokens (a group's prompt once); the layout's padding and prompt repeats make the difference."""
     computed = sum(mb.num_tokens for m in parts for mb in m.micro if mb.indices)

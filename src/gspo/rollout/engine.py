@@ -10,7 +10,7 @@ an agent's G episodes sent as G requests). The slots' keys and values live in a
 gspo.rollout.kv_cache.SlotCache, written in place, read through the model's own modules (any
 transformers decoder whose attention dispatches through AttentionInterface: GQA, sliding windows, MoE,
 LoRA adapters, autocast), so the log-probs are the model's. Each sample draws from its own counter-based
-random stream (gspo.rollout.sampling), so its tokens depend on its seed and sample index only, not on
+random stream (gspo.rollout.draws), so its tokens depend on its seed and sample index only, not on
 the other samples in the batch.
 
 Threading: `submit`, `cancel`, `reset_prefix_cache`, `idle`, `load` and `wait` may be called from any
@@ -42,9 +42,9 @@ import torch
 from torch import Tensor
 
 from gspo.core.logprobs import decoder_and_head
+from gspo.rollout.draws import Row, draw, stream_key, uniform
 from gspo.rollout.kv_cache import SlotCache, cache_kwarg, make_plan, slot_attention
 from gspo.rollout.requests import Completion, Event, Request, SamplingParams
-from gspo.rollout.sampling import Row, draw, stream_key, uniform
 
 CAPACITY_STEP = 128
 """The cache grows in multiples of this many tokens per slot."""

@@ -12,8 +12,7 @@ docs/trajectories.md has the tokenisation rules, the per-turn advantages and a u
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -272,7 +271,10 @@ def _splice_sampled(
 
 
 def trajectory_samples(
-    tokenizer: PreTrainedTokenizerBase, groups: Seq[TrajectoryGroup], *, need_sampler_logprobs: bool = False
+    tokenizer: PreTrainedTokenizerBase,
+    groups: Sequence[TrajectoryGroup],
+    *,
+    need_sampler_logprobs: bool = False,
 ) -> list[Sample]:
     """The training samples of trajectory groups, in order (group g's trajectories have group id g).
 
@@ -331,7 +333,7 @@ def groups_from_rollouts(
     tokenizer: PreTrainedTokenizerBase,
     prompts: list[list[dict[str, Any]]],
     rollouts: Rollouts,
-    rewards: Seq[float],
+    rewards: Sequence[float],
 ) -> list[TrajectoryGroup]:
     """Single-turn trajectory groups from `Rollouts` (the HF sampler's or `gspo.rollout.openai`'s).
 

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse
 
 from gspo.serve.openai_api import Inference, chat_completions, completions
 from gspo.serve.protocol import ChatRequest, CompletionRequest, ServeError, TrainRequest, field_name
-from gspo.serve.service import Trainer
+from gspo.serve.service import TrainService
 
 log = logging.getLogger("gspo.serve")
 
@@ -36,7 +36,7 @@ class Service:
     """What the routes serve: inference, training, and the API key (None: no key)."""
 
     inference: Inference
-    trainer: Trainer
+    trainer: TrainService
     api_key: str | None
     started: float = 0.0
 

@@ -23,9 +23,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gspo.rollout.draws import stream_key
 from gspo.rollout.engine import Engine
 from gspo.rollout.requests import Event, SamplingParams
-from gspo.rollout.sampling import stream_key
 
 
 def sampling_params(

@@ -33,7 +33,7 @@ from gspo.serve.app import Service, create_app
 from gspo.serve.driver import Driver
 from gspo.serve.openai_api import Inference
 from gspo.serve.records import RecordStore
-from gspo.serve.service import Trainer, load_serve_checkpoint
+from gspo.serve.service import TrainService, load_serve_checkpoint
 from gspo.training import lock
 from gspo.training.build import choose_layout, setup_model, setup_policy
 from gspo.training.metrics import MetricsLogger
@@ -151,7 +151,7 @@ def build_service(
     logger = MetricsLogger(
         run_dir, tensorboard=config.tensorboard, resume_step=version if checkpoint is not None else None
     )
-    trainer = Trainer(
+    trainer = TrainService(
         config, policy, spec, tokenizer, run_dir, driver, records, sampling, logger, version, answers
     )
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config

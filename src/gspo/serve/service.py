@@ -1,7 +1,7 @@
 """The server's trainer: one train call at a time on the live policy, the sampling weights kept in step,
 every acknowledged step on disk.
 
-A train call (gspo.serve.training) waits for the one before it, then, with serve.during_update=wait, stops
+A train call (gspo.serve.updates) waits for the one before it, then, with serve.during_update=wait, stops
 admitting samples and waits for the running ones to finish; with "stale" sampling goes on from its own copy
 of the weights. After the updates the policy version goes up by one, the step's metrics go to
 metrics.jsonl, and (serve.durable) a checkpoint is written before the answer, so a kill after an answer
@@ -26,7 +26,7 @@ from gspo.parallel.state import load_optimizer_state, optimizer_state, savable_m
 from gspo.serve.driver import Driver
 from gspo.serve.protocol import ServeError, TrainRequest
 from gspo.serve.records import RecordStore
-from gspo.serve.training import Snapshot, prepare_update, resolve, run_update
+from gspo.serve.updates import Snapshot, prepare_update, resolve, run_update
 from gspo.training.checkpoint import load_trainer_state, rng_state, save_checkpoint, set_rng_state
 from gspo.training.metrics import MetricsLogger
 from gspo.training.resume import apply_optimizer_settings
@@ -71,7 +71,7 @@ def load_serve_checkpoint(checkpoint: Path, policy: Policy, config: Config) -> t
 
 
 @dataclass
-class Trainer:
+class TrainService:
     """Train calls on the live policy (module docstring). `sampling_model` is the model the engine samples
     from: the policy's own (during_update=wait) or a copy (stale)."""
 

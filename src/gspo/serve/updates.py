@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from gspo.config import Config
-from gspo.core.layout import Sequence
+from gspo.core.layout import TokenSequence
 from gspo.learning.batch import Batch, Sample, make_batch
 from gspo.learning.learner import learn
 from gspo.learning.policy import Policy, UpdateSpec
@@ -203,7 +203,7 @@ def per_segment(batch: Batch, samples: list[Sample], rebuilt: list[Rebuilt], req
         trajectory = request.groups[item.group].trajectories[item.index]
         for segment in item.segments:
             end = start + len(segment.completion_ids)
-            sequences.append(Sequence(segment.prompt_ids, segment.completion_ids, mask[start:end]))
+            sequences.append(TokenSequence(segment.prompt_ids, segment.completion_ids, mask[start:end]))
             if given:
                 advantages.append(_given_advantages(trajectory, item.records, segment))
             elif isinstance(batch.advantages, list):
