@@ -98,7 +98,8 @@ def classify(error: BaseException) -> tuple[str, str] | None:
     from gspo.models import ModelError
     from gspo.rollout.data import DataError
     from gspo.rollout.openai import AlignmentError, ServerError
-    from gspo.rollout.rewards import RewardError, RewardFileError
+    from gspo.rollout.rewards import RewardError
+    from gspo.rollout.user_code import CodeFileError
     from gspo.training.checkpoint import CheckpointError
     from gspo.training.lock import RunInUse
     from gspo.training.metrics import MetricsError
@@ -108,7 +109,7 @@ def classify(error: BaseException) -> tuple[str, str] | None:
         ("interrupted", (KeyboardInterrupt,)),
         ("usage", (UsageError,)),
         ("config", (ConfigError,)),
-        ("input", (DataError, ModelError, RewardFileError, FileNotFoundError)),
+        ("input", (DataError, ModelError, CodeFileError, FileNotFoundError)),
         ("run folder", (RunFolderError, RunInUse, CheckpointError, MetricsError, FileExistsError)),
         ("reward", (RewardError,)),
         ("server", (ServerError, AlignmentError)),

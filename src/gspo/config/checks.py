@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 
 from gspo.config.rules import check_values
 from gspo.config.schema import Config, ConfigError
-from gspo.core.registry import PAPER_DEFAULTS, SEQUENCE_OBJECTIVES
+from gspo.core.registry import OBJECTIVES, PAPER_DEFAULTS, SEQUENCE_OBJECTIVES
 
 
 def validate(config: Config) -> None:
@@ -42,6 +43,12 @@ def validate(config: Config) -> None:
         )
     _check_corrections(config)
     _check_serve(config)
+    if config.train.skip_zero_advantage is True and config.train.beta > 0:
+        raise ConfigError(
+            f"train.skip_zero_advantage=true with train.beta={config.train.beta}: the KL term depends on every "
+            "sample, so skipping the zero-advantage ones would change the loss; set it to auto (off with a "
+            "KL term) or false"
+        )
     if config.train.logprob_kernel == "triton" and importlib.util.find_spec("triton") is None:
         raise ConfigError(
             "train.logprob_kernel=triton needs triton (`pip install triton`; CUDA builds of torch bring it): "
@@ -59,8 +66,18 @@ def validate(config: Config) -> None:
 
 
 def _check_objective(config: Config) -> None:
-    """Each objective's knobs: a clip range, or SAPO's temperatures (their ranges: gspo.config.rules)."""
+    """A built-in objective or user code; each built-in's knobs: a clip range, or SAPO's temperatures (their
+    ranges: gspo.config.rules). A user objective's knobs are checked when it is loaded."""
     train = config.train
+    if ":" in train.objective:  # "module:function" or "path/file.py:function"
+        return
+    if train.objective not in OBJECTIVES:
+        close = difflib.get_close_matches(train.objective, OBJECTIVES, n=1, cutoff=0.5)
+        raise ConfigError(
+            f"train.objective: {train.objective!r} is not one of {', '.join(OBJECTIVES)}, nor your own objective "
+            f"('path/file.py:function' or 'module:function', docs/objectives.md)"
+            + (f"; did you mean {close[0]!r}?" if close else "")
+        )
     sapo = "tau_pos" in PAPER_DEFAULTS[train.objective]  # a soft gate, not a clip range
     for name in ("eps_low", "eps_high", "tau_pos", "tau_neg"):
         value = getattr(train, name)

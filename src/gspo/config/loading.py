@@ -242,8 +242,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return config
 
 
-def reward_file(name: str) -> Path | None:
-    """The file of a reward named "path/to/file.py:function", else None (a built-in, "module:function")."""
+def code_file(name: str) -> Path | None:
+    """The file of a reward or objective named "path/to/file.py:function", else None (a built-in,
+    "module:function")."""
     source, colon, _ = name.rpartition(":")  # rpartition keeps a Windows drive letter ("C:\\r.py:fn")
     if colon and (source.endswith(".py") or "/" in source or "\\" in source):
         return Path(source)
@@ -251,7 +252,7 @@ def reward_file(name: str) -> Path | None:
 
 
 def _anchor_paths(config: Config, given: dict[str, Any], config_file: Path | None) -> None:
-    """Make the input paths set in `given` (model.path, task.data_path, reward files) absolute: relative to
+    """Make the input paths set in `given` (model.path, task.data_path, reward and objective files) absolute: relative to
     the folder of the config file that names them, or for an override (`config_file` None) to the working
     directory, as any command-line path. A task's config, data and rewards then travel together and work
     from any directory, and the run folder's config.yaml keeps pointing at them when resumed elsewhere."""
@@ -277,10 +278,15 @@ def _anchor_paths(config: Config, given: dict[str, Any], config_file: Path | Non
         config.model.path = anchored(config.model.path, "model.path")
     if sections["task"].get("data_path") is not None and config.task.data_path:
         config.task.data_path = anchored(config.task.data_path, "task.data_path")
+    train = given.get("train") if isinstance(given.get("train"), dict) else {}
+    objective_file = code_file(config.train.objective)
+    if train.get("objective") is not None and objective_file is not None:
+        function = config.train.objective.rpartition(":")[2]
+        config.train.objective = f"{anchored(str(objective_file), 'train.objective')}:{function}"
     if given.get("rewards") is not None:
         rewards = {}
         for name, weight in config.rewards.items():
-            file = reward_file(name)
+            file = code_file(name)
             if file is not None:
                 name = f"{anchored(str(file), f'rewards.{name}')}:{name.rpartition(':')[2]}"
             rewards[name] = weight

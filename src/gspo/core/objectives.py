@@ -31,8 +31,20 @@ from gspo.core.registry import (
     REGISTRY,
     SAMPLER_CORRECTIONS,
     SEQUENCE_OBJECTIVES,
+    Aggregation,
+    SamplerCorrection,
 )
-from gspo.core.surrogates import LOG_RATIO_CLAMP, TERMS, Segments, Stream, Terms, exp_clamped, segment_sum
+from gspo.core.surrogates import (
+    LOG_RATIO_CLAMP,
+    TERMS,
+    ObjectiveError,
+    Segments,
+    Stream,
+    Terms,
+    exp_clamped,
+    line_in,
+    segment_sum,
+)
 
 __all__ = [
     "AGGREGATIONS",
@@ -43,6 +55,7 @@ __all__ = [
     "LossInputs",
     "LossSpec",
     "compute_loss",
+    "loss_normalizer",
     "policy_loss",
 ]
 
@@ -77,9 +90,9 @@ class LossSpec:
     eps_high: float | None = None
     tau_pos: float | None = None
     tau_neg: float | None = None
-    aggregation: str = "seq-mean-token-mean"
+    aggregation: Aggregation = "seq-mean-token-mean"
     beta: float = 0.0
-    sampler_correction: str = "none"
+    sampler_correction: SamplerCorrection = "none"
     sampler_correction_min: float | None = None
     sampler_correction_max: float | None = None
     opsm_delta: float | None = None
@@ -98,8 +111,11 @@ class LossSpec:
     def knobs(self) -> dict[str, float]:
         """The objective's knobs: its paper defaults, with the ones set here."""
         if self.objective not in REGISTRY:
-            raise ValueError(f"policy_loss: unknown objective {self.objective!r}; choose one of {OBJECTIVES}")
-        params = dict(PAPER_DEFAULTS[self.objective])
+            raise ValueError(
+                f"policy_loss: unknown objective {self.objective!r}; choose one of {OBJECTIVES}, or register "
+                "your own (gspo.core.surrogates.register_objective; train.objective: 'file.py:function')"
+            )
+        params = dict(REGISTRY[self.objective].defaults)
         for key in ("eps_low", "eps_high", "tau_pos", "tau_neg"):
             value = getattr(self, key)
             if value is None:
@@ -111,6 +127,21 @@ class LossSpec:
                 )
             params[key] = float(value)
         return params
+
+    def for_token_advantages(self) -> LossSpec:
+        """The spec for per-token advantages: a sequence objective becomes its registered token form
+        (gspo -> gspo_token, the same value and gradient for per-sequence advantages); a token objective is
+        itself; a sequence objective without one is an error naming the token objectives."""
+        entry = REGISTRY[self.objective]
+        if entry.level == "token":
+            return self
+        if entry.token_form is None:
+            tokens = [name for name, o in REGISTRY.items() if o.level == "token"]
+            raise ValueError(
+                f"policy_loss({self.objective}) takes one advantage per sequence, and these are per token "
+                f"(per-turn rewards): choose one of {', '.join(tokens)}"
+            )
+        return dataclasses.replace(self, objective=entry.token_form)
 
     def correction(self) -> Correction:
         """The mismatch corrections with their bounds resolved; a ValueError naming the fix for a wrong one."""
@@ -284,7 +315,7 @@ def compute_loss(
         _check_finite(f"policy_loss({spec.objective})", inputs)
     s = _stream(inputs, segment_sum_reduce)
     level = REGISTRY[spec.objective].level
-    terms = TERMS[spec.objective](s, spec.knobs())
+    terms = _terms(spec, s)
     correction = spec.correction()
     weight, metrics = None, {}  # weight: (S,) or (N,), the corrections' weight of each term
     if correction.name is not None or correction.opsm_delta is not None:
@@ -396,6 +427,58 @@ def _stream(inputs: LossInputs, segment_sum_reduce: Callable[[Tensor], Tensor] |
     return Stream(seg, lp, old_lp, log_ratio, seq_log_ratio, adv_seq, adv_token)
 
 
+def loss_normalizer(
+    aggregation: str, sequences: int | Tensor, tokens: int | Tensor, max_new_tokens: int | None = None
+) -> int | Tensor:
+    """The outer denominator of an aggregation: the number of ``sequences`` (the paper's 1/G per sequence),
+    the number of trained ``tokens`` for "token-mean", or sequences x ``max_new_tokens`` for
+    "seq-mean-token-sum-norm" (Dr. GRPO's constant). The learner passes a whole minibatch's counts, so its
+    micro-batches (and ranks) sum to the minibatch's loss."""
+    if aggregation == "token-mean":
+        return tokens
+    if aggregation == "seq-mean-token-sum-norm":
+        if max_new_tokens is None:
+            raise ValueError("aggregation seq-mean-token-sum-norm (Dr. GRPO) needs max_new_tokens")
+        return sequences * max_new_tokens
+    return sequences
+
+
+def _terms(spec: LossSpec, s: Stream) -> Terms:
+    """The objective's terms; a user objective's checked (their kind and shapes), and any error it raises
+    named with its file and line."""
+    function = TERMS[spec.objective]
+    if spec.objective in OBJECTIVES:
+        return function(s, spec.knobs())
+    code = getattr(function, "__code__", None)
+    try:
+        terms = function(s, spec.knobs())
+    except Exception as error:
+        where = f" at {code.co_filename}{line_in(error, code.co_filename)}" if code is not None else ""
+        raise ObjectiveError(
+            f"objective {spec.objective!r} raised {type(error).__name__}: {error}{where}"
+        ) from error
+    size = len(s.seq_log_ratio) if REGISTRY[spec.objective].level == "sequence" else len(s.lp)
+    unit = "sequence" if REGISTRY[spec.objective].level == "sequence" else "token"
+    if not isinstance(terms, Terms) or any(
+        not isinstance(x, Tensor) or x.shape != (size,) for x in (terms.loss, terms.low, terms.high)
+    ):
+        raise ObjectiveError(
+            f"objective {spec.objective!r} must return Terms(loss, low, high) of shape ({size},), one per "
+            f"{unit} (its level), got {_describe(terms)}"
+        )
+    return terms
+
+
+def _describe(terms: Any) -> str:
+    if not isinstance(terms, Terms):
+        return type(terms).__name__
+    shapes = [
+        tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+        for x in (terms.loss, terms.low, terms.high)
+    ]
+    return f"Terms with shapes {shapes}"
+
+
 def _token_weights(
     aggregation: str, s: Stream, normalizer: float | Tensor | None
 ) -> tuple[Tensor, float | Tensor]:
@@ -406,9 +489,7 @@ def _token_weights(
     else:
         token_weight = s.seg.valid.to(s.lp.dtype)
     if normalizer is None:
-        normalizer = (
-            s.seg.count.sum().clamp_min(1) if aggregation == "token-mean" else max(len(s.seg.count), 1)
-        )
+        normalizer = loss_normalizer(aggregation, max(len(s.seg.count), 1), s.seg.count.sum().clamp_min(1))
     return token_weight, normalizer
 
 

@@ -1,19 +1,22 @@
 """The objectives' terms: each objective is a small function from the shared pieces of a packed stream
 (`Stream`: log-ratios per token and per sequence, advantages) to its loss terms (`Terms`), registered with
-``@terms_of(name)`` against its entry in gspo.core.registry (its level and paper defaults). gspo.core
-.objectives aggregates the terms, applies the mismatch corrections and computes the metrics;
-docs/objectives.md has every formula and departure from the papers.
+``@terms_of(name)`` against its entry in gspo.core.registry (its level and paper defaults); a user's own
+objective is the same kind of function, declared with ``@objective(level=..., **knobs)`` and registered
+with `register_objective`. gspo.core.objectives aggregates the terms, applies the mismatch corrections and
+computes the metrics; docs/objectives.md has every formula and departure from the papers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import Tensor
 
-from gspo.core.registry import OBJECTIVES, REGISTRY
+from gspo.core.registry import OBJECTIVES, REGISTRY, Objective
 
 LOG_RATIO_CLAMP = 20.0
 """Log-ratios are clamped to +-20 before exp: a finite loss and gradient for any input."""
@@ -77,6 +80,63 @@ class Terms:
 TermsFunction = Callable[[Stream, Mapping[str, float]], Terms]
 TERMS: dict[str, TermsFunction] = {}
 """Each objective's terms function, by name; filled by `terms_of`."""
+
+
+class ObjectiveError(ValueError):
+    """A user objective that cannot be used: undeclared, a name taken, or terms of the wrong kind."""
+
+
+def line_in(error: BaseException, path: str | Path) -> str:
+    """ " (line N)": the innermost line of the user's file `path` that the error passed through (or its
+    syntax error's), for messages that point at the user's code."""
+    if isinstance(error, SyntaxError) and error.lineno:
+        return f" (line {error.lineno})"
+    lines, tb = [], error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == str(path):
+            lines.append(tb.tb_lineno)
+        tb = tb.tb_next
+    return f" (line {lines[-1]})" if lines else ""
+
+
+def objective(
+    *, level: Literal["sequence", "token"], token_form: str | None = None, **defaults: float
+) -> Callable[[TermsFunction], TermsFunction]:
+    """Declare a terms function as an objective of your own: the unit of its terms (``level``: "sequence",
+    one term per sequence, or "token") and its knobs with their defaults (``eps_low=3e-4, eps_high=4e-4``:
+    a clip range the config's train.eps_low / train.eps_high set; other names are constants it reads from
+    its ``knobs``). The aggregation (train.aggregation) and so the normaliser are the config's, as for the
+    built-ins. Load it with ``train.objective: "path/file.py:function"`` or `register_objective`.
+
+    >>> @objective(level="sequence", eps_low=3e-4, eps_high=4e-4)  # doctest: +SKIP
+    ... def my_gspo(s: Stream, knobs: Mapping[str, float]) -> Terms: ...
+    """
+    if level not in ("sequence", "token"):
+        raise ObjectiveError(f"@objective(level={level!r}): level is 'sequence' or 'token'")
+    entry = Objective(level, {k: float(v) for k, v in defaults.items()}, token_form)
+
+    def declare(function: TermsFunction) -> TermsFunction:
+        function.gspo_objective = entry  # type: ignore[attr-defined]
+        return function
+
+    return declare
+
+
+def register_objective(name: str, function: TermsFunction) -> None:
+    """Make ``function`` (declared with `objective`) the objective ``name`` of `compute_loss` and of the
+    config's train.objective; the built-ins' names are taken."""
+    entry = getattr(function, "gspo_objective", None)
+    if not isinstance(entry, Objective):
+        raise ObjectiveError(
+            f"objective {name!r}: {getattr(function, '__name__', function)!r} is not declared: decorate it with "
+            "@gspo.objective(level='sequence' or 'token', eps_low=..., eps_high=...) (docs/objectives.md)"
+        )
+    if name in OBJECTIVES:
+        raise ObjectiveError(f"objective {name!r} is a built-in; register yours under another name")
+    if entry.token_form is not None and entry.token_form not in REGISTRY:
+        raise ObjectiveError(f"objective {name!r}: its token_form {entry.token_form!r} is not an objective")
+    REGISTRY[name] = entry
+    TERMS[name] = function
 
 
 def terms_of(name: str) -> Callable[[TermsFunction], TermsFunction]:

@@ -19,27 +19,22 @@ from __future__ import annotations
 
 import difflib
 import functools
-import importlib
-import importlib.util
 import math
 import numbers
 import re
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from decimal import Decimal
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from gspo.config.loading import reward_file
 from gspo.rollout.reasoning_gym import scorer
+from gspo.rollout.user_code import load_function, raised
 
 __all__ = [
     "BUILTIN_REWARDS",
     "RewardError",
-    "RewardFileError",
     "RewardFunction",
     "compute_rewards",
     "correct_number",
@@ -63,17 +58,6 @@ _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 class RewardError(RuntimeError):
     """A reward function failed or returned something unusable; the message names it and the sample."""
-
-
-class RewardFileError(ValueError):
-    """A reward file that cannot be imported: it raised, or called sys.exit, while being run."""
-
-
-def _raised(error: BaseException) -> str:
-    """What a call did: "called sys.exit(3)" or "raised ValueError: ..."."""
-    if isinstance(error, SystemExit):
-        return f"called sys.exit({error.code!r}) (a reward returns its values; it does not end the process)"
-    return f"raised {type(error).__name__}: {error}"
 
 
 def _to_decimal(text: str) -> Decimal:
@@ -250,11 +234,11 @@ def _call_one(
                 function(prompts[index : index + 1], completions[index : index + 1], **single_fields)
             except (Exception, SystemExit) as error:
                 raise RewardError(
-                    f"reward function {name!r} {_raised(error)} "
+                    f"reward function {name!r} {raised(error)} "
                     f"at sample {index} (completion {_excerpt(completions[index])})"
                 ) from error
         raise RewardError(
-            f"reward function {name!r} {_raised(batch_error)} on the batch "
+            f"reward function {name!r} {raised(batch_error)} on the batch "
             f"of {len(completions)} samples, though no single sample raises alone"
         ) from batch_error
 
@@ -385,54 +369,4 @@ def resolve_reward(name_or_path: str) -> RewardFunction:
             f"'module:function' or 'path/to/file.py:function'{hint}"
         )
 
-    source, _, attribute = name_or_path.rpartition(":")
-    file = reward_file(name_or_path)
-    if file is not None:
-        module = _import_file(file)
-    else:
-        try:
-            module = importlib.import_module(source)
-        except ImportError as error:
-            raise ImportError(f"reward {name_or_path!r}: cannot import module {source!r}: {error}") from error
-    function = getattr(module, attribute, None)
-    if function is None:
-        available = sorted(
-            key for key, value in vars(module).items() if callable(value) and not key.startswith("_")
-        )
-        raise ValueError(f"reward {name_or_path!r}: {source} has no {attribute!r}; callables: {available}")
-    if not callable(function):
-        raise TypeError(f"reward {name_or_path!r} is a {type(function).__name__}, not a callable")
-    return function
-
-
-def _import_file(path: Path) -> Any:
-    if not path.is_file():
-        raise FileNotFoundError(f"reward file not found: {path}")
-    # Executed afresh on every call, so an edited file is picked up (in a notebook, say).
-    module_name = f"gspo_user_rewards_{path.stem}_{abs(hash(str(path.resolve())))}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # dataclasses and pickling look the module up here
-    try:
-        spec.loader.exec_module(module)
-    except BaseException as error:
-        del sys.modules[module_name]
-        if isinstance(error, KeyboardInterrupt):
-            raise
-        raise RewardFileError(
-            f"reward file {path}{_line_in(error, path)}: importing it {_raised(error)}"
-        ) from error
-    return module
-
-
-def _line_in(error: BaseException, path: Path) -> str:
-    """ " (line N)": the innermost line of `path` that the error passed through (or its syntax error's)."""
-    if isinstance(error, SyntaxError) and error.lineno:
-        return f" (line {error.lineno})"
-    lines, tb = [], error.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code.co_filename == str(path):
-            lines.append(tb.tb_lineno)
-        tb = tb.tb_next
-    return f" (line {lines[-1]})" if lines else ""
+    return load_function(name_or_path, "reward")

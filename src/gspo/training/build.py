@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 import math
 import os
@@ -18,6 +19,8 @@ import torch
 from gspo.config import Config, ConfigError, ModelConfig
 from gspo.core.attention import supports_segments
 from gspo.core.layout import layout_is_exact
+from gspo.core.objectives import LossSpec
+from gspo.core.surrogates import register_objective
 from gspo.learning.policy import Policy, UpdateSpec, score
 from gspo.models import add_lora, default_model_file, is_lora, load_model
 from gspo.parallel.group import world_size
@@ -34,8 +37,9 @@ from gspo.rollout.data import (
 from gspo.rollout.llama_cpp import GGUFReload, LlamaCppServer, export_policy, require_llama_cpp
 from gspo.rollout.openai import OpenAIBackend
 from gspo.rollout.reasoning_gym import reasoning_gym_task
-from gspo.rollout.rewards import RewardFileError, RewardFunction, resolve_reward, with_timeout
+from gspo.rollout.rewards import RewardFunction, resolve_reward, with_timeout
 from gspo.rollout.samplers import HFSampler, Sampler, tokenize_prompts
+from gspo.rollout.user_code import CodeFileError, load_function
 
 
 def build_examples(config: Config) -> tuple[list[Example], list[Example]]:
@@ -90,17 +94,39 @@ def resolve_rewards(
     for name, weight in weights.items():
         try:
             function = custom[name] if name in custom else resolve_reward(name)
-        except (RewardFileError, FileNotFoundError) as error:  # the file: missing, or failing when run
-            raise RewardFileError(f"rewards.{name}: {error}") from error
+        except (CodeFileError, FileNotFoundError) as error:  # the file: missing, or failing when run
+            raise CodeFileError(f"rewards.{name}: {error}") from error
         except (ValueError, TypeError, ImportError) as error:  # unknown name, no such function, ...
             raise ConfigError(f"rewards.{name}: {error}") from error
         except (Exception, SystemExit) as error:  # a module (module:function) that fails when imported
-            raise RewardFileError(
+            raise CodeFileError(
                 f"rewards.{name}: importing it raised {type(error).__name__}: {error}"
             ) from error
         label = labels[name]
         resolved.append((label, with_timeout(function, config.reward_timeout, label), weight))
     return resolved
+
+
+def setup_objective(config: Config) -> None:
+    """Register train.objective when it is the user's own ("path/file.py:function" or "module:function", a
+    terms function declared with @gspo.objective) and check the config's knobs against it; a built-in needs
+    nothing. Errors name train.objective."""
+    name = config.train.objective
+    if ":" in name:
+        try:
+            register_objective(name, load_function(name, "objective"))
+        except (CodeFileError, FileNotFoundError) as error:
+            raise CodeFileError(f"train.objective: {error}") from error
+        except (ValueError, TypeError, ImportError) as error:  # undeclared, no such function, ...
+            raise ConfigError(f"train.objective: {error}") from error
+        except (Exception, SystemExit) as error:  # a module that fails when imported
+            raise CodeFileError(
+                f"train.objective: importing {name!r} raised {type(error).__name__}: {error}"
+            ) from error
+    try:
+        LossSpec(**{f.name: getattr(config.train, f.name) for f in dataclasses.fields(LossSpec)})
+    except ValueError as error:  # a knob the objective does not have, a correction of the wrong level
+        raise ConfigError(f"train: {error}") from error
 
 
 def reward_labels(names: list[str]) -> dict[str, str]:

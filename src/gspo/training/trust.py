@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from gspo.config import Config, ConfigError
-from gspo.config.loading import RENAMED, reward_file
+from gspo.config.loading import RENAMED, code_file
 
 
 class UntrustedRunFolder(ConfigError):
@@ -48,10 +48,25 @@ def named_rewards(overrides: Sequence[str]) -> set[str]:
 
 
 def _absolute(name: str) -> str:
-    file = reward_file(name)
+    file = code_file(name)
     if file is None:
         return name
     return f"{os.path.abspath(file.expanduser())}:{name.rpartition(':')[2]}"
+
+
+def check_objective_code(
+    config: Config, overrides: Sequence[str], *, folder: Path, trust_run_code: bool = False
+) -> None:
+    """Refuse a run folder's train.objective that is code ("file.py:function", "module:function") unless the
+    user names it (a `train.objective=` override) or `trust_run_code`."""
+    name = config.train.objective
+    if ":" not in name or trust_run_code or "train.objective" in overridden_keys(overrides):
+        return
+    raise UntrustedRunFolder(
+        f"{folder / 'config.yaml'} names the objective {name!r}, Python code that gspo would import and run: "
+        f"a run folder is data, so its code runs only when you name it yourself. Read the code, then pass "
+        f"train.objective={name} on the command line, or --trust-run-code"
+    )
 
 
 def check_run_folder_config(
@@ -62,10 +77,11 @@ def check_run_folder_config(
     trust_run_code: bool = False,
     server: bool = True,
 ) -> None:
-    """Refuse what a run folder's config names that the user has not: reward code (unless it is in a
-    `rewards=` override, or `trust_run_code`) and, with `server`, rollout.engine=openai's URL and key
+    """Refuse what a run folder's config names that the user has not: reward and objective code (unless
+    the overrides name it, or `trust_run_code`) and, with `server`, rollout.engine=openai's URL and key
     variable (unless set by the overrides)."""
     source = folder / "config.yaml"
+    check_objective_code(config, overrides, folder=folder, trust_run_code=trust_run_code)
     mine = named_rewards(overrides)
     foreign = [name for name in code_rewards(config) if name not in mine]
     if foreign and not trust_run_code:

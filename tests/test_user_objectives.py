@@ -1,0 +1,224 @@
+"""Objectives of your own: a terms function declared with @gspo.objective, loaded from
+``train.objective: "file.py:function"`` under the reward files' trust rules.
+
+GSPO written again as a user would, from the documented pieces (`Stream`, `Terms`), must match the built-in
+to 1e-6 in value, gradient and metrics, and through `gspo train`; a broken one gives one line.
+"""
+
+from __future__ import annotations
+
+import shutil
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from gspo import LossInputs, LossSpec, compute_loss
+from gspo.cli import main
+from gspo.config import ConfigError, load_config
+from gspo.core.surrogates import ObjectiveError, register_objective
+from gspo.rollout.user_code import load_function
+from gspo.training.build import setup_objective
+from gspo.training.trainer import Trainer
+from gspo.training.trust import UntrustedRunFolder, check_run_folder_config
+
+MY_GSPO = textwrap.dedent(
+    '''
+    import torch
+
+    import gspo
+
+
+    @gspo.objective(level="sequence", eps_low=3e-4, eps_high=4e-4)
+    def my_gspo(s, knobs):
+        """GSPO (Eq. 5-7) from the stream's pieces: the clipped sequence ratio times the advantage."""
+        ratio = torch.exp(s.seq_log_ratio.clamp(-20, 20))  # s_i = exp(mean_t log r_t)
+        adv = s.adv_seq
+        high = (adv > 0) & (ratio > 1 + knobs["eps_high"])
+        low = (adv < 0) & (ratio < 1 - knobs["eps_low"])
+        clipped = ratio.detach().clamp(1 - knobs["eps_low"], 1 + knobs["eps_high"]) * adv
+        return gspo.Terms(-torch.where(high | low, clipped, ratio * adv), low, high)
+
+
+    def undeclared(s, knobs):
+        return my_gspo(s, knobs)
+
+
+    @gspo.objective(level="sequence")
+    def raises(s, knobs):
+        return s.seq_log_ratio / 0 + {}["missing"]
+
+
+    @gspo.objective(level="token")
+    def wrong_shape(s, knobs):
+        return gspo.Terms(s.seq_log_ratio, s.seq_log_ratio > 0, s.seq_log_ratio < 0)
+    '''
+)
+
+
+@pytest.fixture
+def objective_file(tmp_path: Path) -> Path:
+    path = tmp_path / "objectives.py"
+    path.write_text(MY_GSPO)
+    return path
+
+
+def _inputs(seed: int) -> LossInputs:
+    """5 sequences of 3-8 tokens packed with gaps, off-policy enough that GSPO clips some of them."""
+    g = torch.Generator().manual_seed(seed)
+    segment_ids = torch.tensor([0] * 4 + [-1] + [1] * 8 + [2] * 3 + [-1] * 2 + [3] * 5 + [4] * 6)
+    old = -torch.rand(len(segment_ids), generator=g) * 3
+    logp = (old + 2e-3 * torch.randn(len(segment_ids), generator=g)).requires_grad_()
+    advantages = torch.tensor([1.0, -0.5, 0.8, -1.2, 0.3])
+    return LossInputs(logp, old, advantages, segment_ids, 5)
+
+
+def test_gspo_written_as_a_user_objective_matches_the_built_in(objective_file):
+    name = f"{objective_file}:my_gspo"
+    function, calls = load_function(name, "objective"), []
+
+    def counted(s, knobs):  # the user's function is what computes the terms
+        calls.append(1)
+        return function(s, knobs)
+
+    counted.gspo_objective = function.gspo_objective
+    register_objective(name, counted)
+    for seed in range(3):
+        for aggregation in ("seq-mean-token-mean", "token-mean"):
+            results = []
+            for objective in ("gspo", name):
+                inputs = _inputs(seed)
+                loss, metrics = compute_loss(LossSpec(objective, aggregation=aggregation), inputs)
+                loss.backward()
+                results.append((loss.detach(), inputs.logp.grad, metrics))
+            (loss, grad, metrics), (mine, my_grad, my_metrics) = results
+            assert 0 < metrics["clip_frac_seq"] < 1  # clipping is exercised on both sides of 1
+            torch.testing.assert_close(mine, loss, rtol=0, atol=1e-6)
+            torch.testing.assert_close(my_grad, grad, rtol=0, atol=1e-6)
+            assert grad.abs().max() > 1e-3
+            for key, value in metrics.items():
+                torch.testing.assert_close(my_metrics[key], value, rtol=0, atol=1e-6, msg=key)
+    assert len(calls) == 6
+
+
+def test_gspo_train_with_a_user_objective_trains_as_the_built_in(objective_file, tmp_path):
+    """The config path: a relative file in a config file, anchored to its folder, loaded and trained."""
+    config_file = objective_file.parent / "mine.yaml"
+    config_file.write_text("train:\n  objective: objectives.py:my_gspo\n")
+    params = {}
+    for label, extra in (("builtin", []), ("mine", [])):
+        overrides = [f"output_dir={tmp_path / label}", "tensorboard=false", "progress=false", "eval.every=0"]
+        overrides += ["train.steps=2", *extra]
+        if label == "mine":
+            config = load_config(config_file, ["model.tiny=llama", *_tiny_overrides(), *overrides])
+            assert config.train.objective == f"{objective_file}:my_gspo"
+        else:
+            config = tiny_config(tmp_path / label, "eval.every=0", "train.steps=2")
+        trainer = Trainer(config)
+        for _ in range(2):
+            trainer.train_step()
+        params[label] = [p.detach().clone() for p in trainer.policy.model.parameters()]
+        trainer.finish()
+    for x, y in zip(params["mine"], params["builtin"], strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
+
+
+def _tiny_overrides() -> list[str]:
+    """configs/tiny.yaml's keys as overrides (the objective comes from the user's config file)."""
+    tiny = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+    return [
+        "task.num_train=60",
+        f"task.num_eval={tiny.task.num_eval}",
+        "rewards={number_format: 1.0, correct_number: 1.0, digit_fraction: 0.5}",
+        f"rollout.prompts_per_step={tiny.rollout.prompts_per_step}",
+        f"rollout.group_size={tiny.rollout.group_size}",
+        f"rollout.max_new_tokens={tiny.rollout.max_new_tokens}",
+        f"train.minibatches={tiny.train.minibatches}",
+        f"train.lr={tiny.train.lr}",
+        f"eval.max_new_tokens={tiny.eval.max_new_tokens}",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("function", "error", "message"),
+    [
+        (
+            "undeclared",
+            ConfigError,
+            r"train.objective: objective .*'undeclared' is not declared: decorate it",
+        ),
+        ("nowhere", ConfigError, r"train.objective: objective .* has no 'nowhere'"),
+    ],
+)
+def test_a_user_objective_that_cannot_load_is_one_line_naming_the_key(
+    objective_file, tmp_path, function, error, message
+):
+    config = tiny_config(tmp_path, f"train.objective={objective_file}:{function}")
+    with pytest.raises(error, match=message):
+        setup_objective(config)
+
+
+def test_a_knob_the_user_objective_lacks_is_refused(objective_file, tmp_path):
+    config = tiny_config(tmp_path, f"train.objective={objective_file}:raises", "train.eps_high=0.1")
+    with pytest.raises(ConfigError, match=r"train: .*eps_high is not a knob of"):
+        setup_objective(config)
+
+
+def _line_of(text: str) -> int:
+    return next(i for i, line in enumerate(MY_GSPO.splitlines(), 1) if text in line)
+
+
+def test_a_user_objective_that_fails_in_the_loss_names_its_file_and_line(objective_file):
+    for function, message in (
+        (
+            "raises",
+            rf"objective '.*:raises' raised KeyError: 'missing' at {objective_file} \(line {_line_of('/ 0')}\)$",
+        ),
+        (
+            "wrong_shape",
+            r"must return Terms\(loss, low, high\) of shape \(29,\), one per token .* \[\(5,\), \(5,\), \(5,\)\]",
+        ),
+    ):
+        name = f"{objective_file}:{function}"
+        register_objective(name, load_function(name, "objective"))
+        with pytest.raises(ObjectiveError, match=message):
+            compute_loss(LossSpec(name), _inputs(0))
+
+
+def test_the_cli_gives_one_line_and_the_config_exit_code(objective_file, tmp_path, capsys):
+    code = main(
+        [
+            "train",
+            str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"),
+            f"output_dir={tmp_path / 'run'}",
+            "progress=false",
+            f"train.objective={objective_file}:undeclared",
+        ]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 3 and len(err) == 1 and "is not declared" in err[0], err
+    code = main(
+        [
+            "train",
+            str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"),
+            f"output_dir={tmp_path / 'run2'}",
+            "progress=false",
+            "train.objective=gpso",
+        ]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 3 and len(err) == 1 and "did you mean 'gspo'" in err[0], err
+
+
+def test_a_run_folder_s_objective_code_runs_only_when_named(objective_file, tmp_path):
+    """As reward files: the folder's config.yaml does not choose code to run."""
+    shutil.copy(objective_file, tmp_path / "planted.py")
+    config = tiny_config(tmp_path / "run", f"train.objective={tmp_path / 'planted.py'}:my_gspo")
+    with pytest.raises(UntrustedRunFolder, match=r"names the objective .*planted.py:my_gspo"):
+        check_run_folder_config(config, [], folder=tmp_path / "run")
+    check_run_folder_config(
+        config, [f"train.objective={tmp_path / 'planted.py'}:my_gspo"], folder=tmp_path / "run"
+    )
+    check_run_folder_config(config, [], folder=tmp_path / "run", trust_run_code=True)
