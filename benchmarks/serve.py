@@ -32,7 +32,7 @@ import warnings
 import openai
 import torch
 
-import gspo.serve.updates as serve_training
+import gspo.learning.step as serve_step
 from gspo.client import Client, Episode, EpisodeGroup, completion_id
 from gspo.config import load_config
 from gspo.learning.batch import make_batch
@@ -111,7 +111,7 @@ def train_calls(running, url: str, args: argparse.Namespace) -> None:
     """Server train calls vs make_batch + learn on the same samples, alternating; then the checkpoint."""
     trainer = running.service.trainer
     seen: list = []
-    real_learn, real_batch = serve_training.learn, serve_training.make_batch
+    real_learn, real_batch = serve_step.learn, serve_step.make_batch
 
     def capture_batch(samples, **kwargs):
         seen.append(copy.deepcopy(samples))
@@ -121,7 +121,7 @@ def train_calls(running, url: str, args: argparse.Namespace) -> None:
         seen.append((spec, batch, seed))
         return real_learn(policy, spec, batch, seed=seed)
 
-    serve_training.learn, serve_training.make_batch = capture_learn, capture_batch
+    serve_step.learn, serve_step.make_batch = capture_learn, capture_batch
     server_times, direct_times, learn_times = [], [], []
     try:
         for r in range(args.rounds):
@@ -148,7 +148,7 @@ def train_calls(running, url: str, args: argparse.Namespace) -> None:
                 f"{answer['metrics']['time_snapshot']:.2f} s), gspo train's update phase {direct:.2f} s"
             )
     finally:
-        serve_training.learn, serve_training.make_batch = real_learn, real_batch
+        serve_step.learn, serve_step.make_batch = real_learn, real_batch
     s, d = statistics.median(server_times), statistics.median(direct_times)
     print(
         f"train call (median of {args.rounds}): {s:.2f} s vs gspo train's update phase {d:.2f} s: {s / d:.3f}x (goal <= 1.1x)"

@@ -35,6 +35,7 @@ from gspo.config import load_config
 from gspo.core.layout import TokenSequence
 from gspo.learning.batch import Batch, make_batch
 from gspo.learning.learner import learn
+from gspo.learning.step import step_seed
 from gspo.training.trainer import Trainer
 
 LONG_PREFIX = {"prompt": 512, "group_size": 8, "completion": 32}
@@ -91,7 +92,13 @@ def default_mode(args: argparse.Namespace) -> None:
 
         samples, _ = trainer.sample()
         batch, _ = make_batch(samples)
-        probe = learn(trainer.policy, trainer.spec, batch, seed=trainer.step_seed(), around_update=count)
+        probe = learn(
+            trainer.policy,
+            trainer.spec,
+            batch,
+            seed=step_seed(trainer.config.seed, trainer.step),
+            around_update=count,
+        )
         flops_per_token = sum(c.get_total_flops() for c in counters) / probe["update_tokens"]
         peaks.append(matmul_peak(dtype))  # the higher of before and after: the stricter reference
     peak = max(peaks)

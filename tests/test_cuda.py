@@ -26,6 +26,7 @@ from gspo.core.layout import TokenSequence
 from gspo.core.logprobs import token_logprobs
 from gspo.learning.batch import Batch
 from gspo.learning.learner import learn
+from gspo.learning.step import step_seed
 from gspo.models.loading import tiny_model
 from gspo.parallel import group, wrap
 
@@ -223,7 +224,9 @@ def test_fsdp2_on_one_gpu_rank_makes_the_one_process_updates(tmp_path: Path, mon
                 }
             for step in range(2):
                 trainer.step = step
-                learn(trainer.policy, trainer.spec, _batch(), seed=trainer.step_seed())
+                learn(
+                    trainer.policy, trainer.spec, _batch(), seed=step_seed(trainer.config.seed, trainer.step)
+                )
             state = trainer.policy.model.state_dict()
             results[wrapper] = {
                 k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float().cpu()

@@ -25,8 +25,8 @@ import openai
 import pytest
 import torch
 
+import gspo.learning.step as serve_step
 import gspo.serve.generation as serve_generation
-import gspo.serve.updates as serve_training
 from conftest import tiny_config
 from gspo.cli import main
 from gspo.client import Client, Episode, EpisodeGroup, completion_id
@@ -175,7 +175,7 @@ def test_requests_that_arrive_together_decode_in_one_batch(server) -> None:
 
 
 def _capture_learn(monkeypatch: pytest.MonkeyPatch, seen: list, fail: bool = False) -> None:
-    real = serve_training.learn
+    real = serve_step.learn
 
     def learn(policy, spec, batch, *, seed):
         # the trainer's own scoring of the batch, at the weights that sampled it (before any update)
@@ -192,7 +192,7 @@ def _capture_learn(monkeypatch: pytest.MonkeyPatch, seen: list, fail: bool = Fal
             raise RuntimeError("injected failure after the updates")
         return metrics
 
-    monkeypatch.setattr(serve_training, "learn", learn)
+    monkeypatch.setattr(serve_step, "learn", learn)
 
 
 def _session(client: openai.OpenAI, seed: int, by_object: bool) -> tuple[list, list]:
@@ -418,13 +418,13 @@ def test_a_client_that_disconnects_frees_its_slot(tmp_path, monkeypatch) -> None
 
 
 def test_wait_mode_holds_requests_during_an_update_and_stale_mode_serves_them(tmp_path, monkeypatch) -> None:
-    real = serve_training.learn
+    real = serve_step.learn
 
     def slow_learn(*args, **kwargs):
         time.sleep(1.0)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(serve_training, "learn", slow_learn)
+    monkeypatch.setattr(serve_step, "learn", slow_learn)
     for mode, version_during, lora in (("wait", 1, 0), ("stale", 0, 4)):
         running = _start(tmp_path / mode, f"serve.during_update={mode}", f"lora.rank={lora}")
         try:

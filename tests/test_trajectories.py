@@ -15,6 +15,7 @@ from gspo.core.mismatch import mismatch_metrics, sampler_log_ratios
 from gspo.learning.batch import Batch, make_batch
 from gspo.learning.learner import learn, minibatches
 from gspo.learning.policy import score
+from gspo.learning.step import step_seed
 from gspo.models import tiny_tokenizer
 from gspo.rollout.trajectories import (
     Trajectory,
@@ -168,10 +169,14 @@ def _with_logprobs(trainer: Trainer, groups: list[TrajectoryGroup]) -> list[Traj
     values = [[math.nan] * len(s.completion_ids) for s in sequences]
     group_of = [g for g, group in enumerate(groups) for _ in group.trajectories]
     layout = minibatches(
-        trainer.spec, sequences, seed=trainer.step_seed(), device=trainer.device, groups=group_of
+        trainer.spec,
+        sequences,
+        seed=step_seed(trainer.config.seed, trainer.step),
+        device=trainer.device,
+        groups=group_of,
     )
     with torch.no_grad():
-        for ids, micro in layout:  # the layout learn() scores in
+        for ids, micro, *_ in layout:  # the layout learn() scores in
             for mb in micro:
                 flat = score(trainer.policy.scorer, mb, trainer.spec)[mb.logprob_mask.reshape(-1)].tolist()
                 for i in mb.indices:

@@ -35,10 +35,11 @@ from gspo.serve.openai_api import Inference
 from gspo.serve.records import RecordStore
 from gspo.serve.service import TrainService, load_serve_checkpoint
 from gspo.training import lock
-from gspo.training.build import choose_layout, setup_model, setup_policy
+from gspo.training.build import choose_layout, setup_model, setup_objective, setup_policy
 from gspo.training.metrics import MetricsLogger
 from gspo.training.resume import resume_config
 from gspo.training.run_folder import setup_run_dir, start_fresh
+from gspo.training.trust import check_objective_code
 
 LISTEN_KEYS = ("serve.host", "serve.port", "serve.api_key_env")
 """How the server listens: on --resume these come from the command line, never from the run folder."""
@@ -51,6 +52,7 @@ def serve_config(config: str | Path | None, overrides: list[str], resume: str | 
         return load_config(config, overrides)
     listen = [o for o in overrides if o.partition("=")[0] in LISTEN_KEYS]
     resumed = resume_config(resume, [o for o in overrides if o not in listen])
+    check_objective_code(resumed, overrides, folder=Path(resume))  # the server imports no reward code
     given = load_config(None, listen)
     for key in LISTEN_KEYS:
         name = key.removeprefix("serve.")
@@ -124,6 +126,7 @@ def build_service(
     transformers.utils.logging.disable_progress_bar()  # the log shows requests, not loading bars
     # the folder checked, then locked for this process (one writer per run folder: gspo.training.lock)
     run_dir, checkpoint = setup_run_dir(config, resume, force=force)
+    setup_objective(config)
     if checkpoint is None:
         start_fresh(run_dir)
     save_config(config, run_dir / "config.yaml")

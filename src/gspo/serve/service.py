@@ -22,12 +22,12 @@ import torch
 
 from gspo.config import Config
 from gspo.learning.policy import Policy, UpdateSpec
-from gspo.parallel.state import load_optimizer_state, optimizer_state, savable_model
+from gspo.parallel.state import load_optimizer_state
 from gspo.serve.driver import Driver
 from gspo.serve.protocol import ServeError, TrainRequest
 from gspo.serve.records import RecordStore
 from gspo.serve.updates import Snapshot, prepare_update, resolve, run_update
-from gspo.training.checkpoint import load_trainer_state, rng_state, save_checkpoint, set_rng_state
+from gspo.training.checkpoint import load_trainer_state, save_policy, set_rng_state
 from gspo.training.metrics import MetricsLogger
 from gspo.training.resume import apply_optimizer_settings
 
@@ -38,24 +38,12 @@ REMEMBERED_CALLS = 64
 def save_serve_checkpoint(
     config: Config, run_dir: Path, policy: Policy, tokenizer: Any, version: int, answers: dict[str, Any]
 ) -> Path:
-    """Checkpoint `version` (gspo.training.checkpoint's atomic save): weights, optimizer, schedule, RNG,
-    and the answers of the last train calls by request_id."""
-    state = {
-        "optimizer": optimizer_state(policy.model, policy.optimizer),
-        "scheduler": policy.scheduler.state_dict(),
-        "rng": rng_state(),
-        "serve": {"version": version, "answers": dict(answers)},
-    }
-    model = savable_model(policy.scorer, policy.model)
-    return save_checkpoint(
-        run_dir,
-        version,
-        model=model,
-        tokenizer=tokenizer,
-        state=state,
-        keep=config.checkpoint.keep,
-        config=config,
-    )
+    """Checkpoint `version` (gspo.training.checkpoint.save_policy, as `gspo train`'s) with the answers of
+    the last train calls by request_id."""
+    serve = {"version": version, "answers": dict(answers)}
+    path = save_policy(run_dir, version, policy, tokenizer, config, serve=serve)
+    assert path is not None  # one process
+    return path
 
 
 def load_serve_checkpoint(checkpoint: Path, policy: Policy, config: Config) -> tuple[int, dict[str, Any]]:

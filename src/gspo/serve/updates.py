@@ -12,16 +12,18 @@ metrics count them. Nothing is re-tokenised.
 
 Everything is checked before the first update (ids known, finished, fresh enough, rewards finite, lengths
 right); the updates themselves run on a snapshot's promise: if they fail, the weights, optimizer and
-schedule are put back as they were. gspo.learning.batch.make_batch computes the advantages (the same road
-as `gspo train`), gspo.learning.learner.learn runs the updates.
+schedule are put back as they were. gspo.learning.step.learn_from_samples computes the advantages and runs
+the updates, as for `gspo train`.
 """
 
 from __future__ import annotations
 
 import collections
 import copy
+import functools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -29,9 +31,9 @@ import torch
 
 from gspo.config import Config
 from gspo.core.layout import TokenSequence
-from gspo.learning.batch import Batch, Sample, make_batch
-from gspo.learning.learner import learn
+from gspo.learning.batch import Batch, Sample
 from gspo.learning.policy import Policy, UpdateSpec
+from gspo.learning.step import learn_from_samples, step_seed
 from gspo.serve.protocol import ServeError, TrainRequest, TrajectoryIn
 from gspo.serve.records import Record, RecordStore
 
@@ -190,7 +192,9 @@ def to_samples(request: TrainRequest, rebuilt: list[Rebuilt]) -> list[Sample]:
     return samples
 
 
-def per_segment(batch: Batch, samples: list[Sample], rebuilt: list[Rebuilt], request: TrainRequest) -> Batch:
+def per_segment(
+    batch: Batch, *, samples: list[Sample], rebuilt: list[Rebuilt], request: TrainRequest
+) -> Batch:
     """The batch with each trajectory laid out as its segments (each its trajectory's advantage, or the
     client's own per-token advantages), in make_batch's order (groups it filtered out stay out)."""
     kept_groups = set(batch.groups)
@@ -288,9 +292,11 @@ class Snapshot:
 
 @dataclass
 class Update:
-    """What one train call computes with: the batch, its spec, the step's seed; and what it reports."""
+    """What one train call computes with: its samples and how its batch is laid out, its spec, the step's
+    seed; and what it reports."""
 
-    batch: Batch
+    samples: list[Sample]
+    relayout: Callable[[Batch], Batch] | None
     spec: UpdateSpec
     seed: int
     metrics: dict[str, float]
@@ -305,23 +311,16 @@ def prepare_update(
     spec: UpdateSpec,
     version: int,
 ) -> Update:
-    """The batch of a train call (advantages through make_batch), the old-policy mode, the report."""
-    train = config.train
+    """The samples of a train call, the layout of its batch, the old-policy mode and the report."""
     samples = to_samples(request, rebuilt)
-    batch, metrics = make_batch(
-        samples,
-        advantage_scale=train.advantage_scale,
-        filter_zero_std_groups=train.filter_zero_std_groups,
-        mask_truncated=config.rollout.mask_truncated,
-    )
     given = request.groups[0].trajectories[0].advantages is not None
     split = [r for r in rebuilt if len(r.segments) > 1]
+    relayout = None
     if split or given:
-        batch = per_segment(batch, samples, rebuilt, request)
-        metrics["num_trained"] = float(len(batch.sequences))
+        relayout = functools.partial(per_segment, samples=samples, rebuilt=rebuilt, request=request)
     records = [r for item in rebuilt for r in item.records]
     staleness = [version - r.version for r in records]
-    metrics |= {
+    metrics = {
         "trajectories": float(len(rebuilt)),
         "turns": float(len(records)),
         "split_trajectories": float(len(split)),
@@ -335,25 +334,24 @@ def prepare_update(
         {"group": r.group, "trajectory": r.index, "segments": len(r.segments), "breaks": r.breaks}
         for r in split
     ]
-    seed = config.seed * 1_000_003 + version  # the minibatch shuffle's, as gspo train's step seed
-    return Update(batch, replace(spec, old_logprobs=mode), seed, metrics, report)
+    seed = step_seed(config.seed, version)  # as gspo train's: the version is the step
+    return Update(samples, relayout, replace(spec, old_logprobs=mode), seed, metrics, report)
 
 
 def run_update(policy: Policy, update: Update, snapshot: Snapshot) -> dict[str, float]:
-    """The updates of a train call; on any failure (or a non-finite loss or gradient) the policy is put
-    back as it was and the error raised."""
+    """The updates of a train call (gspo.learning.step, as `gspo train`'s); on any failure (or a
+    non-finite loss or gradient) the policy is put back as it was and the error raised."""
     t0 = time.perf_counter()
     snapshot.take()
     t1 = time.perf_counter()
     try:
-        if update.metrics["num_trained"] > 0:
-            metrics = learn(policy, update.spec, update.batch, seed=update.seed)
-        else:  # every group had equal returns and was filtered out: nothing to learn from
-            metrics = {"time_old_logprobs": 0.0, "time_update": 0.0}
+        metrics = learn_from_samples(
+            policy, update.spec, update.samples, seed=update.seed, relayout=update.relayout
+        )
         bad = [k for k in ("loss", "grad_norm") if k in metrics and not math.isfinite(metrics[k])]
         if bad:
             raise FloatingPointError(f"the update's {bad[0]} is {metrics[bad[0]]}")
     except BaseException:
         snapshot.restore()
         raise
-    return update.metrics | metrics | {"time_snapshot": t1 - t0}
+    return metrics | update.metrics | {"time_snapshot": t1 - t0}

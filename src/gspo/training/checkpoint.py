@@ -29,8 +29,11 @@ import numpy as np
 import torch
 
 from gspo.config import Config, save_config
+from gspo.learning.policy import Policy
 from gspo.models import save_model
 from gspo.models.loading import weights_problem
+from gspo.parallel.group import is_main
+from gspo.parallel.state import optimizer_state, savable_model
 
 LATEST = "latest"
 STATE_FILE = "trainer_state.pt"
@@ -304,3 +307,37 @@ def check_output(path: str | Path, *, force: bool) -> None:
             f"{path} exists, and gspo overwrites nothing it did not write: choose another --output, or pass "
             "--force to write over it"
         )
+
+
+def save_policy(
+    run_dir: Path,
+    step: int,
+    policy: Policy,
+    tokenizer: Any,
+    config: Config,
+    *,
+    rng: dict[str, Any] | None = None,
+    **extra: Any,
+) -> Path | None:
+    """A checkpoint of ``policy`` at ``step``, for `gspo train` and `gspo serve` alike: the weights (FSDP2:
+    gathered on rank 0), the optimizer (gathered), the schedule, ``rng`` (default: now) and ``extra`` (the
+    prompt stream, the ranks' states, the server's version). Every rank calls it; rank 0 writes and returns
+    the checkpoint's path."""
+    state = {
+        "optimizer": optimizer_state(policy.model, policy.optimizer),
+        "scheduler": policy.scheduler.state_dict(),
+        "rng": rng if rng is not None else rng_state(),
+        **extra,
+    }
+    model = savable_model(policy.scorer, policy.model)
+    if not is_main():
+        return None
+    return save_checkpoint(
+        run_dir,
+        step,
+        model=model,
+        tokenizer=tokenizer,
+        state=state,
+        keep=config.checkpoint.keep,
+        config=config,
+    )

@@ -1,0 +1,46 @@
+"""One step on scored samples, the same for `gspo train` and `gspo serve`: samples -> batch (advantages,
+reward metrics: make_batch) -> old-policy log-probs and the minibatch updates (learn), or no update when
+every group was filtered out. Its minibatch shuffle is seeded by `step_seed`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from gspo.learning.batch import Batch, Sample, make_batch
+from gspo.learning.learner import learn
+from gspo.learning.policy import Policy, UpdateSpec
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The seed of a step's minibatch shuffle: the run's seed and the step (`gspo serve`: the version the
+    train call starts from), so a resumed run shuffles as an uninterrupted one."""
+    return seed * 1_000_003 + step
+
+
+def learn_from_samples(
+    policy: Policy,
+    spec: UpdateSpec,
+    samples: list[Sample],
+    *,
+    seed: int,
+    relayout: Callable[[Batch], Batch] | None = None,
+) -> dict[str, float]:
+    """The batch of ``samples`` (make_batch with the spec's advantage_scale, filter_zero_std_groups and
+    mask_truncated), then its updates; returns the batch's and the updates' metrics.
+
+    seed: `step_seed`'s. relayout: a function from the batch to the sequences actually trained, in one
+    process (`gspo serve` lays a trajectory out as its exact segments); num_trained then counts them.
+    """
+    batch, metrics = make_batch(
+        samples,
+        advantage_scale=spec.advantage_scale,
+        filter_zero_std_groups=spec.filter_zero_std_groups,
+        mask_truncated=spec.mask_truncated,
+    )
+    if relayout is not None:
+        batch = relayout(batch)
+        metrics["num_trained"] = float(len(batch.sequences))
+    if metrics["num_trained"] == 0:  # every group had equal returns and was filtered out
+        return metrics | {"time_old_logprobs": 0.0, "time_update": 0.0}
+    return metrics | learn(policy, spec, batch, seed=seed)
