@@ -35,6 +35,7 @@ from gspo.core.layout import TokenSequence
 from gspo.core.objectives import LossInputs, LossSpec, compute_loss
 from gspo.learning.batch import Batch
 from gspo.learning.learner import learn, minibatches
+from gspo.learning.step import step_seed
 from gspo.parallel import clipping, group, wrap
 from gspo.rollout.rewards import RewardError
 from gspo.training.checkpoint import latest_checkpoint, load_trainer_state
@@ -115,7 +116,7 @@ LEARN_OVERRIDES = {
 RANK_SIZES = (10, 6)  # uneven on purpose: ranks hold different numbers of micro-batches
 
 
-def _learn_config(run_dir: Path, wrapper: str, precision: str = "none"):
+def _learn_config(run_dir: Path, wrapper: str, precision: str = "none", *more: str):
     return tiny_config(
         run_dir,
         "eval.every=0",
@@ -125,6 +126,7 @@ def _learn_config(run_dir: Path, wrapper: str, precision: str = "none"):
         "train.old_logprobs=recompute",
         f"train.mixed_precision={precision}",
         *LEARN_OVERRIDES[wrapper],
+        *more,
     )
 
 
@@ -162,7 +164,9 @@ def _learn(trainer, sequences, advantages, sampler, groups) -> list[dict[str, fl
     batch = Batch(sequences, advantages, sampler, groups)
     for step in range(2):
         trainer.step = step
-        history.append(learn(trainer.policy, trainer.spec, batch, seed=trainer.step_seed()))
+        history.append(
+            learn(trainer.policy, trainer.spec, batch, seed=step_seed(trainer.config.seed, trainer.step))
+        )
     return history
 
 
@@ -179,11 +183,41 @@ def _scenario_learn(rank: int, out: Path, wrapper: str, precision: str = "none")
     start = sum(RANK_SIZES[:rank])
     mine = slice(start, start + RANK_SIZES[rank])
     layout = minibatches(
-        trainer.spec, sequences[mine], seed=trainer.step_seed(), device=trainer.device, groups=GROUPS[mine]
+        trainer.spec,
+        sequences[mine],
+        seed=step_seed(trainer.config.seed, trainer.step),
+        device=trainer.device,
+        groups=GROUPS[mine],
     )
-    idle = sum(1 for _, micro in layout for mb in micro if not mb.indices)
+    idle = sum(1 for _, micro, *_ in layout for mb in micro if not mb.indices)
     history = _learn(trainer, sequences[mine], advantages[mine], sampler[mine], GROUPS[mine])
     return {"params": _full_parameters(trainer.policy.model), "history": history, "idle": idle}
+
+
+# the groups whose samples all have advantage 0: rank 1's two, and one of rank 0's
+SKIPPED_GROUPS = (0, 4, 5)
+SKIP_OVERRIDES = ["train.minibatch_split=group", "train.minibatches=6", "train.weight_decay=0.1"]
+
+
+def _skip_batch() -> tuple[list[TokenSequence], torch.Tensor, list[list[float]]]:
+    sequences, advantages, sampler = _fixed_batch()
+    advantages[[g in SKIPPED_GROUPS for g in GROUPS]] = 0.0
+    return sequences, advantages, sampler
+
+
+def _scenario_skip(rank: int, out: Path, wrapper: str) -> dict[str, Any]:
+    """Skipping zero-advantage samples with rank 1 keeping none: a group per minibatch, so rank 1 computes
+    nothing at all and three minibatches compute nothing on either rank (their steps still run)."""
+    from gspo.training.trainer import Trainer
+
+    config = _learn_config(out / f"skip_{wrapper}", wrapper, "none", *SKIP_OVERRIDES)
+    trainer = Trainer(config)
+    assert trainer.spec.skip_zero_advantage
+    sequences, advantages, sampler = _skip_batch()
+    start = sum(RANK_SIZES[:rank])
+    mine = slice(start, start + RANK_SIZES[rank])
+    history = _learn(trainer, sequences[mine], advantages[mine], sampler[mine], GROUPS[mine])
+    return {"params": _full_parameters(trainer.policy.model), "history": history}
 
 
 # ---- full runs: resume, and a reward failing on one rank --------------------------------------------
@@ -227,6 +261,8 @@ SCENARIOS = {
     "learn_fsdp2": lambda rank, out: _scenario_learn(rank, out, "fsdp2"),
     "learn_ddp_bf16": lambda rank, out: _scenario_learn(rank, out, "ddp", "bf16"),
     "learn_fsdp2_bf16": lambda rank, out: _scenario_learn(rank, out, "fsdp2", "bf16"),
+    "skip_ddp": lambda rank, out: _scenario_skip(rank, out, "ddp"),
+    "skip_fsdp2": lambda rank, out: _scenario_skip(rank, out, "fsdp2"),
     "resume_ddp": lambda rank, out: _scenario_resume(rank, out, "ddp"),
     "resume_fsdp2": lambda rank, out: _scenario_resume(rank, out, "fsdp2"),
     "reward_failure": _scenario_reward_failure,
@@ -314,6 +350,30 @@ def test_two_ranks_make_the_one_process_updates(distributed_runs, tmp_path, wrap
         for got, want in zip(r["history"], history, strict=True):
             for key in LAYOUT_FREE:
                 torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_a_rank_that_keeps_no_sample_stays_in_lockstep_and_skipping_changes_nothing(
+    distributed_runs, tmp_path, wrapper
+):
+    """Two ranks skipping zero-advantage samples (rank 1 has none to compute) against one process computing
+    every sample: the same weights after two steps of six minibatches, three of them empty everywhere."""
+    from gspo.training.trainer import Trainer
+
+    ranks = _result(distributed_runs[1], f"skip_{wrapper}")
+    config = _learn_config(
+        tmp_path / "full", wrapper, "none", *SKIP_OVERRIDES, "train.skip_zero_advantage=false"
+    )
+    single = Trainer(config)
+    history = _learn(single, *_skip_batch(), GROUPS)
+    expected = _full_parameters(single.policy.model)
+    for r in ranks:
+        for key, value in expected.items():
+            torch.testing.assert_close(r["params"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+        for got, want in zip(r["history"], history, strict=True):
+            assert got["skipped_samples_frac"] == pytest.approx(10 / 16)  # groups 0, 4, 5 and sample 5
+            assert want["skipped_samples_frac"] == 0.0
+            torch.testing.assert_close(got["loss"], want["loss"], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])

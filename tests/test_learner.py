@@ -127,7 +127,7 @@ def test_learn_accumulation_over_micro_batches_equals_one_micro_batch_per_miniba
         policy = _policy(sgd=True)
         spec = UpdateSpec(LossSpec("grpo"), minibatches=2, micro_batch_tokens=tokens, pack_length=16)
         layout = minibatches(spec, _batch().sequences, seed=3, device=torch.device("cpu"))
-        assert [len(micro) > 1 for _, micro in layout] == [tokens == 16] * 2
+        assert [len(micro) > 1 for _, micro, *_ in layout] == [tokens == 16] * 2
         metrics = learn(policy, spec, _batch(), seed=3)
         params[tokens] = _params(policy)
         assert metrics["loss"] == metrics["loss"]  # finite
@@ -226,11 +226,11 @@ def test_group_minibatches_hold_whole_groups_and_sample_minibatches_do_not():
     for split in ("group", "sample"):
         spec = UpdateSpec(minibatches=2, minibatch_split=split)
         layout = minibatches(spec, batch.sequences, seed=4, device=torch.device("cpu"), groups=batch.groups)
-        assert sorted(i for ids, _ in layout for i in ids) == list(range(12))
-        groups_per_minibatch = [sorted({batch.groups[i] for i in ids}) for ids, _ in layout]
+        assert sorted(i for ids, *_ in layout for i in ids) == list(range(12))
+        groups_per_minibatch = [sorted({batch.groups[i] for i in ids}) for ids, *_ in layout]
         if split == "group":  # 4 groups of 3 in 2 minibatches: 2 whole groups each
             assert (
-                all(len(ids) == 6 for ids, _ in layout)
+                all(len(ids) == 6 for ids, *_ in layout)
                 and len({g for gs in groups_per_minibatch for g in gs}) == 4
             )
             assert not set(groups_per_minibatch[0]) & set(groups_per_minibatch[1])
@@ -246,7 +246,7 @@ def test_the_sampler_s_logprobs_as_the_old_policy_s_skip_the_recompute_and_still
     from gspo.learning.policy import score
 
     with torch.no_grad():
-        for ids, micro in minibatches(
+        for ids, micro, *_ in minibatches(
             spec, batch.sequences, seed=1, device=torch.device("cpu"), groups=batch.groups
         ):
             for mb in micro:
@@ -329,7 +329,7 @@ def _naive_mismatch_metrics(
     loss = spec.loss
     low, high = loss.sampler_correction_min, loss.sampler_correction_max
     per_update = []
-    for ids, micro in minibatches(
+    for ids, micro, *_ in minibatches(
         spec, batch.sequences, seed=seed, device=torch.device("cpu"), groups=batch.groups
     ):
         per_micro = []

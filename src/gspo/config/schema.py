@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gspo.core.registry import AGGREGATIONS, OBJECTIVES, SAMPLER_CORRECTIONS
+from gspo.core.registry import Aggregation, SamplerCorrection
 
 
 class ConfigError(ValueError):
@@ -141,13 +141,15 @@ class RolloutConfig:
 
 @dataclass
 class TrainConfig:
-    objective: Literal[OBJECTIVES] = "gspo"
+    objective: str = "gspo"
     """Policy objective (docs/objectives.md): "gspo" (sequence ratio, clipped), "gspo_token", "grpo" (token
     ratio, clipped), "gmpo" (geometric mean of the token ratios, each clipped in log space), "sapo" or
     "sapo_seq" (a soft sigmoid gate instead of the clip, on the token or the sequence ratio), "cispo" (the
     clipped, detached importance weight times A log pi). Dr. GRPO is grpo with
     aggregation=seq-mean-token-sum-norm and advantage_scale=none; LUSPO is gspo with
-    aggregation=seq-mean-token-sum."""
+    aggregation=seq-mean-token-sum. Or your own: "path/file.py:function" (in a config file, relative to its
+    folder) or "module:function", a terms function declared with @gspo.objective; as reward files, a run
+    folder's objective code runs only when you name it."""
     eps_low: float | None = None
     """Lower clip range; None uses the objective's paper default (GSPO 3e-4, GRPO 0.2, GMPO 0.4 on the
     log-ratio, CISPO 1.0, i.e. no lower bound on its weight). SAPO has none."""
@@ -158,7 +160,7 @@ class TrainConfig:
     """SAPO's gate temperature for tokens (sequences) with A > 0; None: the default, 1.0."""
     tau_neg: float | None = None
     """SAPO's gate temperature for A <= 0 (a higher one damps off-policy negative updates faster); None: 1.05."""
-    aggregation: Literal[AGGREGATIONS] = "seq-mean-token-mean"
+    aggregation: Aggregation = "seq-mean-token-mean"
     """How per-sequence terms are averaged: the paper's 1/G per sequence, or length-weighted variants:
     "token-mean" (over all tokens), "seq-mean-token-sum" (token sums over B; LUSPO with gspo),
     "seq-mean-token-sum-norm" (token sums over B x rollout.max_new_tokens, a constant: Dr. GRPO)."""
@@ -190,7 +192,15 @@ class TrainConfig:
     advantage_scale: Literal["group", "batch", "none"] = "group"
     """Divide centred rewards by the group std, the batch std, or nothing."""
     filter_zero_std_groups: bool = False
-    """Drop groups whose rewards are all equal (they carry no signal); counted in metrics either way."""
+    """Drop groups whose rewards are all equal (they carry no signal) from the batch, the loss normaliser
+    included (DAPO's dynamic sampling without resampling); counted in metrics either way."""
+    skip_zero_advantage: Literal["auto"] | bool = "auto"
+    """Leave out of the updates' passes (old-policy, forward, backward) every sample whose advantage is 0
+    on all its trained tokens: it adds exactly zero to every objective's loss and gradient. The split into
+    minibatches, each minibatch's normaliser and its optimizer step stay those of the whole batch, so the
+    weights are the same (up to float summation order). "auto": on when exact, i.e. train.beta = 0 (a KL
+    term depends on every sample); true with beta > 0 is an error. Metrics skipped_samples_frac and
+    skipped_tokens_frac; ratio and clip metrics cover the computed samples."""
     layout: Literal["auto", "shared_prefix", "packed", "padded"] = "auto"
     """"shared_prefix": rows of prefix trees, the samples of a prompt sharing one copy of it and prompts of
     several groups their common start (a system message) where that saves compute, each completion
@@ -217,7 +227,7 @@ class TrainConfig:
     trainer's own model in this process computing in fp32 (same weights), else recompute (bf16 rounds the
     cached decoding and the scoring forward differently, beyond GSPO's clip band). The first
     minibatch's forward measures the sampler/trainer mismatch either way (docs/sampler_mismatch.md)."""
-    sampler_correction: Literal[SAMPLER_CORRECTIONS] = "none"
+    sampler_correction: SamplerCorrection = "none"
     """Train-inference mismatch correction, with old_logprobs=recompute: the policy term of each token
     ("token_*") or sequence ("sequence_*", length-normalised ratio) weighted by rho = pi_old / pi_sampler,
     truncated to [C_min, C_max] ("*_truncate", TIS) or zeroed outside it ("*_mask", masked IS / IcePop).

@@ -61,6 +61,18 @@ class Batch:
     sampler_logprobs: list[list[float]]
     groups: list[int]
 
+    def moving(self) -> list[bool]:
+        """Whether each sequence has a trained token with a nonzero advantage. One without adds exactly zero
+        to every objective's loss and gradient (each term is a multiple of the advantage), so an update may
+        skip it when nothing else in the loss (a KL term) depends on it."""
+        masks = [seq.train_mask for seq in self.sequences]
+        if isinstance(self.advantages, Tensor):
+            return [bool(a != 0) and any(m) for a, m in zip(self.advantages.tolist(), masks, strict=True)]
+        return [
+            any(t and a != 0 for t, a in zip(m, adv, strict=True))
+            for m, adv in zip(masks, self.advantages, strict=True)
+        ]
+
 
 def make_batch(
     samples: list[Sample],

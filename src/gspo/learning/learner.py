@@ -11,20 +11,20 @@ share the minibatch's loss normaliser, so accumulation reproduces the full-minib
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import time
+import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from gspo.core.layout import MicroBatch, TokenSequence, make_micro_batches
 from gspo.core.mismatch import mismatch_metrics, sampler_log_ratios
-from gspo.core.objectives import LossInputs, compute_loss
+from gspo.core.objectives import LossInputs, compute_loss, loss_normalizer
 from gspo.learning.batch import Batch
 from gspo.learning.policy import Policy, UpdateSpec, score
 from gspo.learning.reduction import reduce_metrics
@@ -35,6 +35,7 @@ from gspo.parallel.collectives import (
     all_gather_objects,
     all_gather_varlen,
     all_reduce_sum,
+    all_reduce_sums,
 )
 from gspo.parallel.group import rank
 from gspo.parallel.wrap import full_parameters, pad_micro_batches, set_gradient_sync
@@ -52,6 +53,17 @@ def place(values: list[list[float]], mb: MicroBatch) -> torch.Tensor:
     return flat
 
 
+class Split(NamedTuple):
+    """One minibatch of a step's split: the sequences its update computes (``ids``, indices into the batch)
+    laid out in ``micro``-batches, and the counts of the whole minibatch, skipped sequences included, that
+    its loss normaliser takes (``sequences``, and ``tokens`` trained)."""
+
+    ids: list[int]
+    micro: list[MicroBatch]
+    sequences: int
+    tokens: int
+
+
 def minibatches(
     spec: UpdateSpec,
     sequences: list[TokenSequence],
@@ -59,12 +71,14 @@ def minibatches(
     seed: int,
     device: torch.device,
     groups: list[int] | None = None,
-) -> list[tuple[list[int], list[MicroBatch]]]:
+    computed: list[bool] | None = None,
+) -> list[Split]:
     """Shuffle (seeded) and split into minibatches, each laid out in micro-batches on ``device``.
 
     One permutation of the whole batch (every rank's sequences, in rank order; with
     ``spec.minibatch_split == "group"`` of its groups, ``groups`` giving each sequence's global group):
     minibatch k holds the same sequences however many ranks share the batch, each rank its own of them.
+    ``computed``: which sequences the updates compute (None: all); the split is the same either way.
     """
     generator = torch.Generator().manual_seed(seed)
     if spec.minibatch_split == "group" and groups is not None:
@@ -85,7 +99,8 @@ def minibatches(
             for c in _split(order, spec.minibatches)
         ]
     out = []
-    for ids in chunks:
+    for chunk in chunks:
+        ids = [i for i in chunk if computed is None or computed[i]]
         micro = make_micro_batches(
             [sequences[i] for i in ids],
             layout=spec.layout,
@@ -93,10 +108,13 @@ def minibatches(
             micro_batch_tokens=spec.micro_batch_tokens,
             pad_id=spec.pad_id,
         )
-        out.append((ids, micro))
+        out.append(Split(ids, micro, len(chunk), sum(sum(sequences[i].train_mask) for i in chunk)))
     # every rank runs as many micro-batches per minibatch (under FSDP2 each pass is a collective)
-    padded = pad_micro_batches([micro for _, micro in out], spec.pad_id)
-    return [(ids, [mb.to(device) for mb in micro]) for (ids, _), micro in zip(out, padded, strict=True)]
+    padded = pad_micro_batches([split.micro for split in out], spec.pad_id)
+    return [
+        split._replace(micro=[mb.to(device) for mb in micro])
+        for split, micro in zip(out, padded, strict=True)
+    ]
 
 
 def _split(order: list[int], parts: int) -> list[np.ndarray]:
@@ -112,9 +130,11 @@ class UpdateBatch:
     index: int
     """Updates of this step before this one (0: the policy has not moved yet)."""
     ids: list[int]
-    """Its sequences: indices into the batch."""
+    """The sequences it computes: indices into the batch."""
     micro: list[MicroBatch]
-    """Its micro-batches on the policy's device: one forward and backward each."""
+    """Their micro-batches on the policy's device: one forward and backward each."""
+    normalizer: float
+    """Its loss normaliser, over the whole minibatch on every rank (skipped sequences included)."""
     old: list[torch.Tensor]
     """The old policy's log-probs."""
     sampled: list[torch.Tensor]
@@ -160,26 +180,28 @@ def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def old_policy(
-    policy: Policy, spec: UpdateSpec, batch: Batch, layout: list[tuple[list[int], list[MicroBatch]]]
+    policy: Policy, spec: UpdateSpec, batch: Batch, layout: list[Split]
 ) -> tuple[list[UpdateBatch], dict[str, float]]:
     """The minibatches of ``layout`` with the old policy's log-probs (and reference ones, expert choices),
-    before any update; and the metrics of the old-policy pass.
+    before any update; and the metrics of the old-policy pass. Only the sequences the updates compute are
+    scored.
 
     With ``spec.old_logprobs == "recompute"`` the trainer's own forward pass, which also measures the
     sampler/trainer mismatch; with "sampler" the sampler's log-probs, a token it did not report (NaN)
     recomputed.
     """
+    computed = [i for split in layout for i in split.ids]
     # a trained token the sampler gave no log-prob for (NaN, e.g. llama.cpp's EOS) needs the trainer's
     unknown = sum(
         t and not math.isfinite(lp)
-        for seq, lps in zip(batch.sequences, batch.sampler_logprobs, strict=True)
-        for t, lp in zip(seq.train_mask, lps, strict=True)
+        for i in computed
+        for t, lp in zip(batch.sequences[i].train_mask, batch.sampler_logprobs[i], strict=True)
     )
     recompute = spec.old_logprobs == "recompute" or all_reduce_sum(float(unknown)) > 0
     mismatch, parts = MismatchMeter(), []
     # old policy = the current weights, before any update of this step; FSDP2 gathers them once
     with torch.no_grad(), full_parameters(policy.scorer):
-        for index, (ids, micro) in enumerate(layout):
+        for index, (ids, micro, *_) in enumerate(layout):
             sampled = [place([batch.sampler_logprobs[i] for i in ids], mb) for mb in micro]
             if recompute:
                 old, routes = _recompute(policy, spec, micro, sampled, mismatch)
@@ -187,12 +209,22 @@ def old_policy(
                 old, routes = sampled, _expert_choices(policy, micro)
             ref = [policy.reference_logprobs(mb, spec) for mb in micro] if spec.loss.beta > 0 else None
             parts.append(
-                UpdateBatch(index, ids, micro, old, sampled, ref, routes, old_is_sampled=not recompute)
+                UpdateBatch(
+                    index,
+                    ids,
+                    micro,
+                    _normalizer(spec, layout[index]),
+                    old,
+                    sampled,
+                    ref,
+                    routes,
+                    old_is_sampled=not recompute,
+                )
             )
     if spec.old_logprobs == "recompute":  # both log-probs known: how far apart
         metrics = mismatch.metrics()
     else:
-        trained = sum(sum(seq.train_mask) for seq in batch.sequences)
+        trained = sum(sum(batch.sequences[i].train_mask) for i in computed)
         metrics = {"sampler_logprob_missing_frac": unknown / max(trained, 1)}  # recomputed by the trainer
     metrics["old_logprobs_recomputed"] = float(recompute)
     return parts, metrics
@@ -237,10 +269,15 @@ def update(
     the routers moved from them (gspo.models.moe.UpdateRouting).
     """
     loss_spec = spec.loss
-    if not isinstance(advantages, torch.Tensor) and loss_spec.objective == "gspo":
-        # per-token advantages: GSPO as GSPO-token (GSPO's value and gradient for per-sequence ones)
-        loss_spec = dataclasses.replace(loss_spec, objective="gspo_token")
-    normalizer = _normalizer(spec, minibatch)
+    if not isinstance(advantages, torch.Tensor):  # per token (per-turn rewards)
+        loss_spec = spec.loss.for_token_advantages()
+        if loss_spec.objective != spec.loss.objective:
+            warnings.warn(  # shown once: one line of code
+                f"train.objective={spec.loss.objective} with per-token advantages (per-turn rewards): trained "
+                f"as {loss_spec.objective}, its form for them (the same value and gradient for per-sequence "
+                "advantages)",
+                stacklevel=2,
+            )
     routing = moe.UpdateRouting(policy.model, minibatch.routes, replay=spec.routing_replay)
     mismatch = MismatchMeter() if minibatch.measures_mismatch else None
     policy.optimizer.zero_grad(set_to_none=True)
@@ -249,7 +286,7 @@ def update(
         set_gradient_sync(policy.scorer, j == len(minibatch.micro) - 1)  # DDP: sum once, at the end
         with routing.forward(j, mb.logprob_mask):
             logp = score(policy.scorer, mb, spec)
-        loss, m = compute_loss(loss_spec, _loss_inputs(spec, minibatch, j, logp, advantages, normalizer))
+        loss, m = compute_loss(loss_spec, _loss_inputs(spec, minibatch, j, logp, advantages))
         loss.backward()
         losses.append(loss.detach())  # read back once, after the loop
         if mb.indices:  # not an idle micro-batch (distributed padding)
@@ -258,23 +295,18 @@ def update(
                 mismatch.add(logp.detach(), minibatch.old[j], mb)
     grad_norm = _step(policy, spec)
     out = reduce_metrics(all_gather_metrics(metrics))  # all ranks' micro-batches
-    out["loss"] = all_reduce_sum(float(torch.stack(losses).sum()))
+    out["loss"] = all_reduce_sum(float(torch.stack(losses).sum()) if losses else 0.0)
     out["grad_norm"] = float(grad_norm)
     out |= routing.metrics(updates_before=minibatch.index)
     return out | (mismatch.metrics() if mismatch is not None else {})
 
 
-def _normalizer(spec: UpdateSpec, minibatch: UpdateBatch) -> float:
-    """The minibatch's loss normaliser over all ranks: B sequences, its tokens for token-mean, or B x
-    max_new_tokens for Dr. GRPO; each rank's loss is its share of the one-process loss, and the ranks'
-    gradients are summed."""
-    if spec.loss.aggregation == "token-mean":
-        normalizer = float(sum(int((mb.segment_ids >= 0).sum()) for mb in minibatch.micro))
-    elif spec.loss.aggregation == "seq-mean-token-sum-norm":  # Dr. GRPO: a constant per sequence
-        normalizer = float(len(minibatch.ids) * spec.max_new_tokens)
-    else:
-        normalizer = float(len(minibatch.ids))
-    return all_reduce_sum(normalizer)
+def _normalizer(spec: UpdateSpec, split: Split) -> float:
+    """A minibatch's loss normaliser over all ranks (gspo.core.objectives.loss_normalizer of its sequence and
+    trained-token counts, skipped sequences included): each rank's loss is its share of the one-process
+    loss, and the ranks' gradients are summed."""
+    local = loss_normalizer(spec.loss.aggregation, split.sequences, split.tokens, spec.max_new_tokens)
+    return max(all_reduce_sum(float(local)), 1.0)  # 0 only when no token trains: every term is 0 then
 
 
 def _loss_inputs(
@@ -283,7 +315,6 @@ def _loss_inputs(
     j: int,
     logp: torch.Tensor,
     advantages: Advantages,
-    normalizer: float,
 ) -> LossInputs:
     """The loss's inputs of micro-batch j of a minibatch, with the current policy's log-probs ``logp``."""
     mb, ids = minibatch.micro[j], minibatch.ids
@@ -302,13 +333,19 @@ def _loss_inputs(
         len(mb.indices),
         ref_logp=ref,
         sampler_logp=sampled,
-        normalizer=normalizer,
+        normalizer=minibatch.normalizer,
     )
 
 
 def _step(policy: Policy, spec: UpdateSpec) -> torch.Tensor:
     """Clip the gradient norm, step the optimizer and the schedule; returns the norm before clipping."""
     params = [p for p in policy.model.parameters() if p.requires_grad]
+    for p in params:
+        # a zero gradient, not none: AdamW still moves a weight through its moments and weight decay, as it
+        # does when every term is computed and zero (a minibatch whose sequences were all skipped, an MoE
+        # expert no token was routed to)
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
     max_norm = spec.max_grad_norm if spec.max_grad_norm > 0 else float("inf")
     grad_norm = clip_grad_norm(params, max_norm, policy.optimizer)  # fused AdamW: applied inside its step
     policy.optimizer.step()
@@ -335,8 +372,13 @@ def learn(
 
     seed: the minibatch shuffle's (the trainer passes one per step). around_update: a context manager
     factory entered around each optimizer update, e.g. to count its FLOPs (benchmarks/train_step.py).
+    With ``spec.skip_zero_advantage`` the passes leave out the sequences that move nothing (`Batch.moving`);
+    the split, each minibatch's normaliser and its optimizer step are those of the whole batch.
     """
-    layout = minibatches(spec, batch.sequences, seed=seed, device=policy.device, groups=batch.groups)
+    computed = batch.moving() if spec.skip_zero_advantage else None
+    layout = minibatches(
+        spec, batch.sequences, seed=seed, device=policy.device, groups=batch.groups, computed=computed
+    )
     t0 = time.perf_counter()
     parts, out = old_policy(policy, spec, batch, layout)
     out["time_old_logprobs"] = time.perf_counter() - t0
@@ -358,10 +400,19 @@ def learn(
 
 def _token_counts(batch: Batch, parts: list[UpdateBatch]) -> dict[str, float]:
     """What the updates compute vs what is there, over all ranks: real tokens (each sequence whole), unique
-    tokens (a group's prompt once); the layout's padding and prompt repeats make the difference."""
-    computed = sum(mb.num_tokens for m in parts for mb in m.micro if mb.indices)
+    tokens (a group's prompt once); the layout's padding and prompt repeats make the difference; and the
+    share of the samples, and of their real tokens, left out as moving nothing."""
+    computed = [i for m in parts for i in m.ids]
+    laid_out = sum(mb.num_tokens for m in parts for mb in m.micro if mb.indices)
+    real = sum(len(seq) for seq in batch.sequences)
+    skipped_real = real - sum(len(batch.sequences[i]) for i in computed)
+    totals = all_reduce_sums(
+        [laid_out, real, unique_tokens(batch), len(batch.sequences), len(computed), skipped_real]
+    )
     return {
-        "update_tokens": all_reduce_sum(float(computed)),
-        "real_tokens": all_reduce_sum(float(sum(len(seq) for seq in batch.sequences))),
-        "unique_tokens": all_reduce_sum(float(unique_tokens(batch))),
+        "update_tokens": totals[0],
+        "real_tokens": totals[1],
+        "unique_tokens": totals[2],
+        "skipped_samples_frac": 1.0 - totals[4] / max(totals[3], 1.0),
+        "skipped_tokens_frac": totals[5] / max(totals[1], 1.0),
     }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -27,21 +27,29 @@ class UpdateSpec:
     loss: LossSpec = field(default_factory=LossSpec)
     max_new_tokens: int = 4
     """The constant of aggregation "seq-mean-token-sum-norm" (Dr. GRPO): the longest completion sampled."""
+    advantage_scale: Literal["group", "batch", "none"] = "group"
+    """gspo.core.advantages.group_advantages' scale of the centred rewards."""
+    filter_zero_std_groups: bool = False
+    """Drop the groups whose returns are all equal from the batch (make_batch)."""
+    mask_truncated: bool = False
+    """Truncated samples get no gradient (make_batch)."""
+    skip_zero_advantage: bool = False
+    """Leave the samples that move nothing out of the passes (train.skip_zero_advantage resolved)."""
     minibatches: int = 4
-    minibatch_split: str = "sample"
+    minibatch_split: Literal["group", "sample"] = "sample"
     """"sample": each minibatch holds a random share of all samples; "group": whole groups (their prompt
     computed once)."""
-    layout: str = "shared_prefix"
+    layout: Literal["shared_prefix", "packed", "padded"] = "shared_prefix"
     """gspo.core.layout: "shared_prefix", "packed" or "padded" (train.layout with "auto" resolved)."""
     pack_length: int = 1024
     micro_batch_tokens: int = 4096
     pad_id: int = 0
     temperature: float = 1.0
     logprob_chunk_size: int = 1024
-    logprob_kernel: str = "auto"
+    logprob_kernel: Literal["auto", "torch", "triton"] = "auto"
     """gspo.core.logprobs.KERNELS: "auto" (Triton on CUDA when installed), "torch" or "triton"."""
     max_grad_norm: float = 1.0
-    old_logprobs: str = "recompute"
+    old_logprobs: Literal["recompute", "sampler"] = "recompute"
     """"recompute" (a forward pass before the updates) or "sampler" (the sampler's own log-probs)."""
     routing_replay: bool = False
 
@@ -56,8 +64,16 @@ class UpdateSpec:
             "layout": layout,
             "pad_id": pad_id,
             "old_logprobs": old_logprobs or config.train.old_logprobs,
+            "skip_zero_advantage": skips_zero_advantage(config),
         }
         return cls(loss=LossSpec(**_same_named(LossSpec, config.train)), **fields)
+
+
+def skips_zero_advantage(config: Config) -> bool:
+    """train.skip_zero_advantage with "auto" resolved: on where skipping is exact, with no KL term (beta = 0),
+    which is the one term of the loss that a zero-advantage sample contributes to."""
+    mode = config.train.skip_zero_advantage
+    return config.train.beta == 0 if mode == "auto" else bool(mode)
 
 
 def _same_named(cls: type, section: object) -> dict[str, Any]:

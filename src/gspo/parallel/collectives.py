@@ -25,6 +25,15 @@ def all_reduce_sum(value: float) -> float:
     return float(t.item())
 
 
+def all_reduce_sums(values: list[float]) -> list[float]:
+    """Element-wise sum of a list of numbers over the ranks, in one collective (float64)."""
+    if world_size() == 1 or not values:
+        return [float(v) for v in values]
+    t = torch.tensor(values, dtype=torch.float64, device=_device())
+    dist.all_reduce(t)
+    return t.tolist()
+
+
 def all_reduce_max(values: list[int]) -> list[int]:
     """Element-wise maximum of an integer list over the ranks."""
     if world_size() == 1 or not values:

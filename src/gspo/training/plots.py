@@ -261,7 +261,17 @@ def summary_text(records: Sequence[dict[str, Any]]) -> str:
         if values:
             clip_means.append(f"{key} {_fmt(sum(values) / len(values))}")
     if clip_means:
-        lines.append(f"- Clip fractions, mean over steps: {', '.join(clip_means)}")
+        lines.append(
+            f"- Clip fractions, mean over steps (of the samples the updates computed): {', '.join(clip_means)}"
+        )
+    skipped = [r["skipped_samples_frac"] for r in train if _finite(r.get("skipped_samples_frac"))]
+    if skipped and any(skipped):
+        tokens = [r["skipped_tokens_frac"] for r in train if _finite(r.get("skipped_tokens_frac"))]
+        lines.append(
+            f"- Zero-advantage samples left out of the updates (train.skip_zero_advantage), mean over steps: "
+            f"{_fmt(sum(skipped) / len(skipped))} of the samples, {_fmt(sum(tokens) / max(len(tokens), 1))} "
+            "of their tokens"
+        )
 
     time_keys = sorted({k for r in records for k in r if k.startswith("time_")})
     phase_totals = {k: sum(r[k] for r in records if _finite(r.get(k))) for k in time_keys}

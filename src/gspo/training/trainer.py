@@ -2,7 +2,8 @@
 
 `Trainer` builds each part once (gspo.training.build) and keeps what lives across steps; `train_step`
 (the sampler's rollouts) and `train_on_groups` (the user's trajectories) both become `Sample`s and go
-through `_learn`: `make_batch`, then `learn`. The step counter lives there.
+through `_learn`: gspo.learning.step's `learn_from_samples`, which `gspo serve` calls too. The step
+counter lives there.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ import transformers
 from tqdm.auto import tqdm
 
 from gspo.config import Config, load_config, save_config, validate_setup
-from gspo.learning.batch import Sample, make_batch
-from gspo.learning.learner import learn
+from gspo.learning.batch import Sample
 from gspo.learning.policy import UpdateSpec
+from gspo.learning.step import learn_from_samples, step_seed
 from gspo.parallel.collectives import (
     all_gather_cat,
     all_reduce_sum,
@@ -40,7 +41,7 @@ from gspo.parallel.group import (
     shutdown,
     world_size,
 )
-from gspo.parallel.state import optimizer_state, rank_states, savable_model
+from gspo.parallel.state import rank_states
 from gspo.rollout.data import Example, PromptStream, batch_fields, format_prompt
 from gspo.rollout.rewards import RewardError, RewardFunction, compute_rewards
 from gspo.rollout.samplers import HFSampler, Sampler
@@ -55,10 +56,11 @@ from gspo.training.build import (
     resolve_old_logprobs,
     resolve_rewards,
     setup_model,
+    setup_objective,
     setup_policy,
     setup_sampler,
 )
-from gspo.training.checkpoint import latest_checkpoint, load_trainer_state, rng_state, save_checkpoint
+from gspo.training.checkpoint import latest_checkpoint, load_trainer_state, rng_state, save_policy
 from gspo.training.metrics import MetricsLogger, SilentLogger
 from gspo.training.resume import restore_state, resume_config
 from gspo.training.run_folder import setup_run_dir, start_fresh
@@ -89,6 +91,7 @@ class Trainer:
         # the folder locked and a resume checked before any reward file is imported
         self.run_dir, checkpoint = setup_run_dir(config, resume, force=force)
         self.rewards = resolve_rewards(config, reward_functions)
+        setup_objective(config)
         if reward_functions:  # config.yaml names the rewards this run uses (eval and resume look there)
             config = dataclasses.replace(config, rewards={name: weight for name, _, weight in self.rewards})
         self.config = config
@@ -118,6 +121,14 @@ class Trainer:
             config, layout=layout, pad_id=self.tokenizer.pad_token_id, old_logprobs=old_logprobs
         )
         self._warned_mismatch = False
+        if self._show_progress():  # which, once; the metrics say how many (skipped_samples_frac)
+            if self.spec.skip_zero_advantage:
+                state = "on (exact: the loss has no KL term)"
+            elif config.train.skip_zero_advantage == "auto":
+                state = "off (train.beta > 0: the KL term depends on every sample)"
+            else:
+                state = "off"
+            tqdm.write(f"train.skip_zero_advantage: zero-advantage samples left out of the updates: {state}")
         self.stream = PromptStream(self.train_examples, config.rollout.prompts_per_step, seed=config.seed)
         self.step = 0
         if checkpoint is not None:
@@ -203,22 +214,13 @@ class Trainer:
     def _learn(
         self, samples: list[Sample], metrics: dict[str, float], spec: UpdateSpec | None = None
     ) -> dict[str, float]:
-        """Samples -> batch (advantages, filtering, reward metrics) -> old-policy log-probs and updates."""
-        train = self.config.train
-        batch, batch_metrics = make_batch(
-            samples,
-            advantage_scale=train.advantage_scale,
-            filter_zero_std_groups=train.filter_zero_std_groups,
-            mask_truncated=self.config.rollout.mask_truncated,
-        )
-        metrics = {**batch_metrics, **metrics, "lr": self.policy.scheduler.get_last_lr()[0]}
+        """Samples -> batch -> old-policy log-probs and updates (gspo.learning.step), then the sampler
+        takes the new weights."""
         spec = spec or self.spec
-        if batch_metrics["num_trained"] > 0:
-            metrics |= learn(self.policy, spec, batch, seed=self.step_seed())
-            if spec.old_logprobs == "sampler":
-                self._check_mismatch(metrics)
-        else:  # every group had equal returns and was filtered out: nothing to learn from
-            metrics |= {"time_old_logprobs": 0.0, "time_update": 0.0}
+        metrics = {**metrics, "lr": self.policy.scheduler.get_last_lr()[0]}
+        metrics |= learn_from_samples(self.policy, spec, samples, seed=step_seed(self.config.seed, self.step))
+        if spec.old_logprobs == "sampler" and metrics["num_trained"] > 0:
+            self._check_mismatch(metrics)
         self.step += 1
         self.sampler.sync_weights(self.policy.model, self.tokenizer, self.step)
         return metrics
@@ -236,10 +238,6 @@ class Trainer:
                 stacklevel=2,
             )
 
-    def step_seed(self) -> int:
-        """The seed of this step's minibatch shuffle."""
-        return self.config.seed * 1_000_003 + self.step
-
     # ---- evaluation ---------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
         """Greedy completions on the held-out split, scored by the run's rewards (gspo.training.evaluation)."""
@@ -256,26 +254,13 @@ class Trainer:
 
     # ---- the loop -----------------------------------------------------------------------------------
     def checkpoint(self, rng: dict[str, Any] | None = None, stream: dict[str, Any] | None = None) -> Path:
-        policy = self.policy
-        state = {
-            "optimizer": optimizer_state(policy.model, policy.optimizer),  # FSDP2: gathered
-            "scheduler": policy.scheduler.state_dict(),
-            "stream": stream if stream is not None else self.stream.state_dict(),
-            "rng": rng if rng is not None else rng_state(),
-        }
-        if world_size() > 1:  # every rank's own RNG streams and data position
-            state["ranks"] = rank_states(state["rng"], state["stream"])
-        model = savable_model(policy.scorer, policy.model)  # FSDP2: full weights on rank 0
-        if is_main():
-            save_checkpoint(
-                self.run_dir,
-                self.step,
-                model=model,
-                tokenizer=self.tokenizer,
-                state=state,
-                keep=self.config.checkpoint.keep,
-                config=self.config,
-            )
+        rng = rng if rng is not None else rng_state()
+        stream = stream if stream is not None else self.stream.state_dict()
+        # every rank's own RNG streams and data position
+        ranks = {"ranks": rank_states(rng, stream)} if world_size() > 1 else {}
+        save_policy(
+            self.run_dir, self.step, self.policy, self.tokenizer, self.config, rng=rng, stream=stream, **ranks
+        )
         barrier()  # complete before any rank goes on
         self._saved_step = self.step
         return latest_checkpoint(self.run_dir)
