@@ -74,8 +74,8 @@ def _check_objective(config: Config) -> None:
     if train.objective not in OBJECTIVES:
         close = difflib.get_close_matches(train.objective, OBJECTIVES, n=1, cutoff=0.5)
         raise ConfigError(
-            f"train.objective: {train.objective!r} is not one of {', '.join(OBJECTIVES)}, nor your own objective "
-            f"('path/file.py:function' or 'module:function', docs/objectives.md)"
+            f"train.objective: {train.objective!r} is not one of {', '.join(map(repr, OBJECTIVES))}, nor your own "
+            "objective ('path/file.py:function' or 'module:function', docs/objectives.md)"
             + (f"; did you mean {close[0]!r}?" if close else "")
         )
     sapo = "tau_pos" in PAPER_DEFAULTS[train.objective]  # a soft gate, not a clip range

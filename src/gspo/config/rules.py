@@ -152,6 +152,9 @@ RULES: dict[str, Rule] = {
     "rollout.temperature": above(0, "the logits are divided by it"),
     "rollout.top_p": between(0, 1, low_open=True, why="1.0: off"),
     "rollout.generation_batch_size": at_least(1),
+    "train.objective": non_empty(
+        "a built-in's name or your own, 'path/file.py:function' (gspo.config.checks)"
+    ),
     "train.eps_low": at_least(0),
     "train.eps_high": at_least(0),
     "train.tau_pos": above(0, "SAPO's gate divides by it"),
