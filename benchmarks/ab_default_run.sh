@@ -3,8 +3,9 @@
 # Usage (from the project root, after the README set-up):
 #   bash benchmarks/ab_default_run.sh BASE_COMMIT [ROUNDS=2] [key=value ...]
 # Each run: the default config (plus your overrides) for 3 rollout batches, no checkpoints, no TensorBoard.
-# Prints each run's median seconds per rollout batch (sum of the logged time_* phases), then the ratio of the
-# best base run to the best working-tree run. Machines are noisy (+-15% between identical runs): use ratios.
+# Prints each run's median seconds per rollout batch (sum of the logged time_* phases) and its held-out
+# accuracy before and after (the evaluations at the first and last step), then the ratio of the best base
+# run to the best working-tree run. Machines are noisy (+-15% between identical runs): use ratios.
 set -euo pipefail
 base=${1:?usage: bash benchmarks/ab_default_run.sh BASE_COMMIT [ROUNDS] [key=value ...]}; shift
 rounds=2; if [[ "${1:-}" =~ ^[0-9]+$ ]]; then rounds=$1; shift; fi
@@ -19,6 +20,10 @@ run() {  # $1 label, $2 PYTHONPATH ('' = the working tree's gspo)
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 t = sorted(sum(v for k, v in r.items() if k.startswith("time_")) for r in rows if "time_update" in r)
+acc = [r["accuracy"] for r in rows if r.get("kind") == "eval"]
+skipped = [r.get("skipped_samples_frac", 0.0) for r in rows if "time_update" in r]
+print(f"  accuracy {acc[0]:.3f} -> {acc[-1]:.3f}, skipped {sum(skipped) / len(skipped):.2f} of the samples",
+      file=sys.stderr)
 print(f"{t[len(t) // 2]:.2f}")
 PYEOF
 }
