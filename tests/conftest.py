@@ -24,9 +24,20 @@ TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 SMOLLM2_FIXTURES = {"smollm2", "smollm2_trainer"}
 
 
+NO_LLAMA_CPP = pytest.mark.skip(
+    reason="llama-cpp-python is not installed: CI's second stage runs these tests "
+    "(bash scripts/setup.sh server && pytest -m llama_cpp)"
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Keeps the `slow` marker honest: a test that uses the real SmolLM2 (its fixtures, directly or through
-    another fixture) must carry it."""
+    """Skips the `llama_cpp` tests where llama-cpp-python is missing (the README's test command does not
+    compile it: CI's second stage does), and keeps the `slow` marker honest: a test that uses the real SmolLM2
+    (its fixtures, directly or through another fixture) must carry it."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        for item in items:
+            if item.get_closest_marker("llama_cpp") is not None:
+                item.add_marker(NO_LLAMA_CPP)
     unmarked = [
         item.nodeid
         for item in items

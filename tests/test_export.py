@@ -4,7 +4,6 @@ SmolLM2 (skipped, with the reason, where llama-cpp-python is missing)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,10 +24,6 @@ from gspo.training.export import export_run
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
-needs_llama_cpp = pytest.mark.skipif(
-    importlib.util.find_spec("llama_cpp") is None,
-    reason="llama-cpp-python is not installed (CMAKE_ARGS=\"-DGGML_NATIVE=OFF\" pip install 'gspo[server]')",
-)
 
 
 def test_q_k_permutation_interleaves_each_heads_halves_and_transformers_undoes_it() -> None:
@@ -147,7 +142,7 @@ def _compare(llm: Any, model: Any, tokenizer: Any, prompts: list[str], max_new_t
     }
 
 
-@needs_llama_cpp
+@pytest.mark.llama_cpp
 def test_gspo_export_gguf_of_a_tiny_run_runs_in_llama_cpp(tmp_path: Path) -> None:
     from gspo.cli import main
     from gspo.training.trainer import train
@@ -231,7 +226,7 @@ def test_vocabulary_built_from_the_hf_tokenizer_equals_the_source_ggufs(smollm2_
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # minutes on a CPU shared with other jobs (llama.cpp's threads stall there)
-@needs_llama_cpp
+@pytest.mark.llama_cpp
 @pytest.mark.parametrize("quant", ["f16", "q8_0"])
 def test_exported_gguf_in_llama_cpp_matches_the_trainer(smollm2_run, quant: str) -> None:
     """Greedy completions of the held-out problems equal; token log-probs within GGUF_TOLERANCE[quant]."""

@@ -3,7 +3,6 @@ serves the trainer's updated weights (skipped, with the reason, where llama-cpp-
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -15,10 +14,7 @@ from gspo.rollout.llama_cpp import GGUFReload, LlamaCppServer
 from gspo.rollout.openai import OpenAIBackend
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("llama_cpp") is None,
-    reason="llama-cpp-python is not installed (CMAKE_ARGS=\"-DGGML_NATIVE=OFF\" pip install 'gspo[server]')",
-)
+pytestmark = pytest.mark.llama_cpp  # skipped without llama-cpp-python (conftest.py)
 
 
 def _gap(model_logprobs: list[torch.Tensor], rollouts) -> float:

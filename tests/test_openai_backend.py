@@ -4,7 +4,6 @@ real llama-cpp-python server on the SmolLM2 GGUF file (skipped, with the reason,
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import math
 import socketserver
@@ -179,11 +178,6 @@ def _smollm2_gguf():
 @pytest.fixture(scope="module")
 def engine() -> Iterator[tuple[str, Any]]:
     """llama-cpp-python's server on the SmolLM2 Q4_1 GGUF file, and the trainer's tokenizer of that file."""
-    if importlib.util.find_spec("llama_cpp") is None:
-        pytest.skip(
-            "llama-cpp-python is not installed (CMAKE_ARGS=\"-DGGML_NATIVE=OFF\" pip install 'gspo[server]'): "
-            "the real-server tests skip"
-        )
     path = _smollm2_gguf()
     from transformers import AutoTokenizer
 
@@ -197,6 +191,7 @@ def engine() -> Iterator[tuple[str, Any]]:
     server.__exit__(None, None, None)
 
 
+@pytest.mark.llama_cpp
 def test_real_server_returns_g_completions_per_prompt_with_aligned_logprobs(engine) -> None:
     url, tokenizer = engine
     messages = [[{"role": "user", "content": "What is 2+3?"}], [{"role": "user", "content": "Say hi."}]]
@@ -229,6 +224,7 @@ def test_real_server_returns_g_completions_per_prompt_with_aligned_logprobs(engi
 
 
 @pytest.mark.slow
+@pytest.mark.llama_cpp
 def test_real_server_logprobs_match_the_trainers_recomputation(engine, smollm2, rollout_logprobs) -> None:
     """Q4_1 kernels vs the de-quantised fp32 model: close per token, closer per sequence."""
     url, tokenizer = engine
@@ -245,6 +241,7 @@ def test_real_server_logprobs_match_the_trainers_recomputation(engine, smollm2, 
 
 
 @pytest.mark.slow
+@pytest.mark.llama_cpp
 def test_gspo_train_samples_from_the_real_server(engine, smollm2_trainer, tmp_path) -> None:
     """rollout.engine=openai: the tiny config's run, on the embedded model the server also serves."""
     url, _ = engine

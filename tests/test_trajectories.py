@@ -391,3 +391,13 @@ def test_a_loop_over_train_on_groups_leaves_a_run_folder_like_gspo_train(tmp_pat
     resumed = Trainer(load_config(run / "config.yaml"), resume=run)
     assert resumed.step == 3
     resumed.logger.close()
+
+
+def test_the_clients_old_names_still_work_and_say_their_new_ones() -> None:
+    import gspo.client
+
+    for old, new in (("Trajectory", "Episode"), ("TrajectoryGroup", "EpisodeGroup")):
+        with pytest.warns(DeprecationWarning, match=f"gspo.client.{old} is now gspo.client.{new}"):
+            assert getattr(gspo.client, old) is getattr(gspo.client, new)
+    with pytest.raises(AttributeError, match="no attribute 'Trajectories'"):
+        _ = gspo.client.Trajectories
