@@ -24,9 +24,9 @@ import torch
 from conftest import tiny_config
 from gspo.core.layout import TokenSequence
 from gspo.core.logprobs import token_logprobs
+from gspo.core.seeds import step_seed
 from gspo.learning.batch import Batch
 from gspo.learning.learner import learn
-from gspo.learning.step import step_seed
 from gspo.models.loading import tiny_model
 from gspo.parallel import group, wrap
 

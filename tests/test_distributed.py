@@ -33,9 +33,9 @@ from conftest import tiny_config
 from gspo.config import ConfigError, load_config, validate_setup
 from gspo.core.layout import TokenSequence
 from gspo.core.objectives import LossInputs, LossSpec, compute_loss
+from gspo.core.seeds import step_seed
 from gspo.learning.batch import Batch
 from gspo.learning.learner import learn, minibatches
-from gspo.learning.step import step_seed
 from gspo.parallel import clipping, group, wrap
 from gspo.rollout.rewards import RewardError
 from gspo.training.checkpoint import latest_checkpoint, load_trainer_state

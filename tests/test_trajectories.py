@@ -12,10 +12,10 @@ import torch
 from gspo.config import ConfigError, load_config
 from gspo.core.layout import TokenSequence
 from gspo.core.mismatch import mismatch_metrics, sampler_log_ratios
+from gspo.core.seeds import step_seed
 from gspo.learning.batch import Batch, make_batch
 from gspo.learning.learner import learn, minibatches
 from gspo.learning.policy import score
-from gspo.learning.step import step_seed
 from gspo.models import tiny_tokenizer
 from gspo.rollout.trajectories import (
     Trajectory,

@@ -1,6 +1,6 @@
 """One step on scored samples, the same for `gspo train` and `gspo serve`: samples -> batch (advantages,
 reward metrics: make_batch) -> old-policy log-probs and the minibatch updates (learn), or no update when
-every group was filtered out. Its minibatch shuffle is seeded by `step_seed`.
+every group was filtered out. Its minibatch shuffle is seeded by `gspo.core.seeds.step_seed`.
 """
 
 from __future__ import annotations
@@ -10,12 +10,6 @@ from collections.abc import Callable
 from gspo.learning.batch import Batch, Sample, make_batch
 from gspo.learning.learner import learn
 from gspo.learning.policy import Policy, UpdateSpec
-
-
-def step_seed(seed: int, step: int) -> int:
-    """The seed of a step's minibatch shuffle: the run's seed and the step (`gspo serve`: the version the
-    train call starts from), so a resumed run shuffles as an uninterrupted one."""
-    return seed * 1_000_003 + step
 
 
 def learn_from_samples(

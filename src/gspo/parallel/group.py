@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from gspo.config import ConfigError, DistributedConfig
+from gspo.core.seeds import rank_seed
 
 _created_group = False  # whether init_from_env made the process group (then shutdown destroys it)
 
@@ -116,8 +117,8 @@ def rank_slice(items: list[Any]) -> list[Any]:
 
 
 def seed_rank(seed: int) -> None:
-    """Give each rank its own sampling RNG streams (rank r: seed + r * 1_000_003)."""
-    offset = seed + rank() * 1_000_003
+    """Give each rank its own sampling RNG streams (`rank_seed`)."""
+    offset = rank_seed(seed, rank())
     torch.manual_seed(offset)
     random.seed(offset)
     np.random.seed(offset % 2**32)

@@ -28,6 +28,7 @@ from typing import Any, Literal, Protocol
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gspo.config.rules import http_url_problem
+from gspo.core.seeds import request_seed
 from gspo.rollout.samplers import Rollouts, tokenize_prompts
 
 TRANSIENT_HTTP = {408, 429, 500, 502, 503, 504}
@@ -291,7 +292,7 @@ class OpenAIBackend:
                 "prompt": prompt,
                 "n": group_size - len(out),
                 "logprobs": 1,
-                "seed": (base_seed + 1_000_003 * j + attempt) % 2**31,  # every request its own
+                "seed": request_seed(base_seed, j, attempt),  # every request its own
                 "stream": False,
             }
             if self.model is not None:

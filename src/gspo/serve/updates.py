@@ -31,9 +31,10 @@ import torch
 
 from gspo.config import Config
 from gspo.core.layout import TokenSequence
+from gspo.core.seeds import step_seed
 from gspo.learning.batch import Batch, Sample
 from gspo.learning.policy import Policy, UpdateSpec
-from gspo.learning.step import learn_from_samples, step_seed
+from gspo.learning.step import learn_from_samples
 from gspo.serve.protocol import ServeError, TrainRequest, TrajectoryIn
 from gspo.serve.records import Record, RecordStore
 

@@ -23,9 +23,10 @@ import transformers
 from tqdm.auto import tqdm
 
 from gspo.config import Config, load_config, save_config, validate_setup
+from gspo.core.seeds import step_seed
 from gspo.learning.batch import Sample
 from gspo.learning.policy import UpdateSpec
-from gspo.learning.step import learn_from_samples, step_seed
+from gspo.learning.step import learn_from_samples
 from gspo.parallel.collectives import (
     all_gather_cat,
     all_reduce_sum,
