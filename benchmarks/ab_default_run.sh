@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # A/B timing of `gspo train` between a base commit and the working tree, alternating runs on this machine.
 # Usage (from the project root, after the README set-up):
-#   bash benchmarks/ab_default_run.sh BASE_COMMIT [ROUNDS=2] [key=value ...]
-# Each run: the default config (plus your overrides) for 3 rollout batches, no checkpoints, no TensorBoard.
+#   bash benchmarks/ab_default_run.sh BASE_COMMIT [ROUNDS=2] [CONFIG.yaml] [key=value ...]
+# Each run: the default config or CONFIG.yaml (plus your overrides) for 3 rollout batches, no checkpoints,
+# no TensorBoard.
 # Prints each run's median seconds per rollout batch (sum of the logged time_* phases) and its held-out
 # accuracy before and after (the evaluations at the first and last step), then the ratio of the best base
 # run to the best working-tree run. Machines are noisy (+-15% between identical runs): use ratios.
 set -euo pipefail
-base=${1:?usage: bash benchmarks/ab_default_run.sh BASE_COMMIT [ROUNDS] [key=value ...]}; shift
+base=${1:?usage: bash benchmarks/ab_default_run.sh BASE_COMMIT [ROUNDS] [CONFIG.yaml] [key=value ...]}; shift
 rounds=2; if [[ "${1:-}" =~ ^[0-9]+$ ]]; then rounds=$1; shift; fi
+config=(); if [[ "${1:-}" == *.yaml ]]; then config=("$(realpath "$1")"); shift; fi  # default: gspo's default
 py=$(pwd)/.venv/bin/python; [ -x "$py" ] || { echo "run the README set-up first (.venv missing)"; exit 1; }
 tmp=$(mktemp -d); git archive "$base" src | tar -x -C "$tmp"
 run() {  # $1 label, $2 PYTHONPATH ('' = the working tree's gspo)
   out="$tmp/$1-$RANDOM"
-  (cd "$tmp" && PYTHONPATH="$2" HF_HUB_OFFLINE=1 "$py" -m gspo train output_dir="$out" train.steps=3 \
+  (cd "$tmp" && PYTHONPATH="$2" HF_HUB_OFFLINE=1 "$py" -m gspo train "${config[@]}" output_dir="$out" train.steps=3 \
      eval.every=1000 checkpoint.every=0 tensorboard=false progress=false "${@:3}" > "$out.log" 2>&1) \
      || { tail -5 "$out.log" >&2; echo "$1 run failed" >&2; exit 1; }
   "$py" - "$out/metrics.jsonl" <<'PYEOF'
