@@ -192,3 +192,40 @@ def test_a_config_file_of_the_users_own_is_theirs(
     assert code == 0, err
     assert json.loads((tmp_path / "r.json").read_text())["rewards"] == {"digit_fraction": 1.0}
     assert not (tmp_path / "imported").exists()
+
+
+def _snapshot(path: Path) -> dict[str, bytes]:
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    return {str(p.relative_to(path)): p.read_bytes() for p in files}
+
+
+@pytest.mark.parametrize(
+    ("planted", "argv"),
+    [
+        ("summary.md", ["plot", "{run}"]),
+        ("evals", ["eval", "{run}"]),
+        ("metrics.jsonl", ["train", "--resume", "{run}"]),
+        ("checkpoints/step_000002", ["export", "{run}", "--format", "hf"]),  # read through a link
+        ("checkpoints/step_000002/model/model.safetensors", ["eval", "{run}"]),
+        ("checkpoints/.tmp_step_000003", ["train", "--resume", "{run}", "train.steps=3"]),  # a save
+    ],
+)
+def test_a_link_in_a_run_folder_is_refused_and_nothing_outside_it_changes(
+    two_step_run: Path, tmp_path: Path, capsys, planted: str, argv: list[str]
+) -> None:
+    """A run folder from someone else with a symbolic link in it (to a file or folder of the run's, moved
+    out, or to an empty folder): gspo writes and reads nothing through it; one error line names the link,
+    with the run folder's exit code."""
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    shutil.copytree(two_step_run, run)
+    link = run / planted
+    if link.exists():
+        shutil.move(link, outside)
+    else:
+        outside.mkdir()
+    link.symlink_to(outside)
+    before = _snapshot(outside)
+    code, err = _gspo(capsys, *(arg.format(run=run) for arg in argv))
+    assert (code, err.count("\n")) == (EXIT_CODES["run folder"], 0), err
+    assert f"{link} is a symbolic link" in err
+    assert _snapshot(outside) == before

@@ -104,13 +104,17 @@ def classify(error: BaseException) -> tuple[str, str] | None:
     from gspo.training.lock import RunInUse
     from gspo.training.metrics import MetricsError
     from gspo.training.resume import RunFolderError
+    from gspo.training.run_paths import RunPathError
 
     kinds: list[tuple[str, tuple[type[BaseException], ...]]] = [
         ("interrupted", (KeyboardInterrupt,)),
         ("usage", (UsageError,)),
         ("config", (ConfigError,)),
         ("input", (DataError, ModelError, CodeFileError, FileNotFoundError)),
-        ("run folder", (RunFolderError, RunInUse, CheckpointError, MetricsError, FileExistsError)),
+        (
+            "run folder",
+            (RunFolderError, RunPathError, RunInUse, CheckpointError, MetricsError, FileExistsError),
+        ),
         ("reward", (RewardError,)),
         ("server", (ServerError, AlignmentError)),
         ("package", (ImportError,)),

@@ -345,6 +345,7 @@ def save_config(config: Config, path: str | Path) -> None:
     """Write the resolved config as YAML, atomically: a kill leaves the old file or the new one, whole."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)  # a leftover, or a link planted there, is removed rather than written through
     tmp.write_text(yaml.safe_dump(to_dict(config), sort_keys=False), encoding="utf-8")
     os.replace(tmp, path)
 

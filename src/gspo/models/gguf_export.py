@@ -265,6 +265,7 @@ def write_gguf(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)  # a leftover, or a link planted there, is removed rather than written through
     writer = _writer_class()(tmp, arch)
     if source is not None:
         _copy_metadata(writer, Path(source))

@@ -39,6 +39,7 @@ from gspo.training.build import choose_layout, setup_model, setup_objective, set
 from gspo.training.metrics import MetricsLogger
 from gspo.training.resume import resume_config
 from gspo.training.run_folder import setup_run_dir, start_fresh
+from gspo.training.run_paths import run_path
 from gspo.training.trust import check_objective_code
 
 LISTEN_KEYS = ("serve.host", "serve.port", "serve.api_key_env")
@@ -129,7 +130,7 @@ def build_service(
     setup_objective(config)
     if checkpoint is None:
         start_fresh(run_dir)
-    save_config(config, run_dir / "config.yaml")
+    save_config(config, run_path(run_dir, "config.yaml"))
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     np.random.seed(config.seed)

@@ -40,6 +40,7 @@ from gspo.rollout.reasoning_gym import reasoning_gym_task
 from gspo.rollout.rewards import RewardFunction, resolve_reward, with_timeout
 from gspo.rollout.samplers import HFSampler, Sampler, tokenize_prompts
 from gspo.rollout.user_code import CodeFileError, load_function
+from gspo.training.run_paths import run_path
 
 
 def build_examples(config: Config) -> tuple[list[Example], list[Example]]:
@@ -327,7 +328,7 @@ def setup_sampler(config: Config, policy: Policy, tokenizer: Any, run_dir: Path)
             raise ConfigError(
                 "rollout.engine=llama_cpp runs in one process: use rollout.engine=hf under torchrun"
             )
-        source, directory = source_gguf(config.model), run_dir / "llama_cpp"
+        source, directory = source_gguf(config.model), run_path(run_dir, "llama_cpp")
         first = export_policy(policy.model, tokenizer, directory / "policy.gguf", server.gguf_quant, source)
         llama = LlamaCppServer(first, threads=torch.get_num_threads(), startup_timeout=server.timeout)
         sync = GGUFReload(llama, directory, every=server.sync_every, quant=server.gguf_quant, source=source)

@@ -34,6 +34,7 @@ from gspo.models import save_model
 from gspo.models.loading import weights_problem
 from gspo.parallel.group import is_main
 from gspo.parallel.state import optimizer_state, savable_model
+from gspo.training.run_paths import run_path, run_tree
 
 LATEST = "latest"
 STATE_FILE = "trainer_state.pt"
@@ -94,7 +95,7 @@ def _sync_tree(root: Path) -> None:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = run_path(path.parent, path.name + ".tmp")
     with open(tmp, "w") as handle:
         handle.write(text)
         handle.flush()
@@ -121,10 +122,10 @@ def save_checkpoint(
 ) -> Path:
     """Write checkpoint `step` (model, `state`: tensors and plain data, and the run's resolved `config`),
     then prune all but the newest `keep` ones."""
-    root = Path(run_dir) / "checkpoints"
+    root = run_path(run_dir, "checkpoints")
     root.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:06d}"
-    final, tmp, aside = root / name, root / f".tmp_{name}", root / f".old_{name}"
+    final, tmp, aside = (run_path(root, part) for part in (name, f".tmp_{name}", f".old_{name}"))
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
@@ -152,7 +153,7 @@ def save_checkpoint(
         os.replace(final, aside)
     os.replace(tmp, final)
     _sync(root)
-    _atomic_write(root / LATEST, name)
+    _atomic_write(run_path(root, LATEST), name)
     # only complete checkpoints are pruned, and gspo's own temporary copies: an incomplete step_* folder
     # was not written by gspo and may hold the only copy of some weights
     complete = sorted(
@@ -167,7 +168,7 @@ def save_checkpoint(
 def keep_aside(path: Path) -> Path:
     """Rename `path` to the first free `NAME.incomplete[-k]` beside it; returns the new path."""
     for k in range(1, 10_000):
-        target = path.with_name(f"{path.name}.incomplete" + (f"-{k}" if k > 1 else ""))
+        target = run_path(path.parent, f"{path.name}.incomplete" + (f"-{k}" if k > 1 else ""))
         if not target.exists():
             os.replace(path, target)
             return target
@@ -180,7 +181,9 @@ def _step_of(path: Path) -> int:
 
 def checkpoint_problem(checkpoint: Path) -> str | None:
     """Why a checkpoint folder is not complete, or None: its training state, its model's (or LoRA
-    adapter's) config, and whole safetensors weights (header and length checked, not the tensors)."""
+    adapter's) config, and whole safetensors weights (header and length checked, not the tensors). A link
+    in it is refused (RunPathError): what it reads would lie outside the run folder."""
+    run_tree(checkpoint.parent, checkpoint.name)
     model = checkpoint / "model"
     weights = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")
     if not (checkpoint / STATE_FILE).is_file():
@@ -198,7 +201,7 @@ def is_complete(checkpoint: Path) -> bool:
 
 def incomplete_checkpoints(run_dir: str | Path, *, after: int = -1) -> list[tuple[Path, str]]:
     """(folder, why) of every incomplete ``step_*`` folder of a run whose step is above `after`."""
-    root = Path(run_dir) / "checkpoints"
+    root = run_path(run_dir, "checkpoints")
     if not root.is_dir():
         return []
     found = sorted((p for p in root.iterdir() if _NAME.fullmatch(p.name) and p.is_dir()), key=_step_of)
@@ -212,8 +215,8 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     it names a checkpoint that is gone, the newest complete ``step_*`` folder. A `latest` that holds
     anything but a checkpoint name (``step_NNNNNN``) is refused: it was altered.
     """
-    root = Path(run_dir) / "checkpoints"
-    pointer = root / LATEST
+    root = run_path(run_dir, "checkpoints")
+    pointer = run_path(root, LATEST)
     candidates: list[Path] = []
     if pointer.is_file():
         name = pointer.read_text().strip()
@@ -222,7 +225,7 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
                 f"{pointer} holds {name[:80]!r}, not a checkpoint name (step_NNNNNN): it was altered; "
                 f"write the name of a folder in {root} into it, or delete it to use the newest one"
             )
-        candidates += [root / name, root / f".old_{name}"]
+        candidates += [run_path(root, name), run_path(root, f".old_{name}")]
     if root.is_dir():
         candidates += sorted(
             (p for p in root.iterdir() if _NAME.fullmatch(p.name)), key=_step_of, reverse=True
@@ -233,13 +236,13 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
     """A run's complete checkpoint of `step` (None: the latest, with a note on stderr for each newer one
     that is incomplete); the error says why a checkpoint is incomplete and lists the complete steps."""
-    root = Path(run_dir) / "checkpoints"
+    root = run_path(run_dir, "checkpoints")
     if step is None:
         found = latest_checkpoint(run_dir)
         for folder, why in incomplete_checkpoints(run_dir, after=-1 if found is None else _step_of(found)):
             print(f"note: skipping the incomplete checkpoint {folder} ({why})", file=sys.stderr)
     else:
-        found = root / f"step_{step:06d}"
+        found = run_path(root, f"step_{step:06d}")
         why = checkpoint_problem(found) if found.is_dir() else None
         if why is not None:
             raise CheckpointError(f"{found} is incomplete ({why}): choose another --step ({_steps(root)})")
@@ -277,7 +280,7 @@ def checkpoint_step(checkpoint: str | Path) -> int:
 
 def load_trainer_state(checkpoint: str | Path) -> dict[str, Any]:
     """A checkpoint's training state: tensors and plain data only (``weights_only=True``), never code."""
-    path = Path(checkpoint) / STATE_FILE
+    path = run_path(checkpoint, STATE_FILE)
     try:
         return torch.load(path, weights_only=True)
     except pickle.UnpicklingError as error:

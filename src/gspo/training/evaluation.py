@@ -32,7 +32,10 @@ from gspo.rollout.rewards import RewardFunction, compute_rewards
 from gspo.rollout.samplers import HFSampler
 from gspo.training.build import build_examples, load_checkpoint_policy, resolve_rewards
 from gspo.training.checkpoint import check_output, checkpoint_step, find_checkpoint
+from gspo.training.run_paths import run_path
 from gspo.training.trust import check_run_folder_config
+
+EVALS_DIR = "evals"
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -155,8 +158,10 @@ def evaluate_target(
     """
     header: dict[str, Any] = {"target": target}
     if target is not None and is_run_dir(target):
-        run_config = load_config(Path(target) / "config.yaml")
-        config = load_config(config_file or Path(target) / "config.yaml", overrides)
+        run_path(target, EVALS_DIR)  # where the report goes: refused now, not after the evaluation
+        run_config_file = run_path(target, "config.yaml")
+        run_config = load_config(run_config_file)
+        config = load_config(config_file or run_config_file, overrides)
         if config_file is None:  # the run folder's rewards: data, until the user names them
             check_run_folder_config(
                 config, overrides, folder=Path(target), trust_run_code=trust_run_code, server=False
@@ -221,7 +226,7 @@ def write_report(
     check_output(path, force=force)
     path.parent.mkdir(parents=True, exist_ok=True)
     report = {**header, "metrics": evaluation.metrics, "per_problem": evaluation.problems}
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = run_path(path.parent, f".{path.name}.tmp")
     tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
     os.replace(tmp, path)
     return path
@@ -231,5 +236,5 @@ def default_report_path(header: dict[str, Any], samples: int | None) -> Path:
     """RUN_DIR/evals/step_000040[_samples8].json for a run, else eval_report[_samples8].json here."""
     suffix = "" if samples is None else f"_samples{samples}"
     if "step" in header:
-        return Path(header["target"]) / "evals" / f"step_{header['step']:06d}{suffix}.json"
+        return run_path(header["target"], EVALS_DIR, f"step_{header['step']:06d}{suffix}.json")
     return Path(f"eval_report{suffix}.json")

@@ -20,6 +20,7 @@ from gspo.models import ModelError, save_model
 from gspo.models.gguf_export import write_gguf
 from gspo.training.build import load_checkpoint_policy, source_gguf
 from gspo.training.checkpoint import CONFIG_FILE, check_output, checkpoint_step, find_checkpoint
+from gspo.training.run_paths import run_path
 
 
 def export_run(
@@ -41,10 +42,10 @@ def export_run(
     checkpoint = find_checkpoint(run_dir, step)
     name = f"step_{checkpoint_step(checkpoint):06d}"
     default = f"{name}-hf" if format == "hf" else f"{name}-{quant}.gguf"
-    path = Path(output or Path(run_dir) / "export" / default)
+    path = Path(output) if output else run_path(run_dir, "export", default)
     check_output(path, force=force)  # before the model is loaded: refused at once
     own = checkpoint / CONFIG_FILE  # the model and LoRA settings it was trained with
-    config = load_config(own if own.is_file() else Path(run_dir) / "config.yaml")
+    config = load_config(own if own.is_file() else run_path(run_dir, "config.yaml"))
     model, tokenizer = load_checkpoint_policy(config, checkpoint)
     if format == "hf":
         return _save_folder(model, tokenizer, path)
@@ -59,7 +60,7 @@ def _save_folder(model: object, tokenizer: object, path: Path) -> Path:
     if path.exists():
         save_model(model, tokenizer, path)
         return path
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = run_path(path.parent, f".{path.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # our own leftover of an interrupted export
     save_model(model, tokenizer, tmp)
     os.replace(tmp, path)

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gspo.training.run_paths import run_path
+
 LOCK_FILE = ".gspo_lock"
 
 _held: dict[Path, int] = {}
@@ -58,7 +60,7 @@ def acquire(run_dir: str | Path, command: str) -> None:
     key = run_dir.resolve()
     if key in _held:
         return
-    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(run_path(run_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -106,7 +108,7 @@ def release(run_dir: str | Path) -> None:
 
 def holder_if_locked(run_dir: str | Path) -> str | None:
     """Who holds `run_dir`'s lock when another process does, else None; creates no file."""
-    path = Path(run_dir) / LOCK_FILE
+    path = run_path(run_dir, LOCK_FILE)
     if Path(run_dir).resolve() in _held or not path.is_file():
         return None
     fd = os.open(path, os.O_RDONLY)

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from gspo.learning.reduction import tensors_to_floats
+from gspo.training.run_paths import run_path, run_tree
 
 METRICS_FILE = "metrics.jsonl"
 ROLLED_BACK_FILE = "metrics.rolled_back.jsonl"
@@ -45,7 +46,7 @@ class MetricsError(ValueError):
 def metrics_path(run_dir: str | Path) -> Path:
     """``run_dir/metrics.jsonl``; a path that already names a ``.jsonl`` file is returned as is."""
     path = Path(run_dir)
-    return path if path.suffix == ".jsonl" else path / METRICS_FILE
+    return path if path.suffix == ".jsonl" else run_path(path, METRICS_FILE)
 
 
 def _to_python(values: Mapping[str, Any]) -> dict[str, float | int | None]:
@@ -135,7 +136,7 @@ class MetricsLogger:
     def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, resume_step: int | None = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.run_dir / METRICS_FILE
+        self.path = run_path(self.run_dir, METRICS_FILE)
         self._prepare_file(resume_step)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
         self._writer = self._open_tensorboard(resume_step) if tensorboard else None
@@ -153,7 +154,7 @@ class MetricsLogger:
             line for line, record in records if resume_step is not None and record["step"] > resume_step
         ]
         if dropped:  # kept aside, not deleted: they may be all that is left of a run's later steps
-            aside = self.run_dir / ROLLED_BACK_FILE
+            aside = run_path(self.run_dir, ROLLED_BACK_FILE)
             with open(aside, "a", encoding="utf-8") as handle:
                 handle.write("".join(line + "\n" for line in dropped))
                 handle.flush()
@@ -163,7 +164,7 @@ class MetricsLogger:
                 f"appended to {aside}",
                 file=sys.stderr,
             )
-        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp = run_path(self.run_dir, METRICS_FILE + ".tmp")
         tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
         os.replace(tmp, self.path)
 
@@ -182,7 +183,7 @@ class MetricsLogger:
             return None
         # purge_step makes TensorBoard discard the killed run's events after the checkpoint.
         purge_step = None if resume_step is None else resume_step + 1
-        return SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIR), purge_step=purge_step)
+        return SummaryWriter(log_dir=str(run_tree(self.run_dir, TENSORBOARD_DIR)), purge_step=purge_step)
 
     def log(
         self, step: int, metrics: Mapping[str, float | int | torch.Tensor], *, kind: str = "train"

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gspo.training.metrics import read_metrics
+from gspo.training.run_paths import run_path
 
 PLOTS_DIR = "plots"
 SUMMARY_FILE = "summary.md"
@@ -187,7 +188,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         return []
 
     Figure, FigureCanvasAgg, MaxNLocator = _import_matplotlib()
-    out_dir = run_dir / PLOTS_DIR
+    out_dir = run_path(run_dir, PLOTS_DIR)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for stem, present in figures:
@@ -211,7 +212,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
             ax.grid(alpha=0.3)
             if len(lines) > 1:
                 ax.legend(fontsize="small")
-        path = out_dir / f"{stem}.png"
+        path = run_path(run_dir, PLOTS_DIR, f"{stem}.png")
         fig.savefig(path, dpi=100)
         written.append(path)
     return written
@@ -286,5 +287,5 @@ def write_summary(run_dir: str | Path) -> str:
     reward, mean clip fractions and total time (sum of the ``time_*`` metrics); returns the text."""
     run_dir = Path(run_dir)
     text = summary_text(read_metrics(run_dir))
-    (run_dir / SUMMARY_FILE).write_text(text, encoding="utf-8")
+    run_path(run_dir, SUMMARY_FILE).write_text(text, encoding="utf-8")
     return text

@@ -22,6 +22,7 @@ from gspo.learning.policy import Policy
 from gspo.parallel.state import load_optimizer_state, resume_rank_state
 from gspo.rollout.data import PromptStream
 from gspo.training.checkpoint import CONFIG_FILE, latest_checkpoint, load_trainer_state, set_rng_state
+from gspo.training.run_paths import run_path
 
 RUN_MARKER = ".gspo_run"
 """Written into every run folder gspo creates: a folder without it (and without checkpoints) is not ours."""
@@ -129,7 +130,7 @@ def resume_config(
             f"{run_dir} holds no gspo run to resume (no checkpoint in {run_dir / 'checkpoints'}): "
             "start a new run instead"
         )
-    path = run_dir / "config.yaml"
+    path = run_path(run_dir, "config.yaml")
     if not path.is_file() and checkpoint is not None and (checkpoint / CONFIG_FILE).is_file():
         path = checkpoint / CONFIG_FILE
     if path.is_file() and not force and _empty_yaml(path):

@@ -24,6 +24,7 @@ from gspo.training.checkpoint import (
 )
 from gspo.training.lock import LOCK_FILE, RunInUse, acquire, command_line
 from gspo.training.resume import RUN_FILES, RUN_MARKER, RunFolderError, check_resume_config
+from gspo.training.run_paths import run_path
 
 
 def setup_run_dir(
@@ -151,9 +152,11 @@ def start_fresh(run_dir: Path) -> None:
     if not is_main():
         return
     for name in RUN_FILES:
-        path = run_dir / name
+        path = run_path(run_dir, name)
         if path.is_dir():
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
-    (run_dir / RUN_MARKER).write_text("a gspo run folder: gspo train writes here, --resume continues it\n")
+    run_path(run_dir, RUN_MARKER).write_text(
+        "a gspo run folder: gspo train writes here, --resume continues it\n"
+    )

@@ -65,6 +65,7 @@ from gspo.training.checkpoint import latest_checkpoint, load_trainer_state, rng_
 from gspo.training.metrics import MetricsLogger, SilentLogger
 from gspo.training.resume import restore_state, resume_config
 from gspo.training.run_folder import setup_run_dir, start_fresh
+from gspo.training.run_paths import run_path
 from gspo.training.stalls import StallWatch
 from gspo.training.trust import check_run_folder_config
 
@@ -102,7 +103,7 @@ class Trainer:
         if checkpoint is None:
             start_fresh(self.run_dir)  # created and locked now that the inputs are checked
         if is_main():
-            save_config(config, self.run_dir / "config.yaml")
+            save_config(config, run_path(self.run_dir, "config.yaml"))
 
         transformers.utils.logging.disable_progress_bar()  # one progress bar: ours
         torch.manual_seed(config.seed)
