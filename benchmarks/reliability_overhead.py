@@ -7,8 +7,11 @@
 - The run-folder lock: acquire + release, once per run.
 - Config validation: `load_config` of configs/default.yaml with the value table, and the table's share.
 - A tiny training step for scale (configs/tiny.yaml; the default run's step is far longer).
+- With --smollm2: a checkpoint's manifest (every file's size and sha256) on a SmolLM2-135M checkpoint with
+  an AdamW state of its size: the save and the load as gspo does them, and the hashing each adds (the
+  manifest written at save, `verify_checkpoint` at load).
 
-Run:  HF_HUB_OFFLINE=1 python benchmarks/reliability_overhead.py [--repeats N]
+Run:  HF_HUB_OFFLINE=1 python benchmarks/reliability_overhead.py [--repeats N] [--smollm2]
 """
 
 from __future__ import annotations
@@ -24,10 +27,17 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from gspo.config import load_config
+from gspo.config import ModelConfig, load_config
 from gspo.config.rules import check_values
+from gspo.models import load_model
 from gspo.training import lock
-from gspo.training.checkpoint import STATE_FILE, checkpoint_problem
+from gspo.training.checkpoint import (
+    STATE_FILE,
+    checkpoint_problem,
+    load_trainer_state,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from gspo.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,11 +64,53 @@ def _median_us(function, repeats: int) -> float:
     return statistics.median(times) * 1e6
 
 
+def _seconds(function) -> float:
+    t0 = time.perf_counter()
+    function()
+    return time.perf_counter() - t0
+
+
+def checkpoint_manifest(tmp: Path, repeats: int = 3) -> None:
+    """Save and load a SmolLM2 checkpoint (weights, tokenizer, an AdamW state: two moments per parameter)
+    and hash its files as the manifest does; medians of `repeats`."""
+    model, tokenizer = load_model(ModelConfig())
+    moments = {
+        i: {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        for i, p in enumerate(model.parameters())
+    }
+    state = {"optimizer": {"state": moments, "param_groups": []}}
+    run = tmp / "smollm2"
+    save = [
+        _seconds(lambda: save_checkpoint(run, 1, model=model, tokenizer=tokenizer, state=state))
+        for _ in range(repeats)
+    ]
+    checkpoint = run / "checkpoints" / "step_000001"
+    size = sum(p.stat().st_size for p in checkpoint.rglob("*") if p.is_file())
+
+    def load() -> None:
+        load_model(ModelConfig(path=str(checkpoint / "model")))
+        load_trainer_state(checkpoint)
+
+    loads = [_seconds(load) for _ in range(repeats)]
+    hashes = [_seconds(lambda: verify_checkpoint(checkpoint)) for _ in range(repeats)]
+    save_s, load_s, hash_s = (statistics.median(x) for x in (save, loads, hashes))
+    print(
+        f"SmolLM2-135M checkpoint ({size / 2**30:.2f} GiB with its AdamW state): save {save_s:.2f} s, "
+        f"load {load_s:.2f} s; hashing every file (added once to each) {hash_s:.2f} s = "
+        f"{hash_s / (save_s - hash_s):.0%} of a save without it, {hash_s / load_s:.0%} of a load "
+        f"({size / 2**20 / hash_s:.0f} MiB/s)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=2000)
+    parser.add_argument("--smollm2", action="store_true", help="also the checkpoint manifest on SmolLM2")
     args = parser.parse_args()
     print(f"cpu: {platform.processor() or platform.machine()}, load average before: {os.getloadavg()}")
+    if args.smollm2:
+        with tempfile.TemporaryDirectory() as tmp:
+            checkpoint_manifest(Path(tmp))
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = Path(tmp) / "checkpoints" / "step_000001"
         (checkpoint / "model").mkdir(parents=True)

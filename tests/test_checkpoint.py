@@ -8,9 +8,11 @@ bit for bit, to the uninterrupted run's at that step, and the resumed run must e
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -188,7 +190,13 @@ def _planted_run(tmp_path: Path) -> tuple[Path, Path]:
     save_checkpoint(run, 1, model=model, tokenizer=tokenizer, state={}, config=config)
     save_config(config, run / "config.yaml")
     marker = tmp_path / "pwned"
-    torch.save({"step": 1, "optimizer": Planted(marker)}, latest_checkpoint(run) / "trainer_state.pt")
+    checkpoint = latest_checkpoint(run)
+    torch.save({"step": 1, "optimizer": Planted(marker)}, checkpoint / "trainer_state.pt")
+    # its author rewrites the manifest too: a manifest catches damage, not a forger
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    state = (checkpoint / "trainer_state.pt").read_bytes()
+    manifest["files"]["trainer_state.pt"] = {"size": len(state), "sha256": hashlib.sha256(state).hexdigest()}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
     return run, marker
 
 
@@ -257,3 +265,75 @@ def test_a_full_disk_during_a_checkpoint_says_so(tmp_path: Path, monkeypatch) ->
         save_checkpoint(tmp_path / "run", 0, model=None, tokenizer=None, state={})
     assert raised.value.errno == errno.ENOSPC
     assert not list((tmp_path / "run" / "checkpoints").iterdir())  # the partial folder is gone
+
+
+def _damage(file: Path) -> None:
+    """4 KB overwritten in the middle of the file, its length kept: only a checksum can tell."""
+    data = bytearray(file.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 4096] = bytes(255 - b for b in data[middle : middle + 4096])
+    file.write_bytes(bytes(data))
+
+
+def _gspo(capsys, *argv: str) -> tuple[int, str]:
+    from gspo.cli import main
+
+    code = main(list(argv))
+    return code, capsys.readouterr().err.strip()
+
+
+def test_the_manifest_lists_every_file_of_a_checkpoint_with_its_size_and_sha256(two_step_run: Path) -> None:
+    checkpoint = two_step_run / "checkpoints" / "step_000002"
+    listed = json.loads((checkpoint / "manifest.json").read_text())["files"]
+    files = sorted(p for p in checkpoint.rglob("*") if p.is_file() and p.name != "manifest.json")
+    assert {"model/model.safetensors", "trainer_state.pt", "config.yaml"} <= set(listed)
+    assert listed == {
+        p.relative_to(checkpoint).as_posix(): {
+            "size": len(p.read_bytes()),
+            "sha256": hashlib.sha256(p.read_bytes()).hexdigest(),
+        }
+        for p in files
+    }
+
+
+def test_a_damaged_checkpoint_is_refused_by_resume_eval_and_export_and_an_earlier_one_resumes(
+    two_step_run: Path, tmp_path: Path, capsys
+) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(two_step_run, run)
+    weights = run / "checkpoints" / "step_000002" / "model" / "model.safetensors"
+    _damage(weights)
+    for argv, hint in [
+        (["train", "--resume", str(run)], "--from-step N"),
+        (["eval", str(run)], "--step N"),
+        (["export", str(run), "--format", "hf"], "--step N"),
+    ]:
+        code, err = _gspo(capsys, *argv)
+        assert (code, err.count("\n")) == (5, 0), err
+        assert err.startswith(f"error: {weights} is damaged: its sha256 differs"), err
+        assert hint in err and "earlier complete steps: [0, 1]" in err, err
+    assert not (run / "export").exists() and not (run / "evals").exists()
+    code, err = _gspo(capsys, "train", "--resume", str(run), "--from-step", "1")
+    assert code == 0, err
+    assert (run / "checkpoints" / "step_000002" / "model" / "model.safetensors").read_bytes() == (
+        two_step_run / "checkpoints" / "step_000002" / "model" / "model.safetensors"
+    ).read_bytes()  # step 2 again, from step 1: the very same weights
+
+
+def test_an_incomplete_checkpoint_names_its_missing_file_and_one_without_a_manifest_loads_with_a_note(
+    two_step_run: Path, tmp_path: Path, capsys
+) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(two_step_run, run)
+    checkpoint = run / "checkpoints" / "step_000002"
+    (checkpoint / "model" / "tokenizer.json").unlink()
+    code, err = _gspo(capsys, "export", str(run), "--format", "hf")
+    assert (code, err.count("\n")) == (5, 0), err
+    assert f"{checkpoint / 'model' / 'tokenizer.json'} is damaged: it is missing" in err
+    shutil.copy(
+        two_step_run / "checkpoints" / "step_000002" / "model" / "tokenizer.json", checkpoint / "model"
+    )
+    (checkpoint / "manifest.json").unlink()  # as a gspo from before manifests wrote it
+    code, err = _gspo(capsys, "export", str(run), "--format", "hf")
+    assert code == 0, err
+    assert f"note: {checkpoint} has no manifest.json" in err

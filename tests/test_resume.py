@@ -169,6 +169,9 @@ def test_resume_needs_the_checkpoints_own_config_or_force(two_step_run, tmp_path
     """Without it, the resume took any change (objective, group size, lr) silently."""
     run = _copy(two_step_run, tmp_path)
     (latest_checkpoint(run) / "config.yaml").unlink()
+    (
+        latest_checkpoint(run) / "manifest.json"
+    ).unlink()  # as an old gspo wrote it: a manifest lists the config
     for overrides in ([], ["train.lr=0.5", "train.objective=grpo"]):
         with pytest.raises(ConfigError, match=r"step_000002 has no config\.yaml of its own.*pass --force"):
             train(resume=run, overrides=["train.steps=3", *overrides])

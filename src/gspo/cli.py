@@ -142,11 +142,21 @@ def _train(args: argparse.Namespace) -> int:
         config = None
     if args.resume and config is not None:
         raise UsageError("--resume reads RUN_DIR/config.yaml; pass only key=value overrides with it")
-    for flag, given in (("--force", args.force), ("--trust-run-code", args.trust_run_code)):
+    given_flags = (
+        ("--force", args.force),
+        ("--trust-run-code", args.trust_run_code),
+        ("--from-step", args.from_step is not None),
+    )
+    for flag, given in given_flags:
         if given and not args.resume:
             raise UsageError(f"{flag} goes with --resume RUN_DIR")
     result = train(
-        config, overrides=overrides, resume=args.resume, force=args.force, trust_run_code=args.trust_run_code
+        config,
+        overrides=overrides,
+        resume=args.resume,
+        force=args.force,
+        trust_run_code=args.trust_run_code,
+        from_step=args.from_step,
     )
     first, last = result["eval_accuracy_first"], result["eval_accuracy_last"]
     if first is not None:
@@ -301,6 +311,12 @@ def _add_train(commands: typing.Any, common: argparse.ArgumentParser) -> None:
         "resume a checkpoint without its own config (docs/reliability.md)",
     )
     train.add_argument("--trust-run-code", action="store_true", help=TRUST_HELP)
+    train.add_argument(
+        "--from-step",
+        type=_count(0),
+        metavar="N",
+        help="with --resume: continue from the checkpoint of step N, not the latest (one that is damaged)",
+    )
     train.set_defaults(func=_train)
 
 

@@ -40,6 +40,7 @@ from gspo.rollout.reasoning_gym import reasoning_gym_task
 from gspo.rollout.rewards import RewardFunction, resolve_reward, with_timeout
 from gspo.rollout.samplers import HFSampler, Sampler, tokenize_prompts
 from gspo.rollout.user_code import CodeFileError, load_function
+from gspo.training.checkpoint import verify_checkpoint
 from gspo.training.run_paths import run_path
 
 
@@ -211,7 +212,10 @@ def lr_schedule(config: Config, total_updates: int) -> Callable[[int], float]:
 
 
 def setup_model(config: Config, checkpoint: Path | None) -> tuple[Any, Any]:
-    """The policy model (on the CPU; a checkpoint's weights when resuming) and its tokenizer."""
+    """The policy model (on the CPU; a checkpoint's weights when resuming, checked against its manifest
+    first) and its tokenizer."""
+    if checkpoint is not None:
+        verify_checkpoint(checkpoint)
     if checkpoint is not None and config.lora.rank == 0:
         saved = copy.copy(config.model)
         saved.path, saved.tiny = str(checkpoint / "model"), None

@@ -8,6 +8,10 @@ any moment leaves a complete checkpoint that `latest_checkpoint` finds (docs/rel
 ``step_*`` folder (gspo renames only complete ones: a damaged copy) is skipped, never pruned, and moved
 aside to ``step_....incomplete`` if its step is saved again.
 
+Each checkpoint ends with ``manifest.json``, written last: every file's size and sha256. Loading a
+checkpoint (`verify_checkpoint`) checks them, so damaged weights are refused instead of trained or scored;
+a checkpoint from before manifests loads with a note.
+
 The training state holds tensors and plain data only (numpy's and Python's RNG states are converted), and
 is read back with ``torch.load(weights_only=True)``: a planted pickle is refused, never executed.
 """
@@ -15,7 +19,9 @@ is read back with ``torch.load(weights_only=True)``: a planted pickle is refused
 from __future__ import annotations
 
 import errno
+import hashlib
 import io
+import json
 import os
 import pickle
 import random
@@ -39,6 +45,7 @@ from gspo.training.run_paths import run_path, run_tree
 LATEST = "latest"
 STATE_FILE = "trainer_state.pt"
 CONFIG_FILE = "config.yaml"
+MANIFEST_FILE = "manifest.json"
 _NAME = re.compile(r"step_\d{6,}")
 
 
@@ -136,6 +143,8 @@ def save_checkpoint(
         if config is not None:
             save_config(config, tmp / CONFIG_FILE)
         _sync_tree(tmp)
+        _atomic_write(tmp / MANIFEST_FILE, json.dumps(_manifest(tmp), indent=1))  # last: it vouches for all
+        _sync(tmp)
     except Exception as error:
         shutil.rmtree(tmp, ignore_errors=True)
         # torch and safetensors report a full disk as a bare "write failed": say what it is
@@ -163,6 +172,73 @@ def save_checkpoint(
     for old in [*complete[:-keep], *leftovers]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(2**20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _manifest(folder: Path) -> dict[str, Any]:
+    """{"files": {relative path: {"size", "sha256"}}} of every file in a checkpoint folder."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
+    return {
+        "files": {
+            p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files
+        }
+    }
+
+
+_unverified_noted: set[Path] = set()
+
+
+def verify_checkpoint(checkpoint: Path) -> None:
+    """Check every file of a checkpoint against its manifest (size and sha256) before it is loaded;
+    raises CheckpointError naming the first file that is missing, added or changed. A checkpoint written
+    before manifests existed is loaded with a note, once per process."""
+    path = run_path(checkpoint, MANIFEST_FILE)
+    if not path.is_file():
+        if checkpoint not in _unverified_noted:
+            _unverified_noted.add(checkpoint)
+            print(
+                f"note: {checkpoint} has no {MANIFEST_FILE} (written by a gspo before checkpoints had one): "
+                "its files cannot be checked for damage",
+                file=sys.stderr,
+            )
+        return
+    try:
+        listed = json.loads(path.read_text(encoding="utf-8"))["files"]
+        expected = {str(name): (int(entry["size"]), str(entry["sha256"])) for name, entry in listed.items()}
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as error:
+        raise _damaged(
+            checkpoint, path, f"it is not a manifest gspo wrote ({type(error).__name__})"
+        ) from None
+    found = {p.relative_to(checkpoint).as_posix() for p in checkpoint.rglob("*") if p.is_file()}
+    for name in sorted(found - expected.keys() - {MANIFEST_FILE}):
+        raise _damaged(checkpoint, checkpoint / name, f"it is not in {MANIFEST_FILE}: something added it")
+    for name, (size, sha256) in expected.items():
+        file = run_path(checkpoint, name)
+        if not file.is_file():
+            raise _damaged(checkpoint, file, f"it is missing ({MANIFEST_FILE} lists {size:,} bytes)")
+        if file.stat().st_size != size:
+            raise _damaged(
+                checkpoint, file, f"it is {file.stat().st_size:,} bytes, {MANIFEST_FILE} lists {size:,}"
+            )
+        if _sha256(file) != sha256:
+            raise _damaged(checkpoint, file, f"its sha256 differs from the one in {MANIFEST_FILE}")
+
+
+def _damaged(checkpoint: Path, file: Path, why: str) -> CheckpointError:
+    step = int(re.findall(r"\d+", checkpoint.name)[-1])  # step_000040, or its copy .old_step_000040
+    earlier = [s for s in _complete_steps(checkpoint.parent) if s < step]
+    return CheckpointError(
+        f"{file} is damaged: {why}; the checkpoint {checkpoint.name} cannot be trusted. Choose an earlier one: "
+        f"`gspo train --resume RUN --from-step N`, `gspo eval`/`gspo export` `--step N` (earlier complete "
+        f"steps: {earlier or 'none'})"
+    )
 
 
 def keep_aside(path: Path) -> Path:
@@ -255,9 +331,12 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
     return found
 
 
+def _complete_steps(root: Path) -> list[int]:
+    return sorted(_step_of(p) for p in root.glob("step_*") if _NAME.fullmatch(p.name) and is_complete(p))
+
+
 def _steps(root: Path) -> str:
-    steps = sorted(_step_of(p) for p in root.glob("step_*") if _NAME.fullmatch(p.name) and is_complete(p))
-    return f"complete steps on disk: {steps or 'none'}"
+    return f"complete steps on disk: {_complete_steps(root) or 'none'}"
 
 
 def inside_checkpoint(path: str | Path) -> Path | None:

@@ -19,6 +19,7 @@ from gspo.parallel.group import is_main
 from gspo.training.checkpoint import (
     CheckpointError,
     checkpoint_step,
+    find_checkpoint,
     incomplete_checkpoints,
     latest_checkpoint,
 )
@@ -28,12 +29,12 @@ from gspo.training.run_paths import run_path
 
 
 def setup_run_dir(
-    config: Config, resume: str | Path | None, *, force: bool = False
+    config: Config, resume: str | Path | None, *, force: bool = False, from_step: int | None = None
 ) -> tuple[Path, Path | None]:
     """The run folder and, when resuming, its latest complete checkpoint (its config checked against the
     requested one: gspo.training.resume), then the folder locked for this process (gspo.training.lock).
     A new run's folder is only checked: `start_fresh` creates and locks it once the run's inputs are
-    checked. A refused run writes nothing.
+    checked. A refused run writes nothing. `from_step`: resume that step's checkpoint, not the latest.
 
     A new run needs an empty or new folder, or one of gspo's own runs stopped before its first
     checkpoint (which restarts from scratch); resuming such a run restarts it the same way.
@@ -48,11 +49,12 @@ def setup_run_dir(
             raise RunFolderError(refusal)
         return run_dir, None
     run_dir = Path(resume)
-    checkpoint = _resume_point(run_dir, config, force=force)
+    checkpoint = _resume_point(run_dir, config, force=force, from_step=from_step)
     refusal = broadcast_object(_lock(run_dir) if is_main() else None)
     if refusal is not None:
         raise RunFolderError(refusal)
-    if latest_checkpoint(run_dir) != checkpoint:  # a run that ended just before the lock saved another
+    # a run that ended just before the lock saved another
+    if from_step is None and latest_checkpoint(run_dir) != checkpoint:
         checkpoint = _resume_point(run_dir, config, force=force)
     for folder, why in incomplete_checkpoints(run_dir, after=_step(checkpoint)) if is_main() else ():
         print(
@@ -65,10 +67,10 @@ def _step(checkpoint: Path | None) -> int:
     return -1 if checkpoint is None else checkpoint_step(checkpoint)
 
 
-def _resume_point(run_dir: Path, config: Config, *, force: bool) -> Path | None:
-    """The complete checkpoint to resume (None: a gspo run stopped before its first one), its config
-    checked; read-only."""
-    checkpoint = latest_checkpoint(run_dir)
+def _resume_point(run_dir: Path, config: Config, *, force: bool, from_step: int | None = None) -> Path | None:
+    """The complete checkpoint to resume, the latest or that of `from_step` (None: a gspo run stopped
+    before its first one), its config checked; read-only."""
+    checkpoint = latest_checkpoint(run_dir) if from_step is None else find_checkpoint(run_dir, from_step)
     if checkpoint is None and not (run_dir / RUN_MARKER).is_file():
         raise RunFolderError(
             f"{run_dir} holds no gspo run to resume (no checkpoint in {run_dir / 'checkpoints'}): "

@@ -77,6 +77,8 @@ class Trainer:
     accuracy; each weighs config.rewards[name] where the config names it, else 1.0).
     ``sampler``: a `Sampler` of your own (e.g. an OpenAIBackend with weight sync) instead of rollout.engine's.
     ``force``: resume even when ``config`` changes keys the checkpoint was trained with (gspo.training.resume).
+    ``from_step``: resume the checkpoint of that step instead of the latest (one that is damaged: an
+    earlier one).
     """
 
     def __init__(
@@ -87,11 +89,12 @@ class Trainer:
         resume: str | Path | None = None,
         sampler: Sampler | None = None,
         force: bool = False,
+        from_step: int | None = None,
     ) -> None:
         self.device = resolve_device(config.device)
         init_from_env(config.distributed, self.device)  # under torchrun: join the process group
         # the folder locked and a resume checked before any reward file is imported
-        self.run_dir, checkpoint = setup_run_dir(config, resume, force=force)
+        self.run_dir, checkpoint = setup_run_dir(config, resume, force=force, from_step=from_step)
         self.rewards = resolve_rewards(config, reward_functions)
         setup_objective(config)
         if reward_functions:  # config.yaml names the rewards this run uses (eval and resume look there)
@@ -357,13 +360,14 @@ def train(
     resume: str | Path | None = None,
     force: bool = False,
     trust_run_code: bool = False,
+    from_step: int | None = None,
 ) -> dict[str, Any]:
     """Run GSPO training; returns the run folder and the first/last eval accuracy.
 
     ``resume``: continue that run folder (its config.yaml plus ``overrides``; ``force`` allows changes
     beyond gspo.training.resume.RESUMABLE). Reward code and a server its config names are used only when
     ``overrides`` name them again, or ``reward_functions`` replaces them, or ``trust_run_code``
-    (gspo.training.trust).
+    (gspo.training.trust). ``from_step``: resume that step's checkpoint instead of the latest.
 
     >>> from gspo import train, load_config
     >>> result = train(load_config("configs/tiny.yaml"), reward_functions={"mine": my_reward})  # doctest: +SKIP
@@ -381,7 +385,9 @@ def train(
         config = load_config(config, overrides)
     trainer = None
     try:
-        trainer = Trainer(config, reward_functions=reward_functions, resume=resume, force=force)
+        trainer = Trainer(
+            config, reward_functions=reward_functions, resume=resume, force=force, from_step=from_step
+        )
         result = trainer.run()
         # every rank done with the group before any rank destroys it: a gloo rank torn down while a peer
         # still finishes its run aborted once in about a dozen torchrun runs here ("terminate called without an
