@@ -4,6 +4,7 @@ that hangs stops the run; unknown reward names are config errors."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -31,6 +32,28 @@ def test_a_prompt_longer_than_the_context_is_refused_at_start_naming_the_row(tmp
         DataError, match=r"data\.jsonl row 4: the prompt is 6\d\d tokens .* > the model's context of 512"
     ):
         Trainer(tiny_config(tmp_path / "run", *_file_task(data)))
+
+
+def test_a_key_value_cache_that_cannot_fit_is_refused_at_start_with_the_estimate(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The tiny Llama caches 2 (keys, values) x 2 layers x 2 kv heads x 16 dims x 4 bytes (float32) = 512
+    bytes per token of each sequence; 64 slots (of 4 x 64 samples) of T tokens need 32,768 x T bytes."""
+    from gspo.training import build
+
+    monkeypatch.setattr(build, "available_memory", lambda device: 10 * 2**20)
+    overrides = ["rollout.group_size=64", "rollout.max_new_tokens=400"]
+    with pytest.raises(ConfigError) as error:
+        Trainer(tiny_config(tmp_path / "run", *overrides))
+    message = str(error.value)
+    tokens = int(re.search(r"^64 sequences of up to (\d+) tokens", message)[1])
+    assert 400 < tokens <= 512  # the longest prompt, templated, + rollout.max_new_tokens
+    assert (
+        f"need a key/value cache of about {64 * 512 * tokens / 2**20:.1f} MiB, and 10.0 MiB is free"
+        in message
+    )
+    assert message.endswith("lower rollout.generation_batch_size or rollout.max_new_tokens")
+    Trainer(tiny_config(tmp_path / "run2", *overrides, "rollout.generation_batch_size=16"))  # 1/4 fits
 
 
 def test_an_answer_a_reward_cannot_use_is_refused_at_start_naming_the_row(tmp_path: Path) -> None:

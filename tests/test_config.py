@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from pathlib import Path
@@ -302,6 +303,34 @@ def test_every_key_whose_type_does_not_say_it_all_has_one_rule() -> None:
     assert needed == ruled, f"without a rule: {needed - ruled}; no such key: {ruled - needed}"
     assert not set(RULES) & set(ANY_VALUE)
     check_values(Config())  # the defaults pass
+
+
+def test_every_integer_key_has_a_ceiling_that_fits_its_use() -> None:
+    """`train.steps=99999999999999999999999` and `rollout.group_size=100000` loaded and ran (for minutes);
+    every integer key now refuses a value beyond its use, naming the key and the bound."""
+    from gspo.config.rules import RULES, check_values
+
+    def integer(tp: object) -> bool:
+        return tp is int or int in typing.get_args(tp)
+
+    keys = sorted(key for key, tp in _leaf_keys().items() if integer(tp))
+    assert {"train.steps", "rollout.group_size", "serve.max_n"} <= set(keys)
+    for key in keys:
+        with pytest.raises(ConfigError) as error:
+            load_config(None, [f"{key}=99999999999999999999999"])
+        message = str(error.value)
+        assert message.startswith(f"{key} must be ") and "\n" not in message, message
+        ceiling = RULES[key].most
+        if ceiling is not None:  # a rule without `most` bounds it with `between`, as the seeds
+            assert f"must be at most {ceiling:,}, got 99999999999999999999999: " in message
+            config = load_config(None)  # the bound itself passes its rule
+            section, _, name = key.rpartition(".")
+            setattr(
+                functools.reduce(getattr, section.split("."), config) if section else config, name, ceiling
+            )
+            check_values(config)
+    with pytest.raises(ConfigError, match=r"rollout\.group_size must be at most 1,024, got 100000: GSPO"):
+        load_config(None, ["rollout.group_size=100000"])
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ gspo.config.checks. ``None`` of an optional key means "the default" and is not c
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -21,6 +22,17 @@ from gspo.config.schema import Config, ConfigError
 SEED_MAX = 2**32 - 1
 """numpy's and torch's seeds are 32-bit unsigned."""
 
+STEPS_MAX = 10**9
+"""Steps, updates and cadences: a billion is years of training at any speed."""
+TOKENS_MAX = 2**20
+"""Tokens of one sequence: beyond every model's context (a million tokens)."""
+BATCH_MAX = 2**16
+"""Sequences, prompts or requests handled at once."""
+GROUP_MAX = 1024
+"""Completions of one prompt: GSPO and GRPO use 4 to 64; each costs a full generation."""
+SECONDS_MAX = 10**7
+"""A timeout or a time to keep something: about 115 days; threading refuses waits beyond about 2**33 s."""
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -30,6 +42,13 @@ class Rule:
     test: Callable[[Any], bool]
     must: str
     why: str = ""
+    most: int | float | None = None
+    """The largest good value, checked apart so that its message names it (`upto`)."""
+    most_why: str = ""
+
+    def upto(self, most: int | float, why: str) -> Rule:
+        """This rule, and a value at most `most`: every number gets a ceiling that fits its use."""
+        return dataclasses.replace(self, most=most, most_why=why)
 
 
 def at_least(low: int | float, why: str = "") -> Rule:
@@ -115,7 +134,7 @@ RULES: dict[str, Rule] = {
     "device": Rule(lambda v: _DEVICE.fullmatch(v) is not None, '"auto", "cpu", "cuda" or "cuda:N"'),
     "model.path": non_empty("a model directory or a .gguf file"),
     "model.attn_implementation": non_empty('transformers\' attention, e.g. "sdpa" or "eager"'),
-    "lora.rank": at_least(0, "0 trains all parameters"),
+    "lora.rank": at_least(0, "0 trains all parameters").upto(2**16, "beyond any layer's width"),
     "lora.alpha": above(0, "the adapters' scale is alpha / rank"),
     "lora.dropout": between(0, 1, high_open=True, why="a probability below 1"),
     "lora.target_modules": names("the module names that get adapters", allow_empty=False),
@@ -123,35 +142,39 @@ RULES: dict[str, Rule] = {
     "task.data_path": non_empty("a .jsonl, .csv or datasets directory"),
     "task.prompt_field": non_empty("the column holding the prompt"),
     "task.answer_fields": names("columns passed to the rewards"),
-    "task.num_train": at_least(1, "the prompt stream needs at least one training problem"),
-    "task.num_eval": at_least(0, "0: no held-out evaluation"),
+    "task.num_train": at_least(1, "the prompt stream needs at least one training problem").upto(
+        10**8, "problems are built in memory"
+    ),
+    "task.num_eval": at_least(0, "0: no held-out evaluation").upto(10**8, "problems are built in memory"),
     "task.operations": Rule(_operations, 'a non-empty string of the operators "+-*"'),
-    "task.num_operands": at_least(2),
+    "task.num_operands": at_least(2).upto(1000, "a prompt of more terms is no arithmetic problem"),
     "task.seed": between(0, SEED_MAX),
+    "task.operand_min": between(-(10**15), 10**15, why="operands are numbers a prompt spells out"),
+    "task.operand_max": between(-(10**15), 10**15, why="operands are numbers a prompt spells out"),
     "task.dataset": non_empty("a reasoning-gym dataset name, e.g. chain_sum"),
     "rewards": Rule(
         _reward_names, "at least one reward with a non-empty name", "e.g. rewards={exact_answer: 1.0}"
     ),
-    "reward_timeout": at_least(0, "seconds; 0: no limit"),
+    "reward_timeout": at_least(0, "seconds; 0: no limit").upto(SECONDS_MAX, "0 sets no limit"),
     "rollout.openai.url": Rule(_url, 'an http:// or https:// address, e.g. "http://127.0.0.1:8000/v1"'),
     "rollout.openai.model": non_empty("the served model's name; null: the server's default"),
-    "rollout.openai.concurrency": at_least(1),
-    "rollout.openai.timeout": above(0, "seconds a request may take"),
+    "rollout.openai.concurrency": at_least(1).upto(1024, "requests open at once"),
+    "rollout.openai.timeout": above(0, "seconds a request may take").upto(SECONDS_MAX, "seconds"),
     "rollout.openai.api_key_env": Rule(
         lambda v: _ENV_NAME.fullmatch(v) is not None, "an environment variable's name", "e.g. OPENAI_API_KEY"
     ),
-    "rollout.llama_cpp.sync_every": at_least(1),
-    "rollout.llama_cpp.timeout": above(0, "seconds the server may take"),
-    "rollout.prompts_per_step": at_least(1),
+    "rollout.llama_cpp.sync_every": at_least(1).upto(STEPS_MAX, "steps"),
+    "rollout.llama_cpp.timeout": above(0, "seconds the server may take").upto(SECONDS_MAX, "seconds"),
+    "rollout.prompts_per_step": at_least(1).upto(BATCH_MAX, "prompts of one step, generated together"),
     "rollout.group_size": at_least(
         2,
         "advantages compare each completion with the others of its prompt's group, so with one every "
         "advantage is 0 and nothing is learned",
-    ),
-    "rollout.max_new_tokens": at_least(1),
+    ).upto(GROUP_MAX, "GSPO and GRPO use 4 to 64 completions per prompt; each costs a full generation"),
+    "rollout.max_new_tokens": at_least(1).upto(TOKENS_MAX, "beyond every model's context"),
     "rollout.temperature": above(0, "the logits are divided by it"),
     "rollout.top_p": between(0, 1, low_open=True, why="1.0: off"),
-    "rollout.generation_batch_size": at_least(1),
+    "rollout.generation_batch_size": at_least(1).upto(BATCH_MAX, "sequences decoded at once"),
     "train.objective": non_empty(
         "a built-in's name or your own, 'path/file.py:function' (gspo.config.checks)"
     ),
@@ -159,49 +182,59 @@ RULES: dict[str, Rule] = {
     "train.eps_high": at_least(0),
     "train.tau_pos": above(0, "SAPO's gate divides by it"),
     "train.tau_neg": above(0, "SAPO's gate divides by it"),
-    "train.steps": at_least(1),
-    "train.minibatches": at_least(1),
-    "train.micro_batch_tokens": at_least(1),
+    "train.steps": at_least(1).upto(STEPS_MAX, "a billion steps is years of training"),
+    "train.minibatches": at_least(1).upto(BATCH_MAX, "updates per step"),
+    "train.micro_batch_tokens": at_least(1).upto(2**26, "tokens in one forward pass"),
     "train.lr": above(0),
     "train.weight_decay": at_least(0),
     "train.adam_betas": Rule(_adam_betas, "two numbers in [0, 1)", "AdamW's moment decays"),
-    "train.warmup_updates": at_least(0, "0: no warm-up"),
+    "train.warmup_updates": at_least(0, "0: no warm-up").upto(
+        STEPS_MAX, "a billion steps is years of training"
+    ),
     "train.max_grad_norm": at_least(0, "0: no clipping"),
     "train.beta": at_least(0, "0: no KL term"),
-    "train.pack_length": at_least(1),
-    "train.logprob_chunk_size": at_least(1),
+    "train.pack_length": at_least(1).upto(TOKENS_MAX, "beyond every model's context"),
+    "train.logprob_chunk_size": at_least(1).upto(TOKENS_MAX, "tokens scored at once"),
     "train.sampler_correction_min": at_least(0),
     "train.sampler_correction_max": above(0),
     "train.opsm_delta": at_least(0, "null disables it"),
-    "train.warn_after_flat_steps": at_least(0, "0: never"),
-    "eval.every": at_least(0, "0: only before and after training"),
-    "eval.max_new_tokens": at_least(1),
-    "eval.batch_size": at_least(1),
-    "checkpoint.every": at_least(0, "0: only at the end"),
-    "checkpoint.keep": at_least(1),
-    "distributed.timeout_minutes": above(0),
+    "train.warn_after_flat_steps": at_least(0, "0: never").upto(
+        STEPS_MAX, "a billion steps is years of training"
+    ),
+    "eval.every": at_least(0, "0: only before and after training").upto(
+        STEPS_MAX, "a billion steps is years of training"
+    ),
+    "eval.max_new_tokens": at_least(1).upto(TOKENS_MAX, "beyond every model's context"),
+    "eval.batch_size": at_least(1).upto(BATCH_MAX, "sequences decoded at once"),
+    "checkpoint.every": at_least(0, "0: only at the end").upto(
+        STEPS_MAX, "a billion steps is years of training"
+    ),
+    "checkpoint.keep": at_least(1).upto(10**6, "checkpoints on disk"),
+    "distributed.timeout_minutes": above(0).upto(SECONDS_MAX // 60, "minutes"),
     "serve.host": non_empty('the address to listen on, e.g. "127.0.0.1"'),
     "serve.port": between(0, 65535, why="0: any free port"),
     "serve.api_key_env": Rule(
         lambda v: _ENV_NAME.fullmatch(v) is not None, "an environment variable's name", "e.g. GSPO_API_KEY"
     ),
     "serve.model_name": non_empty("the name /v1/models lists"),
-    "serve.slots": at_least(1),
-    "serve.max_tokens": at_least(1),
-    "serve.max_n": at_least(1),
-    "serve.max_waiting": at_least(1),
-    "serve.request_timeout": above(0, "seconds a request may take"),
-    "serve.max_staleness": at_least(0, "0: only the current version's completions"),
-    "serve.max_records": at_least(1),
-    "serve.record_ttl": above(0, "seconds a record is kept"),
-    "serve.train_timeout": above(0, "seconds a train call may wait for the one before it"),
+    "serve.slots": at_least(1).upto(BATCH_MAX, "sequences decoded at once"),
+    "serve.max_tokens": at_least(1).upto(TOKENS_MAX, "beyond every model's context"),
+    "serve.max_n": at_least(1).upto(GROUP_MAX, "completions of one request"),
+    "serve.max_waiting": at_least(1).upto(10**6, "samples queued"),
+    "serve.request_timeout": above(0, "seconds a request may take").upto(SECONDS_MAX, "seconds"),
+    "serve.max_staleness": at_least(0, "0: only the current version's completions").upto(
+        STEPS_MAX, "versions"
+    ),
+    "serve.max_records": at_least(1).upto(10**8, "records kept in memory"),
+    "serve.record_ttl": above(0, "seconds a record is kept").upto(SECONDS_MAX, "seconds"),
+    "serve.train_timeout": above(0, "seconds a train call may wait for the one before it").upto(
+        SECONDS_MAX, "seconds"
+    ),
 }
 """One rule per key (dotted name); tests/test_config.py checks that every key without a Literal or bool
 type has one, or is in `ANY_VALUE`."""
 
 ANY_VALUE = {
-    "task.operand_min": "any integer (task.operand_min <= task.operand_max is checked with both)",
-    "task.operand_max": "any integer",
     "task.dataset_config": "any mapping; the dataset's own config checks it when the task is built",
     "task.system_prompt": "any text, the empty one included; null: the chat template's default",
 }
@@ -223,12 +256,15 @@ def check_values(config: Config) -> None:
     what it must be, the value, and why."""
     for key, rule in RULES.items():
         value = value_of(config, key)
-        if value is None or _passes(rule, value):
+        if value is None:
             continue
-        why = f": {rule.why}" if rule.why else ""
-        if key == "rollout.openai.url":
-            why = f": {http_url_problem(value)}"
-        raise ConfigError(f"{key} must be {rule.must}, got {shown(value)}{why}")
+        if not _passes(rule, value):
+            why = f": {rule.why}" if rule.why else ""
+            if key == "rollout.openai.url":
+                why = f": {http_url_problem(value)}"
+            raise ConfigError(f"{key} must be {rule.must}, got {shown(value)}{why}")
+        if rule.most is not None and value > rule.most:
+            raise ConfigError(f"{key} must be at most {rule.most:,}, got {shown(value)}: {rule.most_why}")
 
 
 def _passes(rule: Rule, value: Any) -> bool:

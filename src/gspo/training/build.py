@@ -171,11 +171,11 @@ def check_examples(rewards: list[tuple[str, RewardFunction, float]], examples: l
 
 def check_prompt_lengths(
     config: Config, tokenizer: Any, model: torch.nn.Module, train: list[Example], held_out: list[Example]
-) -> None:
-    """Every prompt (with the chat template) plus the completion length fits the model's context."""
-    context = getattr(model.config, "max_position_embeddings", None)
-    if not context:
-        return
+) -> dict[str, int]:
+    """Every prompt (with the chat template) plus the completion length fits the model's context; returns
+    the longest sequence, prompt and completion, of the rollouts and of the evaluation."""
+    context = getattr(model.config, "max_position_embeddings", None) or math.inf
+    longest = {}
     for examples, budget, key in (
         (train, config.rollout.max_new_tokens, "rollout.max_new_tokens"),
         (held_out, config.eval.max_new_tokens, "eval.max_new_tokens"),
@@ -184,6 +184,7 @@ def check_prompt_lengths(
             format_prompt(tokenizer, ex.prompt, system_prompt=config.task.system_prompt) for ex in examples
         ]
         lengths = [len(ids) for ids in tokenize_prompts(tokenizer, prompts)] if prompts else []
+        longest[key] = max(lengths, default=0) + budget
         too_long = [i for i, n in enumerate(lengths) if n + budget > context]
         if too_long:
             i = too_long[0]
@@ -193,6 +194,67 @@ def check_prompt_lengths(
                 f"{where}: the prompt is {lengths[i]} tokens with the chat template, + {key}={budget} = "
                 f"{lengths[i] + budget} > the model's context of {context} tokens{others}: shorten or drop "
                 f"it, or lower {key}"
+            )
+    return longest
+
+
+def kv_cache_bytes(model: torch.nn.Module, sequences: int, tokens: int) -> int:
+    """The key/value cache of `sequences` slots of `tokens` positions (gspo.rollout.kv_cache.SlotCache):
+    2 (keys, values) x layers x sequences x kv_heads x tokens x head_dim x the weights' element size."""
+    config = model.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    element = next(model.parameters()).element_size()
+    return 2 * config.num_hidden_layers * sequences * kv_heads * tokens * head_dim * element
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free for new tensors on `device`: the GPU's free memory, or the system's MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with contextlib.suppress(OSError, ValueError, StopIteration), open("/proc/meminfo") as meminfo:
+        line = next(line for line in meminfo if line.startswith("MemAvailable:"))
+        return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:,.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def check_generation_memory(
+    config: Config, model: torch.nn.Module, longest: dict[str, int], num_eval: int, device: torch.device
+) -> None:
+    """Refuse, before generating, sizes whose key/value cache cannot fit in the memory available on the
+    device that generates (rollout.engine=hf, and every evaluation), with the estimate."""
+    rollout = config.rollout
+    needs = [
+        (
+            min(config.eval.batch_size, num_eval),
+            longest.get("eval.max_new_tokens", 0),
+            "eval.batch_size",
+            "eval.max_new_tokens",
+        )
+    ]
+    if rollout.engine == "hf":
+        batch = rollout.prompts_per_step * rollout.group_size
+        needs.append(
+            (
+                min(rollout.generation_batch_size, batch),
+                longest.get("rollout.max_new_tokens", 0),
+                "rollout.generation_batch_size",
+                "rollout.max_new_tokens",
+            )
+        )
+    free = available_memory(device)
+    for sequences, tokens, slots_key, tokens_key in needs:
+        need = kv_cache_bytes(model, sequences, tokens)
+        if need > free:
+            raise ConfigError(
+                f"{sequences} sequences of up to {tokens:,} tokens ({slots_key}, the longest prompt + "
+                f"{tokens_key}) need a key/value cache of about {_size(need)}, and {_size(free)} is free on "
+                f"{device}: lower {slots_key} or {tokens_key}"
             )
 
 

@@ -51,6 +51,7 @@ from gspo.training import evaluation, lock
 from gspo.training.build import (
     build_examples,
     check_examples,
+    check_generation_memory,
     check_prompt_lengths,
     choose_layout,
     generating,
@@ -114,7 +115,8 @@ class Trainer:
         np.random.seed(config.seed)
         model, self.tokenizer = setup_model(config, checkpoint)
         model = model.to(self.device)
-        check_prompt_lengths(config, self.tokenizer, model, self.train_examples, self.eval_examples)
+        longest = check_prompt_lengths(config, self.tokenizer, model, self.train_examples, self.eval_examples)
+        check_generation_memory(config, model, longest, len(self.eval_examples), self.device)
         layout = choose_layout(config, model, self.tokenizer.pad_token_id)  # the plain model, before wrapping
         self.policy = setup_policy(config, model, self.device, resumed=checkpoint is not None)
         validate_setup(config, num_processes=world_size(), is_moe=self.policy.moe)
