@@ -23,6 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import reseal
 from gspo.config import load_config, save_config
 from gspo.models import tiny_model, tiny_tokenizer
 from gspo.training.checkpoint import (
@@ -192,11 +193,7 @@ def _planted_run(tmp_path: Path) -> tuple[Path, Path]:
     marker = tmp_path / "pwned"
     checkpoint = latest_checkpoint(run)
     torch.save({"step": 1, "optimizer": Planted(marker)}, checkpoint / "trainer_state.pt")
-    # its author rewrites the manifest too: a manifest catches damage, not a forger
-    manifest = json.loads((checkpoint / "manifest.json").read_text())
-    state = (checkpoint / "trainer_state.pt").read_bytes()
-    manifest["files"]["trainer_state.pt"] = {"size": len(state), "sha256": hashlib.sha256(state).hexdigest()}
-    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    reseal(checkpoint)  # its author rewrites the manifest too
     return run, marker
 
 

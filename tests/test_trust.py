@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import reseal
 from gspo.cli import EXIT_CODES, main
 from gspo.config import load_config
 from gspo.training.trainer import train
@@ -141,6 +142,8 @@ def _point_at(run: Path, url: str, variable: str) -> None:
         config["rollout"]["engine"] = "openai"
         config["rollout"]["openai"] |= {"url": url, "api_key_env": variable, "timeout": 2.0}
         path.write_text(yaml.safe_dump(config, sort_keys=False))
+    for checkpoint in run.glob("checkpoints/step_*"):
+        reseal(checkpoint)
 
 
 def test_a_run_folder_cannot_send_a_credential_to_a_server_of_its_choice(
