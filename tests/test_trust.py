@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,6 +20,8 @@ import yaml
 from conftest import reseal
 from gspo.cli import EXIT_CODES, main
 from gspo.config import load_config
+from gspo.models import tiny_tokenizer
+from gspo.rollout.openai import OpenAIBackend
 from gspo.training.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -232,3 +237,40 @@ def test_a_link_in_a_run_folder_is_refused_and_nothing_outside_it_changes(
     assert (code, err.count("\n")) == (EXIT_CODES["run folder"], 0), err
     assert f"{link} is a symbolic link" in err
     assert _snapshot(outside) == before
+
+
+def test_a_malformed_api_key_is_refused_by_its_variables_name_and_never_shown(tmp_path: Path, capsys) -> None:
+    """A key with a carriage return ended in http.client's traceback, whose last line printed the whole
+    Authorization header; a real process, as a user runs it, then other malformed keys in-process."""
+    secret = "sk-proj-SECRET0123456789"
+    argv = ["train", str(TINY), "rollout.engine=openai", "rollout.openai.url=http://127.0.0.1:9/v1"]
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": str(ROOT / "src"),
+        "OPENAI_API_KEY": secret + "\r",
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "gspo", *argv, f"output_dir={tmp_path / 'run'}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == EXIT_CODES["config"], result.stderr
+    assert secret not in result.stdout + result.stderr and "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[-1] == (
+        "error: the environment variable OPENAI_API_KEY (rollout.openai.api_key_env) holds whitespace, control "
+        "or non-ASCII characters (a bearer token is printable ASCII); it is not shown: set it to the key "
+        "alone, without a trailing newline or carriage return"
+    )
+    for n, key in enumerate([f" {secret}", f"{secret}\n", f"sk {secret}", f"{secret}\x1b[2J", f"{secret}é"]):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("MY_KEY", key)
+            code = main([*argv, "rollout.openai.api_key_env=MY_KEY", f"output_dir={tmp_path / str(n)}"])
+        out, err = capsys.readouterr()
+        assert code == EXIT_CODES["config"] and "MY_KEY" in err, err
+        assert secret not in out + err
+    with pytest.raises(ValueError, match=r"^api_key holds whitespace") as error:  # from Python, too
+        OpenAIBackend("http://127.0.0.1:9/v1", tiny_tokenizer(), api_key=secret + "\r")
+    assert secret not in str(error.value)

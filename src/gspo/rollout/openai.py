@@ -70,6 +70,14 @@ class SaveAndReload:
         self.reload(path)
 
 
+def api_key_problem(key: str) -> str | None:
+    """What makes `key` unfit for an Authorization header, or None: a bearer token is printable ASCII
+    without spaces. (http.client refuses the rest with an error that prints the whole header, key and all.)"""
+    if any(not (33 <= ord(c) <= 126) for c in key):
+        return "holds whitespace, control or non-ASCII characters (a bearer token is printable ASCII)"
+    return None
+
+
 @dataclass
 class OpenAIBackend:
     """G samples per prompt from an OpenAI-compatible /v1/completions endpoint (module docstring).
@@ -107,6 +115,8 @@ class OpenAIBackend:
     _vocabulary: int | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.api_key is not None and (why := api_key_problem(self.api_key)):
+            raise ValueError(f"api_key {why}; it is not shown")
         problem = http_url_problem(self.base_url)
         if problem is not None and "credentials" in problem:
             raise ValueError(

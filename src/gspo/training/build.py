@@ -35,7 +35,7 @@ from gspo.rollout.data import (
     split_eval,
 )
 from gspo.rollout.llama_cpp import GGUFReload, LlamaCppServer, export_policy, require_llama_cpp
-from gspo.rollout.openai import OpenAIBackend
+from gspo.rollout.openai import OpenAIBackend, api_key_problem
 from gspo.rollout.reasoning_gym import reasoning_gym_task
 from gspo.rollout.rewards import RewardFunction, resolve_reward, with_timeout
 from gspo.rollout.samplers import HFSampler, Sampler, tokenize_prompts
@@ -414,6 +414,12 @@ def setup_sampler(config: Config, policy: Policy, tokenizer: Any, run_dir: Path)
         "(pass Trainer(sampler=OpenAIBackend(..., weight_sync=...)) from Python to sync them)",
         stacklevel=2,
     )
+    key = os.environ.get(server.api_key_env) or None
+    if key is not None and (why := api_key_problem(key)):  # never echoed: it is a secret
+        raise ConfigError(
+            f"the environment variable {server.api_key_env} (rollout.openai.api_key_env) {why}; it is not "
+            "shown: set it to the key alone, without a trailing newline or carriage return"
+        )
     return OpenAIBackend(
         server.url,
         tokenizer,
@@ -421,7 +427,7 @@ def setup_sampler(config: Config, policy: Policy, tokenizer: Any, run_dir: Path)
         max_concurrency=server.concurrency,
         timeout=server.timeout,
         send_token_ids=server.token_ids,
-        api_key=os.environ.get(server.api_key_env) or None,
+        api_key=key,
     )
 
 
