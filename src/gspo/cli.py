@@ -188,12 +188,14 @@ def _serve(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from gspo.training.checkpoint import check_output
     from gspo.training.evaluation import (
+        EVALS_DIR,
         default_report_path,
         evaluate_target,
         is_run_dir,
         summary_line,
         write_report,
     )
+    from gspo.training.run_paths import run_path
 
     # the positionals in any order: key=value overrides, a .yaml config, and at most one target
     target, config, overrides = None, None, []
@@ -210,6 +212,8 @@ def _eval(args: argparse.Namespace) -> int:
         raise UsageError(f"--step needs a run folder as the target; {target!r} is not one")
     if args.output:  # refused before the evaluation, not after it
         check_output(args.output, force=args.force)
+    elif target is not None and is_run_dir(target):
+        run_path(target, EVALS_DIR)  # where the default report goes: refused now too
     result, header = evaluate_target(
         target,
         config,

@@ -223,6 +223,16 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / 2**30:,.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
+def check_sizes(
+    config: Config, tokenizer: Any, model: torch.nn.Module, train: list[Example], held_out: list[Example]
+) -> None:
+    """Before generating: every prompt fits the model's context with its completion, and the key/value
+    cache of the rollout (rollout.engine=hf) and of the evaluation fits the memory free on the model's
+    device; refused with the estimate."""
+    longest = check_prompt_lengths(config, tokenizer, model, train, held_out)
+    check_generation_memory(config, model, longest, len(held_out), next(model.parameters()).device)
+
+
 def check_generation_memory(
     config: Config, model: torch.nn.Module, longest: dict[str, int], num_eval: int, device: torch.device
 ) -> None:

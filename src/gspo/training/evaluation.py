@@ -158,10 +158,8 @@ def evaluate_target(
     """
     header: dict[str, Any] = {"target": target}
     if target is not None and is_run_dir(target):
-        run_path(target, EVALS_DIR)  # where the report goes: refused now, not after the evaluation
-        run_config_file = run_path(target, "config.yaml")
-        run_config = load_config(run_config_file)
-        config = load_config(config_file or run_config_file, overrides)
+        run_config = load_config(run_path(target, "config.yaml"))
+        config = load_config(config_file or run_path(target, "config.yaml"), overrides)
         if config_file is None:  # the run folder's rewards: data, until the user names them
             check_run_folder_config(
                 config, overrides, folder=Path(target), trust_run_code=trust_run_code, server=False

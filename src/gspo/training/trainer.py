@@ -51,8 +51,7 @@ from gspo.training import evaluation, lock
 from gspo.training.build import (
     build_examples,
     check_examples,
-    check_generation_memory,
-    check_prompt_lengths,
+    check_sizes,
     choose_layout,
     generating,
     resolve_old_logprobs,
@@ -115,8 +114,7 @@ class Trainer:
         np.random.seed(config.seed)
         model, self.tokenizer = setup_model(config, checkpoint)
         model = model.to(self.device)
-        longest = check_prompt_lengths(config, self.tokenizer, model, self.train_examples, self.eval_examples)
-        check_generation_memory(config, model, longest, len(self.eval_examples), self.device)
+        check_sizes(config, self.tokenizer, model, self.train_examples, self.eval_examples)
         layout = choose_layout(config, model, self.tokenizer.pad_token_id)  # the plain model, before wrapping
         self.policy = setup_policy(config, model, self.device, resumed=checkpoint is not None)
         validate_setup(config, num_processes=world_size(), is_moe=self.policy.moe)
@@ -137,9 +135,7 @@ class Trainer:
                 state = "off"
             tqdm.write(f"train.skip_zero_advantage: zero-advantage samples left out of the updates: {state}")
         self.stream = PromptStream(self.train_examples, config.rollout.prompts_per_step, seed=config.seed)
-        self.step = 0
-        if checkpoint is not None:
-            self.step = restore_state(checkpoint, self.policy, self.stream, config)
+        self.step = restore_state(checkpoint, self.policy, self.stream, config) if checkpoint else 0
         self._saved_step = self.step if checkpoint is not None else None  # the step of the latest checkpoint
         if is_main():
             self.logger = MetricsLogger(
