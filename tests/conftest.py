@@ -55,7 +55,7 @@ def tiny_config(run_dir: Path, *overrides: str):
     A plain function (``from conftest import tiny_config``): spawned worker processes call it too."""
     from gspo.config import load_config
 
-    return load_config(TINY, [f"output_dir={run_dir}", "tensorboard=false", "progress=false", *overrides])
+    return load_config(TINY, [f"output_dir={run_dir}", "report_to=[]", "progress=false", *overrides])
 
 
 def reseal(checkpoint: Path) -> None:

@@ -95,7 +95,7 @@ def test_a_run_killed_at_every_phase_of_a_checkpoint_save_resumes_to_the_uninter
         "checkpoint.every=1",
         "checkpoint.keep=3",
         "eval.every=0",
-        "tensorboard=false",
+        "report_to=[]",
         "task.num_eval=4",
     ]
     ref, run = tmp_path / "ref", tmp_path / "run"
@@ -186,7 +186,7 @@ def _planted_run(tmp_path: Path) -> tuple[Path, Path]:
     """A run folder made by someone else: a valid config and model, and a trainer_state.pt with a payload."""
     run = tmp_path / "theirs"
     tokenizer = tiny_tokenizer()
-    config = load_config(TINY, [f"output_dir={run}", "tensorboard=false"])
+    config = load_config(TINY, [f"output_dir={run}", "report_to=[]"])
     model = tiny_model("llama", len(tokenizer), 0)
     save_checkpoint(run, 1, model=model, tokenizer=tokenizer, state={}, config=config)
     save_config(config, run / "config.yaml")

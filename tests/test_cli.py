@@ -62,7 +62,7 @@ def test_a_reward_too_large_for_float32_is_one_line_with_the_reward_code(tmp_pat
         TINY,
         f"output_dir={tmp_path / 'run'}",
         f"rewards={{{rewards}:reward: 1.0}}",
-        "tensorboard=false",
+        "report_to=[]",
         "task.num_eval=2",
     )
     assert code == EXIT_CODES["reward"] and "beyond float32's range" in err

@@ -466,7 +466,7 @@ def test_torchrun_runs_the_cli_on_two_processes(tmp_path):
         f"output_dir={run}",
         "train.steps=2",
         "distributed.wrapper=fsdp2",
-        "tensorboard=false",
+        "report_to=[]",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)

@@ -131,7 +131,7 @@ def tiny_run(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("eval") / "run"
     config = load_config(
         TINY,
-        [f"output_dir={run}", "tensorboard=false", "train.steps=2", "eval.every=1", "checkpoint.keep=3"],
+        [f"output_dir={run}", "report_to=[]", "train.steps=2", "eval.every=1", "checkpoint.keep=3"],
     )
     train(config)
     return run
@@ -240,7 +240,7 @@ def test_lora_run_exports_merged_weights_and_evaluates(tmp_path: Path) -> None:
         TINY,
         [
             f"output_dir={run}",
-            "tensorboard=false",
+            "report_to=[]",
             "train.steps=1",
             "eval.every=0",
             "lora.rank=4",

@@ -64,7 +64,7 @@ def test_tiny_runs_gguf_evaluates_like_its_checkpoint(tmp_path: Path) -> None:
     from gspo.training.trainer import train
 
     run = tmp_path / "run"
-    train(load_config(TINY, [f"output_dir={run}", "tensorboard=false", "train.steps=6", "eval.every=0"]))
+    train(load_config(TINY, [f"output_dir={run}", "report_to=[]", "train.steps=6", "eval.every=0"]))
     assert main(["export", str(run), "--format", "gguf", "--quant", "f32"]) == 0
     gguf_file = run / "export" / "step_000006-f32.gguf"
     assert (
@@ -148,7 +148,7 @@ def test_gspo_export_gguf_of_a_tiny_run_runs_in_llama_cpp(tmp_path: Path) -> Non
     from gspo.training.trainer import train
 
     run = tmp_path / "run"
-    config = load_config(TINY, [f"output_dir={run}", "tensorboard=false", "train.steps=1", "eval.every=0"])
+    config = load_config(TINY, [f"output_dir={run}", "report_to=[]", "train.steps=1", "eval.every=0"])
     train(config)
     assert main(["export", str(run), "--format", "gguf", "--quant", "f32"]) == 0
     path = run / "export" / "step_000001-f32.gguf"
@@ -187,7 +187,7 @@ def smollm2_run(tmp_path_factory, smollm2_trainer) -> Iterator[tuple[Path, Any]]
 
     run = tmp_path_factory.mktemp("smollm2") / "run"
     with smollm2_trainer():
-        trainer = Trainer(load_config(None, [f"output_dir={run}", "tensorboard=false", "progress=false"]))
+        trainer = Trainer(load_config(None, [f"output_dir={run}", "report_to=[]", "progress=false"]))
     trainer.checkpoint()
     yield run, trainer
     trainer.logger.close()

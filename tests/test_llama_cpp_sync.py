@@ -34,7 +34,7 @@ def test_gguf_reload_makes_the_server_sample_from_the_updated_policy(
 
     config = load_config(
         ROOT / "configs" / "tiny.yaml",
-        [f"output_dir={tmp_path / 'run'}", "tensorboard=false", "train.lr=0.01", "eval.every=0"],
+        [f"output_dir={tmp_path / 'run'}", "report_to=[]", "train.lr=0.01", "eval.every=0"],
     )
     trainer = Trainer(config)
     model, tokenizer = trainer.policy.model, trainer.tokenizer
@@ -73,7 +73,7 @@ def test_gspo_train_with_the_llama_cpp_engine_syncs_every_n_steps(tmp_path: Path
         ROOT / "configs" / "tiny.yaml",
         [
             f"output_dir={tmp_path / 'run'}",
-            "tensorboard=false",
+            "report_to=[]",
             "train.lr=0.01",
             "eval.every=0",
             "train.steps=3",

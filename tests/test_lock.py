@@ -19,7 +19,7 @@ LOCK_FILE = ".gspo_lock"  # the protocol: any process holding flock on this file
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
-FAST = ["train.steps=1", "eval.every=0", "tensorboard=false", "task.num_eval=4"]
+FAST = ["train.steps=1", "eval.every=0", "report_to=[]", "task.num_eval=4"]
 
 
 def _holder(run: Path) -> subprocess.Popen:

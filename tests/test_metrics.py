@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-import gspo.training.metrics as metrics_module
+import gspo.training.trackers as trackers_module
 from gspo.training.metrics import MetricsLogger, read_metrics
 from gspo.training.plots import plot_run, write_summary
 
@@ -19,7 +19,7 @@ def _lines(run_dir) -> list[str]:
 
 
 def test_log_writes_exact_jsonl_lines(tmp_path):
-    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+    with MetricsLogger(tmp_path, report_to=()) as logger:
         logger.log(1, {"loss": torch.tensor(0.5), "lr": 1e-5, "zero_std_groups": 2})
         logger.log(1, {"accuracy": 0.25, "reward_mean": torch.tensor(float("nan"))}, kind="eval")
         logger.log(
@@ -41,7 +41,7 @@ def test_log_writes_exact_jsonl_lines(tmp_path):
 
 
 def test_log_flushes_each_line_before_close(tmp_path):
-    logger = MetricsLogger(tmp_path, tensorboard=False)
+    logger = MetricsLogger(tmp_path, report_to=())
     logger.log(3, {"loss": 1.0})
     assert _lines(tmp_path) == ['{"step": 3, "kind": "train", "loss": 1.0}']
     logger.close()
@@ -49,7 +49,7 @@ def test_log_flushes_each_line_before_close(tmp_path):
 
 
 def test_log_rejects_bad_input(tmp_path):
-    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+    with MetricsLogger(tmp_path, report_to=()) as logger:
         with pytest.raises(ValueError, match="kind"):
             logger.log(1, {"loss": 1.0}, kind="rollout")
         with pytest.raises(ValueError, match="loss"):
@@ -65,17 +65,17 @@ def test_resume_step_keeps_exactly_lines_up_to_the_checkpoint(tmp_path):
         if step % 2 == 0:
             logger.log(step, {"accuracy": step / 10}, kind="eval")
 
-    with MetricsLogger(tmp_path / "full", tensorboard=False) as logger:
+    with MetricsLogger(tmp_path / "full", report_to=()) as logger:
         for step in range(1, 7):
             log_step(logger, step)
 
     # Killed after step 5 (mid-write of a line), resumed from the checkpoint of step 4.
-    with MetricsLogger(tmp_path / "killed", tensorboard=False) as logger:
+    with MetricsLogger(tmp_path / "killed", report_to=()) as logger:
         for step in range(1, 6):
             log_step(logger, step)
     with open(tmp_path / "killed" / "metrics.jsonl", "a") as f:
         f.write('{"step": 6, "kind": "tr')
-    with MetricsLogger(tmp_path / "killed", tensorboard=False, resume_step=4) as logger:
+    with MetricsLogger(tmp_path / "killed", report_to=(), resume_step=4) as logger:
         assert [(r["step"], r["kind"]) for r in read_metrics(tmp_path / "killed")] == [
             (1, "train"),
             (2, "train"),
@@ -93,7 +93,7 @@ def test_truncated_last_line_is_skipped_and_repaired_on_append(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "kind": "train", "loss": 1.0}\n{"step": 2, "kind": "train", "lo')
     assert read_metrics(tmp_path) == [{"step": 1, "kind": "train", "loss": 1.0}]
-    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+    with MetricsLogger(tmp_path, report_to=()) as logger:
         logger.log(2, {"loss": 2.0})
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
 
@@ -139,7 +139,7 @@ def test_resume_purges_tensorboard_events_after_the_checkpoint(tmp_path):
 
 def test_missing_tensorboard_warns_once_and_logs_jsonl(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
-    monkeypatch.setattr(metrics_module, "_warned_no_tensorboard", False)
+    monkeypatch.setattr(trackers_module, "_warned_no_tensorboard", False)
     with pytest.warns(UserWarning, match="pip install tensorboard"):
         first = MetricsLogger(tmp_path / "a")
     with warnings.catch_warnings():
@@ -153,7 +153,7 @@ def test_missing_tensorboard_warns_once_and_logs_jsonl(tmp_path, monkeypatch):
 
 
 def _synthetic_run(run_dir, *, kl: bool, evals: bool = True) -> None:
-    with MetricsLogger(run_dir, tensorboard=False) as logger:
+    with MetricsLogger(run_dir, report_to=()) as logger:
         for step in range(1, 7):
             train = {
                 "reward_mean": 0.1 * step,
@@ -228,6 +228,6 @@ def test_write_summary_without_eval_lines(tmp_path):
 
 
 def test_read_metrics_round_trips_json(tmp_path):
-    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+    with MetricsLogger(tmp_path, report_to=()) as logger:
         logger.log(7, {"x": 1.5})
     assert json.loads(_lines(tmp_path)[0]) == read_metrics(tmp_path / "metrics.jsonl")[0]

@@ -264,7 +264,7 @@ def test_gspo_train_samples_from_the_real_server(engine, smollm2_trainer, tmp_pa
             "task.num_eval=2",
             "eval.every=0",
             "checkpoint.every=0",
-            "tensorboard=false",
+            "report_to=[]",
             "train.lr=1e-4",
         ],
     )

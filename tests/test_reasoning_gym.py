@@ -154,7 +154,7 @@ def test_a_run_scores_with_the_reasoning_gym_reward_and_checks_fields_at_start_u
         ROOT / "configs" / "tiny.yaml",
         [
             f"output_dir={tmp_path / 'run'}",
-            "tensorboard=false",
+            "report_to=[]",
             "task.name=reasoning_gym",
             "task.dataset=chain_sum",
             f"task.dataset_config={SMALL_SUMS}",
@@ -261,6 +261,6 @@ def test_a_missing_reasoning_gym_says_how_to_install_it(monkeypatch, tmp_path: P
     with pytest.raises(ImportError, match=r"need reasoning-gym .*: pip install 'gspo\[reasoning\]'"):
         build_examples(_config("task.dataset=chain_sum"))
     overrides = ["model.tiny=llama", "task.name=reasoning_gym", "task.dataset=chain_sum", "progress=false"]
-    code = main(["train", f"output_dir={tmp_path / 'run'}", "tensorboard=false", *overrides])
+    code = main(["train", f"output_dir={tmp_path / 'run'}", "report_to=[]", *overrides])
     assert code == 9  # EXIT_CODES["package"]
     assert "pip install 'gspo[reasoning]'" in capsys.readouterr().err

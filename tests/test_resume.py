@@ -18,7 +18,7 @@ from gspo.training.trainer import Trainer, train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
-COMMON = ["tensorboard=false", "train.steps=1", "task.num_eval=4", "eval.every=0"]
+COMMON = ["report_to=[]", "train.steps=1", "task.num_eval=4", "eval.every=0"]
 
 
 @pytest.fixture(scope="module")

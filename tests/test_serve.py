@@ -560,7 +560,7 @@ def _serve_process(*args: str, cwd: Path) -> tuple[subprocess.Popen, str]:
 def test_kill_9_during_a_train_call_then_resume_loses_nothing_acknowledged(tmp_path: Path) -> None:
     run = tmp_path / "run"
     process, url = _serve_process(
-        str(TINY), f"output_dir={run}", "serve.port=0", "tensorboard=false", cwd=tmp_path
+        str(TINY), f"output_dir={run}", "serve.port=0", "report_to=[]", cwd=tmp_path
     )
     try:
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)

@@ -30,7 +30,7 @@ def test_a_run_with_no_reward_spread_warns_on_stderr(tmp_path: Path, capsys) -> 
         ROOT / "configs" / "tiny.yaml",
         [
             f"output_dir={tmp_path / 'run'}",
-            "tensorboard=false",
+            "report_to=[]",
             "rewards={same: 1.0}",
             "train.steps=2",
             "train.warn_after_flat_steps=2",

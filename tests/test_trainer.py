@@ -234,7 +234,7 @@ def test_sigkill_and_resume_equals_an_uninterrupted_run(
         "train.steps=4",
         "eval.every=2",
         "checkpoint.every=1",
-        "tensorboard=false",
+        "report_to=[]",
         f"rewards={{{tmp_path / 'killer.py'}:reward: 1.0}}",
     ]
     monkeypatch.setenv("KILL_COUNTER", str(tmp_path / "count_full"))  # the uninterrupted run: in-process

@@ -46,7 +46,7 @@ def _trainer(tmp_path: Path, *overrides: str) -> Trainer:
         TINY,
         [
             f"output_dir={tmp_path / 'run'}",
-            "tensorboard=false",
+            "report_to=[]",
             "train.minibatches=2",
             *overrides,
         ],

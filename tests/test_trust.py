@@ -51,7 +51,7 @@ def run_with_reward_file(tmp_path_factory) -> Path:
                     f"rewards={{{base / 'planted.py'}:reward: 1.0}}",
                     "train.steps=1",
                     "eval.every=0",
-                    "tensorboard=false",
+                    "report_to=[]",
                     "task.num_eval=2",
                 ],
             )

@@ -109,7 +109,7 @@ def test_gspo_train_with_a_user_objective_trains_as_the_built_in(objective_file,
     config_file.write_text("train:\n  objective: objectives.py:my_gspo\n")
     params = {}
     for label, extra in (("builtin", []), ("mine", [])):
-        overrides = [f"output_dir={tmp_path / label}", "tensorboard=false", "progress=false", "eval.every=0"]
+        overrides = [f"output_dir={tmp_path / label}", "report_to=[]", "progress=false", "eval.every=0"]
         overrides += ["train.steps=2", *extra]
         if label == "mine":
             config = load_config(config_file, ["model.tiny=llama", *_tiny_overrides(), *overrides])

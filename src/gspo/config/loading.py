@@ -193,7 +193,29 @@ def _rename_keys(data: dict[str, Any], where: str) -> dict[str, Any]:
                 raise ConfigError(f"{where}: both {old} and {target} are set; keep only {target}")
             node[target_leaf] = value
         _note_renamed(old, new)
+    _migrate_tensorboard(data, where)
     return data
+
+
+def _migrate_tensorboard(data: dict[str, Any], where: str) -> None:
+    """`tensorboard: true/false` of earlier gspo versions is `report_to` now: true keeps the default
+    (["tensorboard"]), false is []; in place, with a deprecation note."""
+    if "tensorboard" not in data:
+        return
+    value = data.pop("tensorboard")
+    if not isinstance(value, bool):
+        raise ConfigError(
+            f"{where}: tensorboard: expected true or false, got {shown(value)} (report_to replaces it)"
+        )
+    if "report_to" in data:
+        raise ConfigError(f"{where}: both tensorboard and report_to are set; keep only report_to")
+    data["report_to"] = ["tensorboard"] if value else []
+    warnings.warn(
+        f"config key tensorboard is now report_to: tensorboard: {str(value).lower()} loads as report_to: "
+        f"{data['report_to']} (rename it in your config)",
+        DeprecatedKey,
+        stacklevel=4,
+    )
 
 
 def _pop_path(data: dict[str, Any], sections: list[str]) -> None:

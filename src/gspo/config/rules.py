@@ -131,6 +131,8 @@ _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 RULES: dict[str, Rule] = {
     "seed": between(0, SEED_MAX, why="numpy's and torch's seeds are 32-bit unsigned"),
     "output_dir": non_empty("an empty path would be the current folder"),
+    "project": non_empty("the trackers' project name"),
+    "report_to": names("each tracker once; []: metrics.jsonl only"),
     "device": Rule(lambda v: _DEVICE.fullmatch(v) is not None, '"auto", "cpu", "cuda" or "cuda:N"'),
     "model.path": non_empty("a model directory or a .gguf file"),
     "model.attn_implementation": non_empty('transformers\' attention, e.g. "sdpa" or "eager"'),

@@ -359,8 +359,17 @@ class Config:
     """Multi-process training under torchrun (ignored in a single process)."""
     serve: ServeConfig = field(default_factory=ServeConfig)
     """`gspo serve`: the OpenAI-compatible endpoint that samples from the policy and trains it (docs/agents.md)."""
-    tensorboard: bool = True
-    """Write TensorBoard event files beside metrics.jsonl."""
+    report_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = field(
+        default_factory=lambda: ["tensorboard"]
+    )
+    """Experiment trackers that get every train and eval metric (at gspo's step), the resolved config, a
+    table of each step's completions (wandb, mlflow, trackio) and the final summary, beside metrics.jsonl;
+    []: metrics.jsonl only. Each but tensorboard needs its extra (pip install 'gspo[wandb]'); their own
+    settings apply (WANDB_MODE=offline, MLFLOW_TRACKING_URI, TRACKIO_DIR). A resume continues the same
+    tracker runs (run_dir/trackers.json). Replaces `tensorboard: true/false`."""
+    project: str = "gspo"
+    """The project (W&B, trackio) or experiment (MLflow) the trackers of report_to file the run under;
+    each tracker run is named after the run folder."""
     progress: bool = True
     """Show a progress bar and each evaluation's accuracy when stderr is a terminal (logs and pipes get
     only the final result); false: never."""

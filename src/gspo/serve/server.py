@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import transformers
 
-from gspo.config import Config, ConfigError, load_config, save_config, validate
+from gspo.config import Config, ConfigError, load_config, save_config, to_dict, validate
 from gspo.config.checks import LOOPBACK
 from gspo.learning.policy import UpdateSpec
 from gspo.rollout.engine import Engine
@@ -40,6 +40,7 @@ from gspo.training.metrics import MetricsLogger
 from gspo.training.resume import resume_config
 from gspo.training.run_folder import setup_run_dir, start_fresh
 from gspo.training.run_paths import run_path
+from gspo.training.trackers import check_installed
 from gspo.training.trust import check_objective_code
 
 LISTEN_KEYS = ("serve.host", "serve.port", "serve.api_key_env")
@@ -128,6 +129,7 @@ def build_service(
     # the folder checked, then locked for this process (one writer per run folder: gspo.training.lock)
     run_dir, checkpoint = setup_run_dir(config, resume, force=force)
     setup_objective(config)
+    check_installed(config.report_to)  # before the folder is claimed and the model loads
     if checkpoint is None:
         start_fresh(run_dir)
     save_config(config, run_path(run_dir, "config.yaml"))
@@ -153,7 +155,11 @@ def build_service(
     driver.version = version
     records = RecordStore(serve.max_records, serve.record_ttl)
     logger = MetricsLogger(
-        run_dir, tensorboard=config.tensorboard, resume_step=version if checkpoint is not None else None
+        run_dir,
+        report_to=config.report_to,
+        config=to_dict(config),
+        project=config.project,
+        resume_step=version if checkpoint is not None else None,
     )
     trainer = TrainService(
         config, policy, spec, tokenizer, run_dir, driver, records, sampling, logger, version, answers

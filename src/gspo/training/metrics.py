@@ -1,4 +1,5 @@
-"""Training metrics: one JSON object per line in ``run_dir/metrics.jsonl``, mirrored to TensorBoard.
+"""Training metrics: one JSON object per line in ``run_dir/metrics.jsonl``, mirrored to the trackers of
+``report_to`` (TensorBoard by default; gspo.training.trackers).
 
 Each line is ``{"step": int, "kind": "train" | "eval", <key>: float | int | null, ...}``. The file is the
 source of truth: plots and the summary (``gspo.training.plots``) are drawn from it, and a resumed run rewrites it
@@ -7,10 +8,11 @@ lines of an uninterrupted one; the lines it drops are appended to ``metrics.roll
 
 Deliberate choices:
 - Non-finite floats are written as ``null``: ``NaN`` is not valid JSON and breaks other readers (jq, pandas
-  with the strict parser). TensorBoard gets the raw value.
+  with the strict parser). The trackers get the raw value.
 - Every line is flushed to the OS when it is written, so a SIGKILL loses at most that line;
   ``read_metrics`` skips a truncated last line.
-- TensorBoard is optional: without the ``tensorboard`` package the logger warns once and writes JSONL only.
+- TensorBoard is optional: without the ``tensorboard`` package the logger warns once and writes JSONL only;
+  a tracker named in ``report_to`` whose package is missing is an error (gspo.training.trackers).
 """
 
 from __future__ import annotations
@@ -20,23 +22,20 @@ import math
 import numbers
 import os
 import sys
-import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from gspo.learning.reduction import tensors_to_floats
-from gspo.training.run_paths import run_path, run_tree
+from gspo.training.run_paths import run_path
+from gspo.training.trackers import Tracker, open_trackers
 
 METRICS_FILE = "metrics.jsonl"
 ROLLED_BACK_FILE = "metrics.rolled_back.jsonl"
 """Where a resume moves the lines logged after the checkpoint it resumes (appended, never deleted)."""
-TENSORBOARD_DIR = "tensorboard"
 KINDS = ("train", "eval")
-
-_warned_no_tensorboard = False
 
 
 class MetricsError(ValueError):
@@ -123,23 +122,35 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 class MetricsLogger:
-    """Appends metric records to ``run_dir/metrics.jsonl`` and, if available, TensorBoard.
+    """Appends metric records to ``run_dir/metrics.jsonl`` and sends them to the trackers of ``report_to``.
 
     ``resume_step``: when resuming from the checkpoint taken at that step, the lines logged after it by the
-    killed run are dropped first (train and eval alike), and TensorBoard purges its events after it.
+    killed run are dropped first (train and eval alike), TensorBoard purges its events after it, and the
+    other trackers continue their runs (gspo.training.trackers). ``config``: the resolved config, as a
+    mapping, for the trackers; ``project``: their project (W&B, trackio) or experiment (MLflow).
 
     >>> with MetricsLogger("runs/demo") as logger:  # doctest: +SKIP
     ...     logger.log(1, {"loss": torch.tensor(0.5), "lr": 1e-5})
     ...     logger.log(1, {"accuracy": 0.2}, kind="eval")
     """
 
-    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, resume_step: int | None = None):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        report_to: Sequence[str] = ("tensorboard",),
+        config: Mapping[str, Any] | None = None,
+        project: str = "gspo",
+        resume_step: int | None = None,
+    ):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_path(self.run_dir, METRICS_FILE)
         self._prepare_file(resume_step)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
-        self._writer = self._open_tensorboard(resume_step) if tensorboard else None
+        self._trackers: list[Tracker] = open_trackers(
+            self.run_dir, report_to, config=config, project=project, resume_step=resume_step
+        )
 
     def _prepare_file(self, resume_step: int | None) -> None:
         """Drop a truncated last line, and on resume the lines after ``resume_step``, atomically."""
@@ -168,23 +179,6 @@ class MetricsLogger:
         tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
         os.replace(tmp, self.path)
 
-    def _open_tensorboard(self, resume_step: int | None) -> Any:
-        global _warned_no_tensorboard
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            if not _warned_no_tensorboard:
-                warnings.warn(
-                    "tensorboard is not installed, so metrics go to metrics.jsonl only; "
-                    "`pip install tensorboard` to get TensorBoard event files",
-                    stacklevel=3,
-                )
-                _warned_no_tensorboard = True
-            return None
-        # purge_step makes TensorBoard discard the killed run's events after the checkpoint.
-        purge_step = None if resume_step is None else resume_step + 1
-        return SummaryWriter(log_dir=str(run_tree(self.run_dir, TENSORBOARD_DIR)), purge_step=purge_step)
-
     def log(
         self, step: int, metrics: Mapping[str, float | int | torch.Tensor], *, kind: str = "train"
     ) -> None:
@@ -202,18 +196,24 @@ class MetricsLogger:
         # One write per line, flushed at once: a kill leaves whole lines plus at most one partial line.
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
-        if self._writer is not None:
-            for key, value in values.items():
-                if value is not None:
-                    self._writer.add_scalar(f"{kind}/{key}", value, global_step=step)
-            self._writer.flush()
+        named = {f"{kind}/{key}": value for key, value in values.items() if value is not None}
+        for tracker in self._trackers:
+            tracker.log(step, named)
 
-    def close(self) -> None:
+    def log_samples(self, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        """A table of completions (rows of gspo.training.trackers.SAMPLE_COLUMNS) for the trackers that
+        have tables; metrics.jsonl holds numbers only."""
+        for tracker in self._trackers:
+            tracker.log_samples(step, rows)
+
+    def close(self, summary: Mapping[str, Any] | None = None) -> None:
+        """Close the file and end the tracker runs; ``summary``: the finished run's numbers and summary
+        text for the trackers (None: the run stopped, e.g. `gspo serve` shutting down)."""
         if not self._file.closed:
             self._file.close()
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        trackers, self._trackers = self._trackers, []
+        for tracker in trackers:
+            tracker.close(summary)
 
     def __enter__(self) -> MetricsLogger:
         return self
@@ -228,5 +228,8 @@ class SilentLogger:
     def log(self, step: int, metrics: Any, kind: str = "train") -> None:
         pass
 
-    def close(self) -> None:
+    def log_samples(self, step: int, rows: Any) -> None:
+        pass
+
+    def close(self, summary: Any = None) -> None:
         pass

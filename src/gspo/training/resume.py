@@ -26,7 +26,16 @@ from gspo.training.run_paths import run_path
 
 RUN_MARKER = ".gspo_run"
 """Written into every run folder gspo creates: a folder without it (and without checkpoints) is not ours."""
-RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.md", "tensorboard", "plots", "checkpoints")
+RUN_FILES = (
+    "config.yaml",
+    "metrics.jsonl",
+    "summary.md",
+    "tensorboard",
+    "wandb",
+    "trackers.json",
+    "plots",
+    "checkpoints",
+)
 """What gspo writes into a run folder; a run stopped before its first checkpoint restarts without them."""
 
 
@@ -44,7 +53,7 @@ RESUMABLE = frozenset(
         "eval.batch_size",
         "checkpoint.every",
         "checkpoint.keep",
-        "tensorboard",
+        "report_to",
         "progress",
         "reward_timeout",
         "rollout.openai.timeout",

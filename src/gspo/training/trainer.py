@@ -22,7 +22,7 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
-from gspo.config import Config, load_config, save_config, validate_setup
+from gspo.config import Config, load_config, save_config, to_dict, validate_setup
 from gspo.core.seeds import step_seed
 from gspo.learning.batch import Sample
 from gspo.learning.policy import UpdateSpec
@@ -67,6 +67,7 @@ from gspo.training.resume import restore_state, resume_config
 from gspo.training.run_folder import setup_run_dir, start_fresh
 from gspo.training.run_paths import run_path
 from gspo.training.stalls import StallWatch
+from gspo.training.trackers import check_installed
 from gspo.training.trust import check_run_folder_config
 
 
@@ -97,6 +98,8 @@ class Trainer:
         self.run_dir, checkpoint = setup_run_dir(config, resume, force=force, from_step=from_step)
         self.rewards = resolve_rewards(config, reward_functions)
         setup_objective(config)
+        if is_main():  # a tracker's missing package stops the run before the model loads
+            check_installed(config.report_to)
         if reward_functions:  # config.yaml names the rewards this run uses (eval and resume look there)
             config = dataclasses.replace(config, rewards={name: weight for name, _, weight in self.rewards})
         self.config = config
@@ -139,7 +142,11 @@ class Trainer:
         self._saved_step = self.step if checkpoint is not None else None  # the step of the latest checkpoint
         if is_main():
             self.logger = MetricsLogger(
-                self.run_dir, tensorboard=config.tensorboard, resume_step=self.step if checkpoint else None
+                self.run_dir,
+                report_to=config.report_to,
+                config=to_dict(config),
+                project=config.project,
+                resume_step=self.step if checkpoint else None,
             )
         else:
             self.logger = SilentLogger()
@@ -196,6 +203,16 @@ class Trainer:
             for i in range(len(rollouts))
         ]
         per_reward = {f"reward/{name}": float(all_gather_cat(v).mean()) for name, v in per_function.items()}
+        rows = [
+            {
+                "step": self.step + 1,
+                "prompt": prompts[i // cfg.group_size],
+                "completion": text,
+                "reward": s.reward,
+            }
+            for i, (text, s) in enumerate(zip(rollouts.completions, samples, strict=True))
+        ]
+        self.logger.log_samples(self.step + 1, rows)  # the step these samples train (logged with its metrics)
         return samples, {**per_reward, **metrics}
 
     def train_on_groups(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
@@ -326,8 +343,8 @@ class Trainer:
         accuracy (None without evaluations) and the summary's path; every rank calls it."""
         if self._saved_step != self.step:
             self.checkpoint()
-        self.logger.close()
         if not is_main():  # rank 0 plots and summarises
+            self.logger.close()
             return {"run_dir": str(self.run_dir), "eval_accuracy_first": None, "eval_accuracy_last": None}
         from gspo.training.metrics import read_metrics
         from gspo.training.plots import write_summary
@@ -340,8 +357,16 @@ class Trainer:
         except ImportError as error:  # plots are optional; the metrics are on disk
             print(f"plots skipped: {error}")
         summary = write_summary(self.run_dir)
-        lock.release(self.run_dir)  # written in full: another process may continue it now
         first, last = (evals[0]["accuracy"], evals[-1]["accuracy"]) if evals else (None, None)
+        self.logger.close(
+            {
+                "steps": self.step,
+                "eval_accuracy_first": first,
+                "eval_accuracy_last": last,
+                "summary_md": summary,
+            }
+        )
+        lock.release(self.run_dir)  # written in full: another process may continue it now
         return {
             "run_dir": str(self.run_dir),
             "eval_accuracy_first": first,
