@@ -1,0 +1,118 @@
+"""gspo.integrations.art: ART's own client loop (TrainableModel, register, openai_client, Trajectory,
+gather_trajectory_groups, backend.train) against `gspo serve` on the tiny model, with the real openpipe-art
+package. Skipped without it (pip install 'gspo[art]')."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+os.environ.setdefault(
+    "LITELLM_LOCAL_MODEL_COST_MAP", "True"
+)  # art imports litellm, which would fetch a price list
+art = pytest.importorskip("art", reason="gspo.integrations.art needs pip install 'gspo[art]' (openpipe-art)")
+
+from openai.types.chat.chat_completion import Choice  # noqa: E402
+
+from gspo.integrations.art import GspoBackend  # noqa: E402
+from gspo.training.checkpoint import checkpoint_step, latest_checkpoint  # noqa: E402
+
+SCENARIOS = ["What is 2+3?", "What is 4+1?"]
+
+
+async def rollout(model: art.TrainableModel, scenario: str, turns: int) -> art.Trajectory:
+    """An ART rollout as ART's examples write it: the model's OpenAI client, choices appended to the
+    trajectory, a reward at the end (here: how many digits the answers hold, a signal a random model gets)."""
+    client = model.openai_client()
+    trajectory = art.Trajectory(messages_and_choices=[{"role": "user", "content": scenario}], reward=0.0)
+    for turn in range(turns):
+        chat = await client.chat.completions.create(
+            model=model.get_inference_name(), messages=trajectory.messages(), max_tokens=4, temperature=1.0
+        )
+        choice = chat.choices[0]
+        trajectory.messages_and_choices.append(choice)
+        trajectory.reward += sum(c.isdigit() for c in choice.message.content or "")
+        if turn + 1 < turns:
+            trajectory.messages_and_choices.append({"role": "user", "content": "Again."})
+    trajectory.metrics["turns"] = turns
+    return trajectory
+
+
+def test_an_art_client_loop_trains_through_gspo_serve(tmp_path):
+    async def main():
+        backend = GspoBackend(
+            config="configs/tiny.yaml",
+            overrides=[f"output_dir={tmp_path / 'run'}", "report_to=[]", "progress=false", "serve.slots=8"],
+        )
+        model = art.TrainableModel(
+            name="agent", project="gspo-art", base_model="tiny", base_path=str(tmp_path / ".art")
+        )
+        await model.register(backend)
+        assert await model.get_step() == 0
+        results = []
+        for turns in (1, 2):  # single-turn, then multi-turn trajectories
+            groups = await art.gather_trajectory_groups(
+                (art.TrajectoryGroup(rollout(model, s, turns) for _ in range(4)) for s in SCENARIOS),
+                pbar_desc=None,
+            )
+            results.append((groups, await backend.train(model, groups)))
+        step = await model.get_step()
+        await backend.close()
+        return results, step
+
+    results, step = asyncio.run(main())
+    for number, (groups, result) in enumerate(results, start=1):
+        rewards = [t.reward for g in groups for t in g.trajectories]
+        assert result.step == number
+        metrics = result.metrics
+        assert (metrics["trajectories"], metrics["turns"]) == (
+            8,
+            8 * number,
+        )  # every choice, by completion id
+        # each trajectory one exact sequence (every turn's prompt extends the one before, from the sampled
+        # tokens), trained with the sampler's own log-probs as the old policy's
+        assert (metrics["segments"], metrics["split_trajectories"], metrics["old_logprobs_recomputed"]) == (
+            8,
+            0,
+            0,
+        )
+        assert metrics["reward_mean"] == pytest.approx(sum(rewards) / len(rewards))
+    assert step == 2
+    assert checkpoint_step(latest_checkpoint(tmp_path / "run")) == 2  # serve.durable: one per train call
+
+
+def test_choices_from_elsewhere_and_art_training_arguments_are_refused(tmp_path):
+    async def main():
+        backend = GspoBackend(
+            config="configs/tiny.yaml", overrides=[f"output_dir={tmp_path / 'run'}", "report_to=[]"]
+        )
+        model = art.TrainableModel(
+            name="agent", project="gspo-art", base_model="tiny", base_path=str(tmp_path / ".art")
+        )
+        await model.register(backend)
+        other = Choice(index=0, finish_reason="stop", message={"role": "assistant", "content": "5"})
+        foreign = art.TrajectoryGroup(
+            [art.Trajectory(messages_and_choices=[{"role": "user", "content": "2+3?"}, other])]
+        )
+        errors = []
+        for call in (
+            backend.train(model, [foreign]),
+            backend.train(
+                model,
+                [await art.TrajectoryGroup(rollout(model, "2+3?", 1) for _ in range(2))],
+                learning_rate=1e-4,
+            ),
+        ):
+            with pytest.raises((ValueError, TypeError)) as caught:
+                await call
+            errors.append(str(caught.value))
+        step = await model.get_step()
+        await backend.close()
+        return errors, step
+
+    errors, step = asyncio.run(main())
+    assert "trajectory_groups[0].trajectories[0]: a choice without a gspo completion_id" in errors[0]
+    assert "learning_rate (train.lr)" in errors[1]
+    assert step == 0  # nothing trained
