@@ -9,10 +9,16 @@ import os
 
 import pytest
 
-os.environ.setdefault(
-    "LITELLM_LOCAL_MODEL_COST_MAP", "True"
-)  # art imports litellm, which would fetch a price list
+# art imports litellm, which would fetch a price list over the network
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+# `import art` replaces transformers' masking_utils._preprocess_mask_arguments with a transformers-4 signature,
+# which breaks every model forward of this pytest process (the other tests' models) under transformers 5: put
+# it back. ART's code here is client-side; the server runs in its own process.
+from transformers import masking_utils
+
+_preprocess_mask_arguments = masking_utils._preprocess_mask_arguments
 art = pytest.importorskip("art", reason="gspo.integrations.art needs pip install 'gspo[art]' (openpipe-art)")
+masking_utils._preprocess_mask_arguments = _preprocess_mask_arguments
 
 from openai.types.chat.chat_completion import Choice  # noqa: E402
 

@@ -74,6 +74,9 @@ def _wandb_records(run_file: str) -> list:
 def _wandb_run(run_dir: Path) -> dict:
     """{"ids", "history": [{key: value}], "config": {key: value}, "summary": {key: value}} of all the
     offline sessions of run_dir's W&B run, in order."""
+    import wandb
+
+    wandb.teardown()  # waits for W&B's service process to write out the finished runs (finish() may return first)
     out: dict = {"ids": set(), "history": [], "config": {}, "summary": {}}
     for run_file in sorted(glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))):
         for record in _wandb_records(run_file):
