@@ -71,6 +71,30 @@ from gspo.training.trackers import check_installed
 from gspo.training.trust import check_run_folder_config
 
 
+def skip_notice(config: Config, spec: UpdateSpec) -> str:
+    """The terminal's one line on whether zero-advantage samples are left out of the updates, and why."""
+    if spec.skip_zero_advantage:
+        state = "on (exact: the loss has no KL term)"
+    elif config.train.skip_zero_advantage == "auto":
+        state = "off (train.beta > 0: the KL term depends on every sample)"
+    else:
+        state = "off"
+    return f"train.skip_zero_advantage: zero-advantage samples left out of the updates: {state}"
+
+
+def open_logger(config: Config, run_dir: Path, *, resume_step: int | None) -> MetricsLogger | SilentLogger:
+    """metrics.jsonl and the trackers of `report_to` on the main process; nothing on the other ranks."""
+    if not is_main():
+        return SilentLogger()
+    return MetricsLogger(
+        run_dir,
+        report_to=config.report_to,
+        config=to_dict(config),
+        project=config.project,
+        resume_step=resume_step,
+    )
+
+
 class Trainer:
     """A run: its config and folder, the policy, the sampler, the prompt stream, the step counter, the logger.
 
@@ -130,26 +154,11 @@ class Trainer:
         )
         self._warned_mismatch = False
         if self._show_progress():  # which, once; the metrics say how many (skipped_samples_frac)
-            if self.spec.skip_zero_advantage:
-                state = "on (exact: the loss has no KL term)"
-            elif config.train.skip_zero_advantage == "auto":
-                state = "off (train.beta > 0: the KL term depends on every sample)"
-            else:
-                state = "off"
-            tqdm.write(f"train.skip_zero_advantage: zero-advantage samples left out of the updates: {state}")
+            tqdm.write(skip_notice(config, self.spec))
         self.stream = PromptStream(self.train_examples, config.rollout.prompts_per_step, seed=config.seed)
         self.step = restore_state(checkpoint, self.policy, self.stream, config) if checkpoint else 0
         self._saved_step = self.step if checkpoint is not None else None  # the step of the latest checkpoint
-        if is_main():
-            self.logger = MetricsLogger(
-                self.run_dir,
-                report_to=config.report_to,
-                config=to_dict(config),
-                project=config.project,
-                resume_step=self.step if checkpoint else None,
-            )
-        else:
-            self.logger = SilentLogger()
+        self.logger = open_logger(config, self.run_dir, resume_step=self.step if checkpoint else None)
 
     def prompts(self, examples: list[Example]) -> list[str]:
         return [
