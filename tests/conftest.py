@@ -121,12 +121,12 @@ def smollm2_trainer(smollm2) -> Callable[[], contextlib.AbstractContextManager[N
 
 @pytest.fixture
 def rollout_logprobs() -> Callable[..., list[torch.Tensor]]:
-    """The trainer's fp32 log-probs of each rollout's completion tokens (padded layout, no grad): the
-    reference a sampler's reported log-probs are compared with."""
+    """The trainer's fp32 log-probs of each rollout's completion tokens (padded layout, no grad), at
+    `temperature`: the reference a sampler's reported log-probs are compared with."""
     from gspo.core.layout import TokenSequence, make_micro_batches
     from gspo.core.logprobs import causal_lm_logprobs
 
-    def score(model: torch.nn.Module, rollouts) -> list[torch.Tensor]:
+    def score(model: torch.nn.Module, rollouts, temperature: float = 1.0) -> list[torch.Tensor]:
         sequences = [
             TokenSequence(p, c, [True] * len(c))
             for p, c in zip(rollouts.prompt_ids, rollouts.completion_ids, strict=True)
@@ -141,6 +141,7 @@ def rollout_logprobs() -> Callable[..., list[torch.Tensor]]:
                 attention_mask=mb.attention_mask,
                 position_ids=mb.position_ids,
                 logprob_mask=mb.logprob_mask,
+                temperature=temperature,
             )
         out = [torch.empty(0)] * len(mb.indices)
         for row, i in enumerate(mb.indices):

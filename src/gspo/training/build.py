@@ -40,6 +40,7 @@ from gspo.rollout.reasoning_gym import reasoning_gym_task
 from gspo.rollout.rewards import RewardFunction, resolve_reward, with_timeout
 from gspo.rollout.samplers import HFSampler, Sampler, tokenize_prompts
 from gspo.rollout.user_code import CodeFileError, load_function
+from gspo.rollout.vllm_engine import VLLMSampler, require_vllm
 from gspo.training.checkpoint import verify_checkpoint
 from gspo.training.run_paths import run_path
 
@@ -392,10 +393,22 @@ def setup_policy(config: Config, model: torch.nn.Module, device: torch.device, *
 
 
 def setup_sampler(config: Config, policy: Policy, tokenizer: Any, run_dir: Path) -> Sampler:
-    """rollout.engine: the trainer's own model, an OpenAI-compatible server, or a llama.cpp server of ours."""
+    """rollout.engine: the trainer's own model, an OpenAI-compatible server, a llama.cpp server of ours, or
+    vLLM in this process."""
     if config.rollout.engine == "hf":
         return HFSampler(
             policy.model, tokenizer, config.rollout.generation_batch_size, lambda: generating(policy)
+        )
+    if config.rollout.engine == "vllm":
+        require_vllm()
+        if world_size() > 1:
+            raise ConfigError("rollout.engine=vllm runs in one process: use rollout.engine=hf under torchrun")
+        return VLLMSampler(
+            policy.model,
+            tokenizer,
+            max_num_seqs=config.rollout.generation_batch_size,
+            kv_cache_gib=config.rollout.vllm.kv_cache_gib,
+            seed=config.seed,
         )
     if config.rollout.engine == "llama_cpp":
         require_llama_cpp()  # before the export: its absence is known at once

