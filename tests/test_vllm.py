@@ -139,13 +139,9 @@ def tiny_folder(tmp_path: Path) -> Path:
     return folder
 
 
-@needs_vllm
-def test_the_trainer_trains_on_the_tokens_vllm_sampled_then_syncs(
-    tiny_folder, tmp_path, monkeypatch, rollout_logprobs
-) -> None:
-    from gspo.training import trainer as trainer_module
-
-    config = tiny_config(
+def vllm_config(tmp_path: Path, tiny_folder: Path, *overrides: str):
+    """configs/tiny.yaml on the vLLM-shaped tiny model, one step, sampled by vLLM."""
+    return tiny_config(
         tmp_path / "run",
         "model.tiny=null",
         f"model.path={tiny_folder}",
@@ -154,8 +150,22 @@ def test_the_trainer_trains_on_the_tokens_vllm_sampled_then_syncs(
         "train.steps=1",
         "eval.every=0",
         "checkpoint.every=0",
+        *overrides,
     )
-    trainer = trainer_module.Trainer(config)
+
+
+@needs_vllm
+def test_the_trainer_trains_on_the_tokens_vllm_sampled_with_its_logprobs_as_the_old_policys(
+    tiny_folder, tmp_path, monkeypatch, rollout_logprobs
+) -> None:
+    """train.old_logprobs=auto: the start-up probe finds vLLM's fp32 log-probs within the tolerance, so they
+    serve as the old policy's, and the mismatch metrics are logged from the first minibatch's forward."""
+    from gspo.training import build
+    from gspo.training import trainer as trainer_module
+
+    trainer = trainer_module.Trainer(vllm_config(tmp_path, tiny_folder))
+    assert trainer.spec.old_logprobs == "sampler"
+    assert 0 <= trainer.sampler.logprob_gap < LOGPROB_ATOL < build.VLLM_LOGPROB_TOLERANCE
     sampled, trained = [], []
     generate, learn = trainer.sampler.generate, trainer_module.learn_from_samples
     monkeypatch.setattr(
@@ -171,8 +181,26 @@ def test_the_trainer_trains_on_the_tokens_vllm_sampled_then_syncs(
     assert [s.completion_ids for s in trained] == rollouts.completion_ids
     assert [s.prompt_ids for s in trained] == rollouts.prompt_ids
     assert [s.sampler_logprobs for s in trained] == rollouts.sampler_logprobs
-    assert metrics["sampler_logprob_abs_diff"] < LOGPROB_ATOL  # the recompute pass measured it
-    greedy_agrees(trainer.policy.model, trainer.tokenizer, trainer.sampler, rollout_logprobs)
+    assert metrics["sampler_logprob_abs_diff"] < LOGPROB_ATOL
+    assert metrics["sampler_seq_outside_clip_frac"] == 0.0
+    greedy_agrees(trainer.policy.model, trainer.tokenizer, trainer.sampler, rollout_logprobs)  # synced
+
+
+@needs_vllm
+def test_log_probs_outside_the_tolerance_are_recomputed_with_a_warning(
+    tiny_folder, tmp_path, monkeypatch
+) -> None:
+    from gspo.training import build
+    from gspo.training.trainer import Trainer
+
+    monkeypatch.setattr(build, "VLLM_LOGPROB_TOLERANCE", 1e-12)  # below the fp32 rounding vLLM has
+    with pytest.warns(
+        UserWarning, match=r"vLLM's log-probs differ from the trainer's by up to .* recomputed"
+    ):
+        trainer = Trainer(vllm_config(tmp_path, tiny_folder))
+    assert trainer.spec.old_logprobs == "recompute" and not trainer.sampler.current
+    metrics = trainer.train_step()
+    assert 0 < metrics["sampler_logprob_abs_diff"] < LOGPROB_ATOL  # measured by the recompute pass
 
 
 def test_without_vllm_the_run_stops_with_one_line_and_the_package_code(tmp_path, monkeypatch, capsys) -> None:

@@ -110,6 +110,8 @@ class VLLMSampler:
     seed: int = 0
     dtype: torch.dtype | None = None
     current: bool = False
+    logprob_gap: float | None = None
+    """The largest difference of its log-probs from the trainer's on the start-up check (None: not run)."""
     llm: Any = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

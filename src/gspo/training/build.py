@@ -18,9 +18,10 @@ import torch
 
 from gspo.config import Config, ConfigError, ModelConfig
 from gspo.core.attention import supports_segments
-from gspo.core.layout import layout_is_exact
+from gspo.core.layout import TokenSequence, layout_is_exact, make_micro_batches
 from gspo.core.objectives import LossSpec
 from gspo.core.surrogates import register_objective
+from gspo.learning.learner import place
 from gspo.learning.policy import Policy, UpdateSpec, score
 from gspo.models import add_lora, default_model_file, is_lora, load_model
 from gspo.parallel.group import world_size
@@ -355,17 +356,72 @@ def choose_layout(config: Config, model: torch.nn.Module, pad_id: int) -> str:
     return layout
 
 
-def resolve_old_logprobs(config: Config, sampler: Sampler, compute_dtype: torch.dtype | None) -> str:
-    """train.old_logprobs, with "auto" resolved: the sampler's log-probs when the sampler is the trainer's
-    own model computing in fp32 (they are the old policy's up to fp32 rounding, ~1e-6) and no mismatch
-    correction needs both, else recompute. In bf16 the cached token-by-token decoding and the trainer's
+VLLM_LOGPROB_TOLERANCE = 1e-4
+"""The most a token's log-prob from vLLM may differ from the trainer's, on the start-up probe, for vLLM's
+log-probs to serve as the old policy's under train.old_logprobs=auto: a third of GSPO's lower clip band
+(3e-4), so that the mismatch alone moves no sequence ratio out of it. vLLM fp32 on a CPU: ~5e-7."""
+
+
+def resolve_old_logprobs(config: Config, sampler: Sampler, policy: Policy, probe: list[Example]) -> str:
+    """train.old_logprobs, with "auto" resolved: the sampler's log-probs when the trainer computes in fp32,
+    no mismatch correction needs both, and the sampler is the trainer's own model (they are the old
+    policy's up to fp32 rounding, ~1e-6) or vLLM within `VLLM_LOGPROB_TOLERANCE` of it on samples of the
+    `probe` prompts; else recompute. In bf16 the cached token-by-token decoding and the trainer's
     whole-sequence forward round differently: on the default run every sequence's log-ratio left GSPO's
     3e-4 band (benchmarks/train_step.py train.mixed_precision=bf16 train.old_logprobs=sampler)."""
     mode = config.train.old_logprobs
     if mode != "auto":
         return mode
-    exact = sampler.current and compute_dtype in (None, torch.float32)
-    return "sampler" if exact and config.train.sampler_correction == "none" else "recompute"
+    if config.train.sampler_correction != "none" or policy.compute_dtype not in (None, torch.float32):
+        return "recompute"
+    if isinstance(sampler, VLLMSampler):
+        sampler.logprob_gap = vllm_logprob_gap(config, policy, sampler, probe)
+        sampler.current = sampler.logprob_gap <= VLLM_LOGPROB_TOLERANCE
+        if not sampler.current:
+            warnings.warn(
+                f"train.old_logprobs=auto: vLLM's log-probs differ from the trainer's by up to "
+                f"{sampler.logprob_gap:.1e} on a start-up probe (tolerance {VLLM_LOGPROB_TOLERANCE:.0e}): the "
+                "old policy's are recomputed",
+                stacklevel=2,
+            )
+    return "sampler" if sampler.current else "recompute"
+
+
+def vllm_logprob_gap(config: Config, policy: Policy, sampler: VLLMSampler, probe: list[Example]) -> float:
+    """The largest |log pi_vLLM - log pi_trainer| of a completion token over G=2 samples of each `probe`
+    prompt, drawn as the rollouts are (temperature, length) with a fixed seed (the run's random streams
+    stay untouched), and scored by the trainer's forward."""
+    prompts = [
+        format_prompt(sampler.tokenizer, ex.prompt, system_prompt=config.task.system_prompt) for ex in probe
+    ]
+    rollouts = sampler.generate(
+        prompts,
+        group_size=2,
+        max_new_tokens=config.rollout.max_new_tokens,
+        temperature=config.rollout.temperature,
+        seed=config.seed,
+    )
+    sequences = [
+        TokenSequence(p, c, [True] * len(c))
+        for p, c in zip(rollouts.prompt_ids, rollouts.completion_ids, strict=True)
+    ]
+    spec = UpdateSpec(temperature=config.rollout.temperature, logprob_kernel=config.train.logprob_kernel)
+    device = next(policy.model.parameters()).device
+    gap = 0.0
+    for mb in make_micro_batches(
+        sequences,
+        layout="padded",
+        pack_length=config.train.pack_length,
+        micro_batch_tokens=config.train.micro_batch_tokens,
+        pad_id=0,
+    ):
+        mb = mb.to(device)
+        with torch.no_grad(), policy.autocast():
+            trainer = score(policy.scorer, mb, spec)
+        mask = mb.logprob_mask.reshape(-1)
+        engine = place(rollouts.sampler_logprobs, mb)
+        gap = max(gap, (trainer[mask] - engine[mask]).abs().max().item())
+    return gap
 
 
 def setup_policy(config: Config, model: torch.nn.Module, device: torch.device, *, resumed: bool) -> Policy:

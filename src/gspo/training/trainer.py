@@ -148,7 +148,7 @@ class Trainer:
         if world_size() > 1:
             seed_rank(config.seed)  # each rank samples its own completions
         self.sampler = sampler or setup_sampler(config, self.policy, self.tokenizer, self.run_dir)
-        old_logprobs = resolve_old_logprobs(config, self.sampler, self.policy.compute_dtype)
+        old_logprobs = resolve_old_logprobs(config, self.sampler, self.policy, self.train_examples[:4])
         self.spec = UpdateSpec.from_config(
             config, layout=layout, pad_id=self.tokenizer.pad_token_id, old_logprobs=old_logprobs
         )
