@@ -98,7 +98,7 @@ class VLLMSampler:
     (module docstring).
 
     max_num_seqs: sequences vLLM decodes at once; kv_cache_gib: the memory its keys and values may take
-    (on a CPU, taken from RAM); seed: vLLM's own; dtype: its compute dtype (default: the policy's).
+    (on a CPU, taken from RAM); seed: vLLM's own. It computes in the policy's dtype.
     current: whether its log-probs may serve as the old policy's (set by the start-up check in
     gspo.training.build, which measures them against the trainer's; False until then).
     """
@@ -108,7 +108,6 @@ class VLLMSampler:
     max_num_seqs: int = 64
     kv_cache_gib: float = 1.0
     seed: int = 0
-    dtype: torch.dtype | None = None
     current: bool = False
     logprob_gap: float | None = None
     """The largest difference of its log-probs from the trainer's on the start-up check (None: not run)."""
@@ -122,10 +121,11 @@ class VLLMSampler:
             )
         # in this process, so that a weight sync hands vLLM the tensors themselves, not pickled copies
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        # its start-up warnings (no tokenizer, no LD_PRELOAD, thread binding) need nothing from a gspo user
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         from vllm import LLM
 
-        dtype = self.dtype or next(self.model.parameters()).dtype
+        dtype = next(self.model.parameters()).dtype
         with _kept_process_state(), tempfile.TemporaryDirectory(prefix="gspo-vllm-") as folder:
             write_model_folder(self.model, Path(folder))
             self.llm = LLM(
