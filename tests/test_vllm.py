@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -204,6 +205,63 @@ def test_log_probs_outside_the_tolerance_are_recomputed_with_a_warning(
     assert trainer.spec.old_logprobs == "recompute" and not trainer.sampler.current
     metrics = trainer.train_step()
     assert 0 < metrics["sampler_logprob_abs_diff"] < LOGPROB_ATOL  # measured by the recompute pass
+
+
+@needs_vllm
+def test_vllm_server_trains_on_its_samples_syncs_by_files_and_a_dead_server_is_a_server_error(
+    tiny_folder, tmp_path, monkeypatch, rollout_logprobs
+) -> None:
+    """rollout.engine=vllm_server: a `vllm serve` process that gspo starts (about 45 s here)."""
+    from gspo.cli import EXIT_CODES, classify
+    from gspo.rollout.openai import ServerError
+    from gspo.training import trainer as trainer_module
+
+    trainer = trainer_module.Trainer(vllm_config(tmp_path, tiny_folder, "rollout.engine=vllm_server"))
+    server = trainer.sampler.weight_sync.server
+    try:
+        assert trainer.spec.old_logprobs == "recompute"  # another process's numbers: not checked at start-up
+        sampled, trained = [], []
+        generate, learn = trainer.sampler.generate, trainer_module.learn_from_samples
+        monkeypatch.setattr(
+            trainer.sampler, "generate", lambda *a, **k: sampled.append(generate(*a, **k)) or sampled[-1]
+        )
+        monkeypatch.setattr(
+            trainer_module,
+            "learn_from_samples",
+            lambda p, s, samples, **k: trained.extend(samples) or learn(p, s, samples, **k),
+        )
+        metrics = trainer.train_step()  # then the weights go to the server through its folder
+        (rollouts,) = sampled
+        assert [s.completion_ids for s in trained] == rollouts.completion_ids
+        assert [s.sampler_logprobs for s in trained] == rollouts.sampler_logprobs
+        assert metrics["sampler_logprob_abs_diff"] < LOGPROB_ATOL
+        model, tokenizer = trainer.policy.model, trainer.tokenizer
+        theirs = trainer.sampler.generate(prompts(tokenizer), group_size=1, max_new_tokens=8, temperature=0.0)
+        ours = HFSampler(model, tokenizer).generate(
+            prompts(tokenizer), group_size=1, max_new_tokens=8, greedy=True
+        )
+        assert theirs.completion_ids == ours.completion_ids
+        for mine, reported in zip(rollout_logprobs(model, theirs), theirs.sampler_logprobs, strict=True):
+            torch.testing.assert_close(torch.tensor(reported), mine, atol=LOGPROB_ATOL, rtol=0)
+        server.process.kill()  # the server dies; its engine processes go on
+        server.process.wait()
+        with pytest.raises(ServerError, match="the vLLM server exited with code") as error:
+            trainer.sampler.sync_weights(model, tokenizer, step=2)
+        assert classify(error.value)[0] == "server" and EXIT_CODES["server"] == 8
+    finally:
+        server.close()
+    with pytest.raises(ProcessLookupError):  # close() stopped them all
+        os.killpg(server.process.pid, 0)
+
+
+@needs_vllm
+def test_a_vllm_server_that_does_not_come_up_in_time_is_a_server_error_and_is_stopped(tmp_path) -> None:
+    from gspo.rollout.openai import ServerError
+    from gspo.rollout.vllm_server import VLLMServer
+
+    with pytest.raises(ServerError, match=r"did not come up within 1s \(rollout.vllm.timeout\)") as error:
+        VLLMServer(tiny_model(), tiny_tokenizer(), tmp_path / "server", startup_timeout=1)
+    assert str(tmp_path / "server" / "server.log") in str(error.value)
 
 
 def test_without_vllm_the_run_stops_with_one_line_and_the_package_code(tmp_path, monkeypatch, capsys) -> None:

@@ -63,9 +63,9 @@ def validate(config: Config) -> None:
             f"rollout.temperature={config.rollout.temperature} with rollout.engine={config.rollout.engine}: servers report "
             "log-probs of the untempered distribution; sample at rollout.temperature=1.0"
         )
-    if config.rollout.engine == "vllm" and config.rollout.top_p != 1.0:
+    if config.rollout.engine in ("vllm", "vllm_server") and config.rollout.top_p != 1.0:
         raise ConfigError(
-            f"rollout.top_p={config.rollout.top_p} with rollout.engine=vllm: vLLM's log-probs would be those of "
+            f"rollout.top_p={config.rollout.top_p} with rollout.engine={config.rollout.engine}: vLLM's log-probs would be those of "
             "the truncated distribution, which the trainer does not score; set rollout.top_p=1.0"
         )
 

@@ -168,6 +168,7 @@ RULES: dict[str, Rule] = {
     "rollout.llama_cpp.sync_every": at_least(1).upto(STEPS_MAX, "steps"),
     "rollout.llama_cpp.timeout": above(0, "seconds the server may take").upto(SECONDS_MAX, "seconds"),
     "rollout.vllm.kv_cache_gib": above(0, "GiB for vLLM's keys and values"),
+    "rollout.vllm.timeout": above(0, "seconds the vLLM server may take").upto(SECONDS_MAX, "seconds"),
     "rollout.prompts_per_step": at_least(1).upto(BATCH_MAX, "prompts of one step, generated together"),
     "rollout.group_size": at_least(
         2,

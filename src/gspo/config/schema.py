@@ -113,25 +113,28 @@ class LlamaCppConfig:
 class VLLMConfig:
     kv_cache_gib: float = 1.0
     """Memory for vLLM's keys and values, in GiB (on a CPU, taken from RAM)."""
+    timeout: float = 300.0
+    """Seconds the vLLM server (rollout.engine=vllm_server) may take to start, and a request to complete."""
 
 
 @dataclass
 class RolloutConfig:
-    engine: Literal["hf", "openai", "llama_cpp", "vllm"] = "hf"
+    engine: Literal["hf", "openai", "llama_cpp", "vllm", "vllm_server"] = "hf"
     """Who samples the completions: "hf", the trainer's own model in this process (gspo's sampling
     engine, gspo.rollout.engine); "openai", an OpenAI-compatible server (`rollout.openai`), whose weights
     `gspo train` does not update: its samples are off-policy, the old-policy log-probs are recomputed;
     "llama_cpp", a local
     llama-cpp-python server that gspo starts on the policy exported as GGUF and restarts on a fresh export
     every `rollout.llama_cpp.sync_every` steps (slower than "hf" on CPUs: docs/llama_cpp_sync.md); "vllm", a
-    vLLM engine in this process (`rollout.vllm`), given the trainer's weights after every step: needs vLLM
+    vLLM engine in this process (`rollout.vllm`), given the trainer's weights after every step; "vllm_server",
+    a `vllm serve` process that gspo starts, given them through files after every step: both need vLLM
     (docs/vllm.md)."""
     openai: OpenAIConfig = field(default_factory=OpenAIConfig)
     """The server of rollout.engine=openai."""
     llama_cpp: LlamaCppConfig = field(default_factory=LlamaCppConfig)
     """The llama.cpp server and its weight sync (rollout.engine=llama_cpp)."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
-    """The in-process vLLM engine (rollout.engine=vllm)."""
+    """The vLLM engine (rollout.engine=vllm or vllm_server)."""
     prompts_per_step: int = 8
     """Prompts sampled per rollout batch."""
     group_size: int = 8

@@ -64,7 +64,8 @@ def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
 
 
 def write_model_folder(model: torch.nn.Module, directory: Path) -> None:
-    """config.json and model.safetensors of the (merged) policy: the folder vLLM starts from."""
+    """config.json and model.safetensors of the (merged) policy: the folder vLLM starts or reloads from. The
+    weights are written aside, then renamed: a reload never reads half a file."""
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -72,7 +73,8 @@ def write_model_folder(model: torch.nn.Module, directory: Path) -> None:
     base.config.save_pretrained(directory)
     # clones: tied weights share storage, which safetensors refuses to write twice
     weights = {name: tensor.detach().clone().contiguous() for name, tensor in policy_weights(model)}
-    save_file(weights, str(directory / "model.safetensors"))
+    save_file(weights, str(directory / "model.partial"))
+    os.replace(directory / "model.partial", directory / "model.safetensors")
 
 
 @contextlib.contextmanager

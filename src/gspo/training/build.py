@@ -42,6 +42,7 @@ from gspo.rollout.rewards import RewardFunction, resolve_reward, with_timeout
 from gspo.rollout.samplers import HFSampler, Sampler, tokenize_prompts
 from gspo.rollout.user_code import CodeFileError, load_function
 from gspo.rollout.vllm_engine import VLLMSampler, require_vllm
+from gspo.rollout.vllm_server import VLLMServer, server_sampler
 from gspo.training.checkpoint import verify_checkpoint
 from gspo.training.run_paths import run_path
 
@@ -455,10 +456,23 @@ def setup_sampler(config: Config, policy: Policy, tokenizer: Any, run_dir: Path)
         return HFSampler(
             policy.model, tokenizer, config.rollout.generation_batch_size, lambda: generating(policy)
         )
-    if config.rollout.engine == "vllm":
+    if config.rollout.engine in ("vllm", "vllm_server"):
         require_vllm()
         if world_size() > 1:
-            raise ConfigError("rollout.engine=vllm runs in one process: use rollout.engine=hf under torchrun")
+            raise ConfigError(
+                f"rollout.engine={config.rollout.engine} runs in one process: use rollout.engine=hf under torchrun"
+            )
+    if config.rollout.engine == "vllm_server":
+        server = VLLMServer(
+            policy.model,
+            tokenizer,
+            run_dir / "vllm_server",
+            kv_cache_gib=config.rollout.vllm.kv_cache_gib,
+            seed=config.seed,
+            startup_timeout=config.rollout.vllm.timeout,
+        )
+        return server_sampler(server, tokenizer, config.rollout.vllm.timeout)
+    if config.rollout.engine == "vllm":
         return VLLMSampler(
             policy.model,
             tokenizer,
