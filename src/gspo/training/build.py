@@ -451,35 +451,13 @@ def setup_policy(config: Config, model: torch.nn.Module, device: torch.device, *
 
 def setup_sampler(config: Config, policy: Policy, tokenizer: Any, run_dir: Path) -> Sampler:
     """rollout.engine: the trainer's own model, an OpenAI-compatible server, a llama.cpp server of ours, or
-    vLLM in this process."""
+    vLLM (`setup_vllm`)."""
     if config.rollout.engine == "hf":
         return HFSampler(
             policy.model, tokenizer, config.rollout.generation_batch_size, lambda: generating(policy)
         )
     if config.rollout.engine in ("vllm", "vllm_server"):
-        require_vllm()
-        if world_size() > 1:
-            raise ConfigError(
-                f"rollout.engine={config.rollout.engine} runs in one process: use rollout.engine=hf under torchrun"
-            )
-    if config.rollout.engine == "vllm_server":
-        server = VLLMServer(
-            policy.model,
-            tokenizer,
-            run_dir / "vllm_server",
-            kv_cache_gib=config.rollout.vllm.kv_cache_gib,
-            seed=config.seed,
-            startup_timeout=config.rollout.vllm.timeout,
-        )
-        return server_sampler(server, tokenizer, config.rollout.vllm.timeout)
-    if config.rollout.engine == "vllm":
-        return VLLMSampler(
-            policy.model,
-            tokenizer,
-            max_num_seqs=config.rollout.generation_batch_size,
-            kv_cache_gib=config.rollout.vllm.kv_cache_gib,
-            seed=config.seed,
-        )
+        return setup_vllm(config, policy, tokenizer, run_dir)
     if config.rollout.engine == "llama_cpp":
         require_llama_cpp()  # before the export: its absence is known at once
         server = config.rollout.llama_cpp
@@ -522,6 +500,33 @@ def setup_sampler(config: Config, policy: Policy, tokenizer: Any, run_dir: Path)
         send_token_ids=server.token_ids,
         api_key=key,
     )
+
+
+def setup_vllm(config: Config, policy: Policy, tokenizer: Any, run_dir: Path) -> Sampler:
+    """rollout.engine=vllm (in this process) or vllm_server (a `vllm serve` process, synced by files)."""
+    require_vllm()
+    if world_size() > 1:
+        raise ConfigError(
+            f"rollout.engine={config.rollout.engine} runs in one process: use rollout.engine=hf under torchrun"
+        )
+    settings = config.rollout.vllm
+    if config.rollout.engine == "vllm":
+        return VLLMSampler(
+            policy.model,
+            tokenizer,
+            max_num_seqs=config.rollout.generation_batch_size,
+            kv_cache_gib=settings.kv_cache_gib,
+            seed=config.seed,
+        )
+    server = VLLMServer(
+        policy.model,
+        tokenizer,
+        run_dir / "vllm_server",
+        kv_cache_gib=settings.kv_cache_gib,
+        seed=config.seed,
+        startup_timeout=settings.timeout,
+    )
+    return server_sampler(server, tokenizer, settings.timeout)
 
 
 @contextlib.contextmanager
