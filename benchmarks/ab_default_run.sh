@@ -3,7 +3,7 @@
 # Usage (from the project root, after the README set-up):
 #   bash benchmarks/ab_default_run.sh BASE_COMMIT [ROUNDS=2] [CONFIG.yaml] [key=value ...]
 # Each run: the default config or CONFIG.yaml (plus your overrides) for 3 rollout batches, no checkpoints,
-# no TensorBoard.
+# no TensorBoard (tensorboard=false: the key older base commits know; report_to=[] since).
 # Prints each run's median seconds per rollout batch (sum of the logged time_* phases) and its held-out
 # accuracy before and after (the evaluations at the first and last step), then the ratio of the best base
 # run to the best working-tree run. Machines are noisy (+-15% between identical runs): use ratios.

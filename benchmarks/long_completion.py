@@ -97,7 +97,7 @@ def run(label: str, pythonpath: str, overrides: list[str], folder: Path, steps: 
     out = folder / f"{label}-{len(list(folder.glob(label + '-*')))}"
     env = {**os.environ, "PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "gspo", "train", f"output_dir={out}", f"train.steps={steps}"]
-    command += ["eval.every=1000", "checkpoint.every=0", "tensorboard=false", "progress=false", *overrides]
+    command += ["eval.every=1000", "checkpoint.every=0", "report_to=[]", "progress=false", *overrides]
     done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{label} run failed ({done.returncode}):\n{done.stderr[-2000:]}")

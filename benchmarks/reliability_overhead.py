@@ -147,7 +147,7 @@ def main() -> None:
         )
         trainer = Trainer(
             load_config(
-                ROOT / "configs" / "tiny.yaml", [f"output_dir={Path(tmp) / 'tiny'}", "tensorboard=false"]
+                ROOT / "configs" / "tiny.yaml", [f"output_dir={Path(tmp) / 'tiny'}", "report_to=[]"]
             )
         )
         trainer.train_step()  # warm-up

@@ -177,7 +177,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as run_dir:
         overrides = [
             f"output_dir={run_dir}",
-            "tensorboard=false",
+            "report_to=[]",
             "serve.durable=false",
             f"serve.slots={max(args.sessions, 1)}",
         ]

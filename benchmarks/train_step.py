@@ -69,7 +69,7 @@ def default_mode(args: argparse.Namespace) -> None:
     overrides = ([args.config] if args.config and "=" in args.config else []) + args.overrides
     with tempfile.TemporaryDirectory() as run_dir:
         config = load_config(
-            config_path, [*overrides, f"output_dir={run_dir}", "tensorboard=false", "progress=false"]
+            config_path, [*overrides, f"output_dir={run_dir}", "report_to=[]", "progress=false"]
         )
         trainer = Trainer(config)
         # the peak of the dtype the matmuls run in: bf16 with train.mixed_precision=bf16
@@ -151,7 +151,7 @@ def long_prefix_mode(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as run_dir:
         config = load_config(
             config_path,
-            [*args.overrides, f"output_dir={run_dir}", "tensorboard=false", "progress=false", "eval.every=0"],
+            [*args.overrides, f"output_dir={run_dir}", "report_to=[]", "progress=false", "eval.every=0"],
         )
         trainer = Trainer(config)
         vocab = trainer.policy.model.get_input_embeddings().num_embeddings

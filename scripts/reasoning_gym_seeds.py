@@ -64,7 +64,7 @@ def start(
     if (run_dir / "summary.md").is_file():
         return None
     command = [sys.executable, "-m", "gspo", "train", str(config), f"seed={seed}", f"output_dir={run_dir}"]
-    command += ["progress=false", "tensorboard=false", *overrides]
+    command += ["progress=false", "report_to=[]", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     log = run_dir.with_suffix(".log").open("w")

@@ -32,7 +32,7 @@ def run_seed(seed: int, overrides: list[str], folder: Path) -> dict:
     run_dir = folder / f"seed{seed}"
     config = load_config(
         ROOT / "configs" / "tiny.yaml",
-        [*overrides, f"seed={seed}", f"output_dir={run_dir}", "tensorboard=false"],
+        [*overrides, f"seed={seed}", f"output_dir={run_dir}", "report_to=[]"],
     )
     start = time.perf_counter()
     train(config)

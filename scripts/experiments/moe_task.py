@@ -87,7 +87,11 @@ def base_overrides(spec: Spec) -> list[str]:
         "eval.max_new_tokens=4",
         f"train.minibatch_split={spec.minibatch_split}",
         f"checkpoint.every={spec.checkpoint_every}",
-        "tensorboard=false",
+        # the studies compare clip and ratio metrics over every sample, as docs/bakeoff.md and
+        # docs/paper_reproduction.md were measured; skipping zero-advantage samples (the same weights)
+        # would leave them over the computed samples only
+        "train.skip_zero_advantage=false",
+        "report_to=[]",
         "progress=false",
     ]
 

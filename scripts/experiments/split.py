@@ -36,7 +36,7 @@ def default_job(runs_dir: Path, split: str, seed: int) -> runs.Job:
         f"seed={seed}",
         f"train.minibatch_split={split}",
         "checkpoint.every=0",
-        "tensorboard=false",
+        "report_to=[]",
         "progress=false",
     )
     return runs.Job(overrides, threads=1)
