@@ -226,6 +226,7 @@ RULES: dict[str, Rule] = {
     "serve.max_n": at_least(1).upto(GROUP_MAX, "completions of one request"),
     "serve.max_waiting": at_least(1).upto(10**6, "samples queued"),
     "serve.request_timeout": above(0, "seconds a request may take").upto(SECONDS_MAX, "seconds"),
+    "serve.max_body_bytes": between(1024, 2**30, why="bytes of one request body"),
     "serve.max_staleness": at_least(0, "0: only the current version's completions").upto(
         STEPS_MAX, "versions"
     ),

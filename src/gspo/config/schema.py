@@ -318,6 +318,9 @@ class ServeConfig:
     """Samples that may wait for a slot; a request beyond that is answered 429 (try again later)."""
     request_timeout: float = 600.0
     """Seconds a request may take, waiting for a slot included; then it is cancelled (504)."""
+    max_body_bytes: int = 2 * 2**20
+    """The largest request body the server reads (2 MiB); a larger one is refused (413) while it arrives,
+    before it is parsed. With --resume it comes from the command line, never from the run folder."""
     during_update: Literal["wait", "stale"] = "wait"
     """Sampling while a train call updates the weights: "wait", requests wait (the running samples finish
     first, so every sample comes from one version of the weights); "stale", sampling goes on from a copy

@@ -27,9 +27,6 @@ from gspo.serve.service import TrainService
 
 log = logging.getLogger("gspo.serve")
 
-MAX_BODY_BYTES = 64 * 2**20
-"""A request body larger than this is refused (413) before it is read."""
-
 
 @dataclass
 class Service:
@@ -59,7 +56,7 @@ def _validation_message(error: dict[str, Any]) -> tuple[str, str]:
         return name, f"{name}: unknown field (not part of this endpoint's request)"
     if error.get("type") == "missing":
         return name, f"{name}: this field is required"
-    return name, f"{name}: {error.get('msg', 'invalid value')}"
+    return name, f"{name}: {error.get('msg', 'invalid value').removeprefix('Value error, ')}"
 
 
 def create_app(service: Service) -> FastAPI:
@@ -93,17 +90,18 @@ def create_app(service: Service) -> FastAPI:
         )
 
     _routes(app, service)
-    app.add_middleware(Guard, api_key=service.api_key)
+    app.add_middleware(Guard, api_key=service.api_key, max_body=service.inference.serve.max_body_bytes)
     return app
 
 
 class Guard:
-    """ASGI middleware: the API key (all routes but /health) and the body size limit, checked before the
-    request reaches a route. Pure ASGI, so the routes still see a client disconnect (Starlette's
-    BaseHTTPMiddleware hides it)."""
+    """ASGI middleware: the body size limit (Content-Length, before anything else), the API key (all
+    routes but /health), then the body itself, read here up to serve.max_body_bytes and refused (413)
+    the moment it passes the limit, so no route parses or holds more. Pure ASGI, so the routes still see
+    a client disconnect (Starlette's BaseHTTPMiddleware hides it)."""
 
-    def __init__(self, app: Any, api_key: str | None) -> None:
-        self.app, self.api_key = app, api_key
+    def __init__(self, app: Any, api_key: str | None, max_body: int) -> None:
+        self.app, self.api_key, self.max_body = app, api_key, max_body
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -111,8 +109,8 @@ class Guard:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         length = headers.get("content-length")
         refusal = None
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            refusal = ServeError(413, f"the body exceeds {MAX_BODY_BYTES >> 20} MiB", param="body")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body):
+            refusal = self._too_large()
         elif self.api_key is not None and scope.get("path") != "/health":
             scheme, _, token = headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(
@@ -123,7 +121,40 @@ class Guard:
                 )
         if refusal is not None:
             return await error_response(refusal)(scope, receive, send)
-        return await self.app(scope, receive, send)
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None  # nobody to answer
+            body += message.get("body", b"")
+            if len(body) > self.max_body:  # a chunked body, or more than its Content-Length said
+                return await error_response(self._too_large())(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        return await self.app(scope, _replay(bytes(body), receive), send)
+
+    def _too_large(self) -> ServeError:
+        return ServeError(
+            413,
+            f"the request body is larger than serve.max_body_bytes={self.max_body} bytes: send less, or "
+            "start gspo serve with a larger serve.max_body_bytes",
+            param="body",
+            code="body_too_large",
+        )
+
+
+def _replay(body: bytes, receive: Any) -> Any:
+    """A `receive` that gives the body read already, then the client's own messages (its disconnect)."""
+    sent = False
+
+    async def replay() -> dict[str, Any]:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
 
 
 def _routes(app: FastAPI, service: Service) -> None:

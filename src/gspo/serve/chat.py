@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,9 +96,15 @@ def turn_key(content: str, tool_calls: list[dict[str, Any]] | None) -> str:
 
 
 def render_chat(
-    tokenizer: Any, messages: list[Message], tools: list[dict[str, Any]] | None, records: RecordStore
+    tokenizer: Any,
+    messages: list[Message],
+    tools: list[dict[str, Any]] | None,
+    records: RecordStore,
+    *,
+    check_text: Callable[[str], None] | None = None,
 ) -> ChatPrompt:
-    """The prompt ids of a chat request (module docstring), ending with the generation prompt."""
+    """The prompt ids of a chat request (module docstring), ending with the generation prompt.
+    `check_text` sees the conversation's text before anything is tokenised (and may refuse it)."""
     rendered = template_messages(messages)
     assistant = [k for k, m in enumerate(messages) if m.role == "assistant"]
     end_ids = {tokenizer.eos_token_id}
@@ -117,6 +124,12 @@ def render_chat(
         return sampled, end_of_turn_as_context(sampled, generated, glue, end_ids)[1]
 
     try:
+        if check_text is not None:
+            check_text(
+                tokenizer.apply_chat_template(
+                    rendered, tools=tools, tokenize=False, add_generation_prompt=True
+                )
+            )
         try:
             rendering = render_turns(tokenizer, rendered, tools, generation_prompt=True, splice=splice)
         except TrajectoryError:
@@ -126,6 +139,8 @@ def render_chat(
                 rendered, tools=tools, tokenize=False, add_generation_prompt=True
             )
             return ChatPrompt(tokenize_prompts(tokenizer, [text])[0], [], assistant)
+    except ServeError:
+        raise
     except Exception as error:  # the template itself raised (a role or key it does not accept)
         message = " ".join(str(error).split())[:300]
         raise ServeError(

@@ -40,6 +40,31 @@ class Inference:
     """The longest prompt + completion the model takes (its max_position_embeddings)."""
     stop_ids: frozenset[int]
     vocab_size: int
+    max_prompt_chars: int
+    """The longest prompt text that can fit the context window (`prompt_char_limit`): a longer one is
+    refused before it is tokenised, whose memory grows with the text (~400 bytes per character)."""
+
+
+def prompt_char_limit(tokenizer: Any, context: int) -> int:
+    """The most characters a prompt of `context` tokens can spell: `context` times the vocabulary's longest
+    piece. A piece is at least as long as the text it stands for (byte-level pieces: one character per byte;
+    byte-fallback and word-piece markers: longer), special tokens included since a text may spell one;
+    this holds for every tokenizer whose normaliser does not drop characters (not BERT's accent stripping)."""
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return context * max((len(p) for p in pieces if isinstance(p, str)), default=1)
+
+
+def check_prompt_chars(inference: Inference, chars: int, field: str) -> None:
+    """Refuse a prompt text too long for the context window whatever its tokens, before tokenising it."""
+    if chars > inference.max_prompt_chars:
+        raise ServeError(
+            400,
+            f"{field}: the prompt is {chars} characters; the model's context window of {inference.context} "
+            f"tokens spells at most {inference.max_prompt_chars} (its longest token times the window); "
+            f"shorten {field}",
+            param=field,
+            code="context_length_exceeded",
+        )
 
 
 @dataclass
@@ -197,7 +222,13 @@ async def chat_completions(inference: Inference, body: ChatRequest, request: Req
             "tools: this model's chat template has no tool support; describe the tools in a system message",
             param="tools",
         )
-    chat = render_chat(tokenizer, body.messages, tools, inference.records)
+    chat = render_chat(
+        tokenizer,
+        body.messages,
+        tools,
+        inference.records,
+        check_text=lambda text: check_prompt_chars(inference, len(text), "messages"),
+    )
     top = (body.top_logprobs or 0) if body.logprobs else 0
     requested = body.max_completion_tokens or body.max_tokens
     prepared = prepare(inference, body, [chat.ids], requested=requested, top=top, field="messages")
@@ -335,6 +366,8 @@ def completion_prompts(
         )
     out = []
     for j, p in enumerate(prompt):
+        if isinstance(p, str):
+            check_prompt_chars(inference, len(p), "prompt")
         ids = tokenize_prompts(inference.tokenizer, [p])[0] if isinstance(p, str) else list(p)
         bad = [t for t in ids if not 0 <= t < inference.vocab_size]
         if bad:

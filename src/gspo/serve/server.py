@@ -3,9 +3,9 @@ ASGI app, and run it with uvicorn on serve.host:serve.port.
 
 The config is `gspo train`'s (model, LoRA, objective, optimiser, checkpoints) plus its `serve` section. With
 --resume, the run folder's config is used, and how the server listens (serve.host, serve.port,
-serve.api_key_env) comes from the command line alone: a run folder someone shared cannot open the server to
-the network or pick which environment variable holds a key. The socket is bound before the model loads, so
-a port in use fails at once.
+serve.api_key_env, serve.max_body_bytes) comes from the command line alone: a run folder someone shared
+cannot open the server to the network, pick which environment variable holds a key, or lift the body
+limit. The socket is bound before the model loads, so a port in use fails at once.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from gspo.learning.policy import UpdateSpec
 from gspo.rollout.engine import Engine
 from gspo.serve.app import Service, create_app
 from gspo.serve.driver import Driver
-from gspo.serve.openai_api import Inference
+from gspo.serve.openai_api import Inference, prompt_char_limit
 from gspo.serve.records import RecordStore
 from gspo.serve.service import TrainService, load_serve_checkpoint
 from gspo.training import lock
@@ -43,7 +43,7 @@ from gspo.training.run_paths import run_path
 from gspo.training.trackers import check_installed
 from gspo.training.trust import check_objective_code
 
-LISTEN_KEYS = ("serve.host", "serve.port", "serve.api_key_env")
+LISTEN_KEYS = ("serve.host", "serve.port", "serve.api_key_env", "serve.max_body_bytes")
 """How the server listens: on --resume these come from the command line, never from the run folder."""
 
 
@@ -167,7 +167,8 @@ def build_service(
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     context = getattr(text, "max_position_embeddings", None) or driver.engine.max_length
     vocab = model.get_input_embeddings().num_embeddings
-    inference = Inference(tokenizer, driver, records, serve, context, stops, vocab)
+    limit = prompt_char_limit(tokenizer, context)
+    inference = Inference(tokenizer, driver, records, serve, context, stops, vocab, limit)
     return Service(inference, trainer, key)
 
 

@@ -1,0 +1,110 @@
+"""gspo serve under requests meant to sink it: bodies past serve.max_body_bytes, prompts too long to
+tokenise; the real server (uvicorn on 127.0.0.1) on the tiny model, which keeps serving after each."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from conftest import tiny_config
+from gspo.serve.server import build_service, start_in_thread
+
+QUESTION = [{"role": "user", "content": "What is 2+3?"}]
+LIMIT = 65536
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    run = tmp_path_factory.mktemp("limits") / "run"
+    running = start_in_thread(build_service(tiny_config(run, f"serve.max_body_bytes={LIMIT}")))
+    yield running
+    running.stop()
+
+
+def _answers(server) -> bool:
+    body = {"model": "gspo", "messages": QUESTION, "max_tokens": 2}
+    return httpx.post(server.url + "/chat/completions", json=body, timeout=60).status_code == 200
+
+
+def _chat_body(chars: int) -> bytes:
+    return json.dumps({"model": "gspo", "messages": [{"role": "user", "content": "7" * chars}]}).encode()
+
+
+def test_a_body_past_the_limit_is_refused_413_as_it_arrives_and_the_server_serves_on(server) -> None:
+    # declared: refused from its Content-Length, before a byte of it is read
+    response = httpx.post(
+        server.url + "/chat/completions",
+        content=_chat_body(3_000_000),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert response.status_code == 413
+    error = response.json()["error"]
+    assert error["param"] == "body" and error["code"] == "body_too_large"
+    assert f"serve.max_body_bytes={LIMIT}" in error["message"] and "\n" not in error["message"]
+    assert _answers(server)
+    # chunked (no Content-Length): refused once the bytes read pass the limit, while the body still comes
+    host, port = server.url.removeprefix("http://").removesuffix("/v1").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: gspo\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        for _ in range(2):  # 128 KiB sent, the body not ended: the answer must not wait for its end
+            sock.sendall(b"10000\r\n" + b"7" * 65536 + b"\r\n")
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            reply += sock.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 413 "), reply[:100]
+
+    def chunks() -> Iterator[bytes]:  # the client sends it all: uvicorn reads and drops the rest
+        yield b'{"model": "gspo", "messages": [{"role": "user", "content": "'
+        yield from (b"7" * 65536 for _ in range(48))
+        yield b'"}]}'
+
+    response = httpx.post(server.url + "/chat/completions", content=chunks(), timeout=60)
+    assert response.status_code == 413 and response.json()["error"]["code"] == "body_too_large"
+    assert _answers(server)
+    # at the limit: read and parsed (here: refused for its length, not its size)
+    at_limit = _chat_body(LIMIT - 100)
+    response = httpx.post(
+        server.url + "/chat/completions", content=at_limit, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenised(server, monkeypatch) -> None:
+    """512 tokens of at most 12 characters each (the tiny vocabulary's longest piece): 6144 characters at
+    most. A longer text is refused without tokenising it (tokenising takes ~400 bytes per character)."""
+    inference = server.service.inference
+    assert inference.context == 512 and inference.max_prompt_chars == 512 * 12
+    tokenizer = type(inference.tokenizer)
+    longest: list[int] = []
+    real = tokenizer.__call__
+
+    def spy(self, text, *args, **kwargs):
+        longest.append(len(text) if isinstance(text, str) else 0)
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "__call__", spy)
+    text = "7" * 6200
+    for path, body, field in (
+        ("/chat/completions", {"messages": [{"role": "user", "content": text}]}, "messages"),
+        ("/completions", {"prompt": ["hi", text]}, "prompt"),
+    ):
+        response = httpx.post(server.url + path, json={"model": "gspo", "max_tokens": 2} | body, timeout=60)
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["code"] == "context_length_exceeded", error
+        assert error["param"] == field and "at most 6144" in error["message"], error
+    assert max(longest, default=0) < 6200, "the long prompt was tokenised"
+    monkeypatch.undo()
+    # under the bound the prompt is tokenised and refused by its token count, as before
+    response = httpx.post(
+        server.url + "/completions", json={"model": "gspo", "prompt": "7" * 6000, "max_tokens": 2}
+    )
+    assert response.status_code == 400 and "the prompt is 6000 tokens" in response.json()["error"]["message"]
+    assert _answers(server)
