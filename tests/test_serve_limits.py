@@ -1,8 +1,10 @@
-"""gspo serve under requests meant to sink it: bodies past serve.max_body_bytes, prompts too long to
-tokenise; the real server (uvicorn on 127.0.0.1) on the tiny model, which keeps serving after each."""
+"""gspo serve under requests meant to sink it (bodies past serve.max_body_bytes, prompts too long to
+tokenise) and under the mixed load that once stalled its streams; the real server (uvicorn on 127.0.0.1) on
+the tiny model, which keeps serving after each."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 from collections.abc import Iterator
@@ -108,3 +110,58 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenised(ser
     )
     assert response.status_code == 400 and "the prompt is 6000 tokens" in response.json()["error"]["message"]
     assert _answers(server)
+
+
+def test_streams_mixed_with_non_streamed_n_gt_1_requests_all_run_to_their_end(tmp_path) -> None:
+    """8 non-streamed requests with n=3 and 4 streams with n=2 queue together on 4 slots and wait past
+    the server's disconnect-check interval (0.5 s) before their first token, as under load. Every stream
+    gets every token and its end (streams once got their first chunk, then nothing until the timeout)."""
+    running = start_in_thread(
+        build_service(tiny_config(tmp_path / "run", "serve.slots=4", "serve.request_timeout=20"))
+    )
+    driver = running.service.inference.driver
+    tokenizer = running.service.inference.tokenizer
+
+    async def plain(client: httpx.AsyncClient, seed: int) -> dict:
+        body = {"model": "gspo", "messages": QUESTION, "n": 3, "max_tokens": 6, "seed": seed}
+        response = await client.post("/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    async def stream(client: httpx.AsyncClient, seed: int) -> list[dict]:
+        body = {"model": "gspo", "messages": QUESTION, "n": 2, "max_tokens": 6, "seed": seed, "stream": True}
+        chunks = []
+        async with client.stream("POST", "/chat/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    chunks.append(line.removeprefix("data: "))
+        assert chunks[-1] == "[DONE]", chunks[-2:]
+        return [json.loads(c) for c in chunks[:-1]]
+
+    async def run() -> tuple[list, list]:
+        async with httpx.AsyncClient(base_url=running.url, timeout=30) as client:
+            await driver.pause(10.0)
+            calls = [asyncio.ensure_future(plain(client, i)) for i in range(8)]
+            calls += [asyncio.ensure_future(stream(client, 100 + i)) for i in range(4)]
+            while driver.status()["waiting_samples"] < 8 * 3 + 4 * 2:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.6)  # past DISCONNECT_CHECK, as a busy server's queue
+            driver.resume()
+            done = await asyncio.wait_for(asyncio.gather(*calls), 25)
+            return done[:8], done[8:]
+
+    try:
+        plains, streams = asyncio.run(run())
+        assert all(len(r["choices"]) == 3 for r in plains)
+        for chunks in streams:
+            for index in (0, 1):
+                parts = [c for chunk in chunks for c in chunk.get("choices", []) if c["index"] == index]
+                ids = [t for p in parts for t in p.get("token_ids") or []]
+                text = "".join(p["delta"].get("content") or "" for p in parts)
+                assert 1 <= len(ids) <= 6 and parts[-1]["finish_reason"] in ("stop", "length"), parts
+                shown = ids[:-1] if parts[-1]["finish_reason"] == "stop" else ids
+                assert text == tokenizer.decode(shown, skip_special_tokens=True)
+        assert driver.status()["running_samples"] == driver.status()["waiting_samples"] == 0
+    finally:
+        driver.resume()
+        running.stop()

@@ -111,7 +111,10 @@ async def follow(
     """The request's tokens, a list per engine step, until all its samples have ended. Cancels the request
     when the caller stops iterating early, the deadline passes (ServeError 504) or `disconnected()`."""
     ended: set[int] = set()
-    check = time.monotonic() + DISCONNECT_CHECK
+    # no `disconnected` (a stream: Starlette cancels it when its client goes): only the deadline bounds
+    # a wait. A check time left in the past made every wait 0 s, and wait_for(queue.get(), 0) cancels the
+    # get before it runs: a stream whose first token came later than DISCONNECT_CHECK never got one.
+    check = time.monotonic() + DISCONNECT_CHECK if disconnected is not None else math.inf
     try:
         while len(ended) < handle.n:
             now = time.monotonic()
