@@ -152,7 +152,8 @@ class Client:
         max_exceptions: int = 0,
     ) -> list[EpisodeGroup]:
         """`group_size` rollouts of each scenario, all at once; a group per scenario. A rollout that raises
-        is dropped (and its group if none is left) up to `max_exceptions` of them, then the error is raised.
+        is dropped (and its group if fewer than two are left: a group of one trains nothing) up to
+        `max_exceptions` of them, then the error is raised.
         Each rollout gets the same scenario object: build the episode's own state from it (rollouts that
         change one shared environment corrupt each other's episodes)."""
         scenarios = list(scenarios)
@@ -164,7 +165,7 @@ class Client:
         groups = []
         for j in range(len(scenarios)):
             kept = [r for r in results[j * group_size : (j + 1) * group_size] if isinstance(r, Episode)]
-            if kept:
+            if len(kept) >= 2:
                 groups.append(EpisodeGroup(kept))
         return groups
 

@@ -32,7 +32,25 @@ class ServeError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a JSON boolean is not a number (max_tokens: true was taken as 1), nor a number a boolean
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest float32: rewards and advantages are computed in float32, as `gspo train`'s."""
+
+
+def _fits_float32(value: float) -> float:
+    if abs(value) > FLOAT32_MAX:
+        raise ValueError(
+            f"{value:g} is beyond float32's range (about 3.4e38), in which the trainer computes: send a "
+            "smaller value"
+        )
+    return value
+
+
+TrainFloat = Annotated[float, Field(allow_inf_nan=False), AfterValidator(_fits_float32)]
+"""A reward or advantage: finite and within float32's range."""
 
 
 class StreamOptions(_Strict):
@@ -126,10 +144,10 @@ class TrajectoryIn(_Strict):
     """One episode: the completions of its turns, in order, and its reward."""
 
     completion_ids: list[str] = Field(min_length=1)
-    reward: float = Field(allow_inf_nan=False)
-    turn_rewards: list[float] | None = Field(None, min_length=1)
+    reward: TrainFloat
+    turn_rewards: list[TrainFloat] | None = Field(None, min_length=1)
     """One per turn (completion), for per-turn advantages (reward-to-go: docs/trajectories.md)."""
-    advantages: list[list[float]] | None = Field(None, min_length=1)
+    advantages: list[list[TrainFloat]] | None = Field(None, min_length=1)
     """Per turn, one advantage per completion token: used as given (no group normalisation)."""
 
 

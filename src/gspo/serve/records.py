@@ -58,6 +58,8 @@ class Record:
     finish_reason: str
     created: float = 0.0
     """When it was stored (time.monotonic; set by RecordStore.add)."""
+    trained_in: int | None = None
+    """The policy version whose update trained it: a completion is trained once."""
 
     @property
     def version(self) -> int:

@@ -135,6 +135,8 @@ class TrainService:
                 "request_id": request.request_id,
             }
             path = await self._record_step(metrics, request.request_id, answer)
+            for record in update.completions:  # the step is taken: none of them trains again
+                record.trained_in = self.version
             answer["checkpoint"] = str(path) if path is not None else None
             await self._publish()
         finally:

@@ -35,7 +35,7 @@ from gspo.core.seeds import step_seed
 from gspo.learning.batch import Batch, Sample
 from gspo.learning.policy import Policy, UpdateSpec
 from gspo.learning.step import learn_from_samples
-from gspo.serve.protocol import ServeError, TrainRequest, TrajectoryIn
+from gspo.serve.protocol import FLOAT32_MAX, ServeError, TrainRequest, TrajectoryIn
 from gspo.serve.records import Record, RecordStore
 
 
@@ -90,7 +90,8 @@ def split_segments(records: list[Record]) -> tuple[list[Segment], list[str]]:
 
 def resolve(request: TrainRequest, records: RecordStore, version: int, max_staleness: int) -> list[Rebuilt]:
     """Each trajectory's records, checked: known, not cancelled, at most max_staleness versions old, used
-    once; turn rewards and advantages of the right lengths. Errors name the field."""
+    once (in this call and across calls); groups of two or more (unless advantages are given); turn
+    rewards and advantages of the right lengths. Errors name the field."""
     seen: dict[str, str] = {}
     out = []
     given = [t.advantages is not None for g in request.groups for t in g.trajectories]
@@ -111,6 +112,15 @@ def resolve(request: TrainRequest, records: RecordStore, version: int, max_stale
             _check_lengths(trajectory, turns, where)
             segments, breaks = split_segments(turns)
             out.append(Rebuilt(g, i, turns, segments, breaks))
+        if len(group.trajectories) < 2 and not any(given):
+            raise ServeError(
+                400,
+                f"groups[{g}].trajectories: a group of 1 trajectory trains nothing: advantages compare the "
+                "trajectories of a group with each other (as gspo train's rollout.group_size, at least 2); "
+                "send the attempts at one task as one group, or give each trajectory's advantages",
+                param=f"groups[{g}].trajectories",
+                code="group_of_one",
+            )
     return out
 
 
@@ -123,6 +133,14 @@ def _record(records: RecordStore, completion_id: str, name: str, version: int, m
             "at most serve.max_records of them, and not across a restart)",
             param=name,
             code="unknown_completion",
+        )
+    if record.trained_in is not None:
+        raise ServeError(
+            400,
+            f"{name}: completion {completion_id!r} was trained already (the update to policy version "
+            f"{record.trained_in}); a completion is trained once: sample again",
+            param=name,
+            code="trained_completion",
         )
     if record.finish_reason == "cancelled":
         raise ServeError(
@@ -145,6 +163,13 @@ def _check_lengths(trajectory: TrajectoryIn, turns: list[Record], where: str) ->
         raise ServeError(
             400,
             f"{where}.turn_rewards: {len(trajectory.turn_rewards)} rewards for {len(turns)} turns (one per completion)",
+            param=f"{where}.turn_rewards",
+        )
+    if abs(sum(trajectory.turn_rewards or []) + trajectory.reward) > FLOAT32_MAX:  # the return, in float32
+        raise ServeError(
+            400,
+            f"{where}.turn_rewards: the return (turn rewards plus reward) is beyond float32's range (about "
+            "3.4e38), in which the trainer computes: send smaller values",
             param=f"{where}.turn_rewards",
         )
     if trajectory.advantages is None:
@@ -297,6 +322,8 @@ class Update:
     seed; and what it reports."""
 
     samples: list[Sample]
+    completions: list[Record]
+    """The records it trains (marked trained once its step is taken)."""
     relayout: Callable[[Batch], Batch] | None
     spec: UpdateSpec
     seed: int
@@ -336,7 +363,7 @@ def prepare_update(
         for r in split
     ]
     seed = step_seed(config.seed, version)  # as gspo train's: the version is the step
-    return Update(samples, relayout, replace(spec, old_logprobs=mode), seed, metrics, report)
+    return Update(samples, records, relayout, replace(spec, old_logprobs=mode), seed, metrics, report)
 
 
 def run_update(policy: Policy, update: Update, snapshot: Snapshot) -> dict[str, float]:
