@@ -22,7 +22,8 @@ LIMIT = 65536
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     run = tmp_path_factory.mktemp("limits") / "run"
-    running = start_in_thread(build_service(tiny_config(run, f"serve.max_body_bytes={LIMIT}")))
+    config = tiny_config(run, f"serve.max_body_bytes={LIMIT}", "serve.max_waiting=4")
+    running = start_in_thread(build_service(config))
     yield running
     running.stop()
 
@@ -165,3 +166,38 @@ def test_streams_mixed_with_non_streamed_n_gt_1_requests_all_run_to_their_end(tm
     finally:
         driver.resume()
         running.stop()
+
+
+def test_a_full_queue_says_what_is_full_and_a_request_that_can_never_queue_is_a_400(server) -> None:
+    """serve.max_waiting=4. A 429 said "1024 samples are waiting" when no other request waited: the
+    request's own prompts were counted, and a request larger than the queue was told to try again."""
+    driver = server.service.inference.driver
+    chat = {"model": "gspo", "messages": QUESTION, "max_tokens": 2}
+
+    async def run() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            await driver.pause(10.0)
+            try:
+                held = asyncio.ensure_future(client.post("/chat/completions", json=chat | {"n": 3}))
+                while driver.status()["waiting_samples"] < 3:
+                    await asyncio.sleep(0.01)
+                busy = await client.post("/chat/completions", json=chat | {"n": 2})
+            finally:
+                driver.resume()
+            return busy, await held
+
+    busy, held = asyncio.run(run())
+    assert held.status_code == 200 and busy.status_code == 429
+    assert busy.json()["error"]["message"] == (
+        "the server is busy: 3 samples are waiting for a slot and this request adds 2, beyond "
+        "serve.max_waiting=4; try again later"
+    )
+    for path, body, field in (
+        ("/chat/completions", chat | {"n": 5}, "n"),
+        ("/completions", {"model": "gspo", "prompt": ["1", "2", "3"], "n": 2, "max_tokens": 2}, "prompt"),
+    ):
+        response = httpx.post(server.url + path, json=body, timeout=60)
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == field, error
+        assert "more than serve.max_waiting=4 may wait at once" in error["message"]
+    assert driver.status()["waiting_samples"] == 0 and _answers(server)

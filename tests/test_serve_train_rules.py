@@ -1,13 +1,15 @@
 """gspo serve's train calls follow `gspo train`'s rules: a completion is trained once, a group holds two
 trajectories or more, rewards fit float32, and JSON booleans are not numbers; the real server (uvicorn on
-127.0.0.1) on the tiny model. Every refusal is a 400 naming the field and changes nothing."""
+127.0.0.1) on the tiny model. Every refusal is a 400 naming the field and changes nothing. A served run
+is continued with `gspo serve --resume`."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 
-from conftest import tiny_config
+from conftest import TINY, tiny_config
+from gspo.cli import main
 from gspo.serve.server import build_service, start_in_thread
 
 QUESTION = [{"role": "user", "content": "What is 2+3?"}]
@@ -122,3 +124,12 @@ def test_json_booleans_are_not_numbers(server) -> None:
     assert (
         _post(server, "/chat/completions", chat | {"max_tokens": 3}).status_code == 200
     )  # numbers still are
+
+
+def test_a_served_run_folder_is_continued_with_gspo_serve_resume(server, capsys) -> None:
+    ids = _completions(server, 2)
+    assert _post(server, "/train", {"groups": [_group(ids)]}).status_code == 200  # a checkpoint now
+    run = server.service.trainer.run_dir
+    assert main(["serve", str(TINY), f"output_dir={run}", "serve.port=0", "tensorboard=false"]) == 5
+    err = capsys.readouterr().err
+    assert f"already holds a run: continue it with `gspo serve --resume {run}`" in err, err

@@ -1,6 +1,6 @@
 """The one place the server touches the sampling engine (gspo.rollout.engine): a driver thread steps it.
 
-asyncio handlers `submit` a prompt and read its samples' tokens from a `Handle`'s queue as each engine step
+asyncio handlers `submit` a request's prompts and read its samples' tokens from a `Handle`'s queue as each engine step
 draws them (tokens can be streamed at once); `cancel` frees a request's slots at the next step (a client
 that went away). The driver thread is the only caller of `Engine.step`; it sleeps while there is no work.
 Between two steps it runs the calls the server queues with `between_steps` (e.g. copying new weights into
@@ -109,18 +109,23 @@ class Driver:
         self._thread.start()
 
     # ---- the event loop's side -------------------------------------------------------------------------
-    def submit(self, prompt_ids: Sequence[int], n: int, params: SamplingParams) -> Handle:
-        """Queue n samples of a prompt (raises Busy beyond serve.max_waiting samples waiting)."""
-        handle = Handle(list(prompt_ids), n, params, asyncio.get_running_loop())
+    def submit(self, prompts: Sequence[tuple[Sequence[int], SamplingParams]], n: int) -> list[Handle]:
+        """Queue n samples of each (prompt ids, params) of a request, all or none: Busy when they would
+        pass serve.max_waiting samples waiting for a slot."""
+        loop = asyncio.get_running_loop()
+        handles = [Handle(list(ids), n, params, loop) for ids, params in prompts]
         with self._cond:
             if self._stopping:
                 raise EngineFailure("the server is shutting down")
-            waiting = sum(h.n for h in self._pending)
-            if waiting + n > self.max_waiting:
-                raise Busy(f"{waiting} samples are waiting for a slot (serve.max_waiting={self.max_waiting})")
-            self._pending.append(handle)
+            waiting, adds = sum(h.n for h in self._pending), n * len(handles)
+            if waiting + adds > self.max_waiting:
+                raise Busy(
+                    f"{waiting} samples are waiting for a slot and this request adds {adds}, beyond "
+                    f"serve.max_waiting={self.max_waiting}"
+                )
+            self._pending.extend(handles)
             self._cond.notify()
-        return handle
+        return handles
 
     def cancel(self, handle: Handle) -> None:
         """Stop a request: not started, it never starts; running, its slots are freed at the next step."""

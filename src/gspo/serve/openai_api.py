@@ -101,6 +101,13 @@ def prepare(
         )
     if body.n > serve.max_n:
         raise ServeError(400, f"n={body.n} exceeds serve.max_n={serve.max_n}", param="n")
+    if len(prompts) * body.n > serve.max_waiting:  # could never be queued: a 429 would be retried forever
+        raise ServeError(
+            400,
+            f"{len(prompts)} prompts x n={body.n} = {len(prompts) * body.n} samples, more than "
+            f"serve.max_waiting={serve.max_waiting} may wait at once: send fewer prompts or a smaller n",
+            param="n" if len(prompts) == 1 else field,
+        )
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > 16 or any(not s for s in stop):
         raise ServeError(400, "stop: give at most 16 non-empty strings", param="stop")
@@ -127,25 +134,26 @@ def prepare(
 
 
 def submit(inference: Inference, prepared: Prepared) -> list[Handle]:
-    handles = []
-    try:
-        for j, prompt in enumerate(prepared.prompts):
-            params = sampling_params(
+    prompts = [
+        (
+            prompt,
+            sampling_params(
                 prepared.max_tokens,
                 temperature=prepared.temperature,
                 top_p=prepared.top_p,
                 seed=prepared.seed,
                 prompt=j,
                 top_logprobs=prepared.top_logprobs,
-            )
-            handles.append(inference.driver.submit(prompt, prepared.n, params))
+            ),
+        )
+        for j, prompt in enumerate(prepared.prompts)
+    ]
+    try:
+        return inference.driver.submit(prompts, prepared.n)
     except Busy as error:
-        for handle in handles:
-            inference.driver.cancel(handle)
         raise ServeError(429, f"the server is busy: {error}; try again later", code="busy") from None
     except EngineFailure as error:
         raise ServeError(503, str(error), code="engine_error") from None
-    return handles
 
 
 async def collect(inference: Inference, handle: Handle, decoder: Decoder, request: Request) -> list[Choice]:

@@ -127,11 +127,11 @@ def build_service(
     device = resolve_device(config.device)
     transformers.utils.logging.disable_progress_bar()  # the log shows requests, not loading bars
     # the folder checked, then locked for this process (one writer per run folder: gspo.training.lock)
-    run_dir, checkpoint = setup_run_dir(config, resume, force=force)
+    run_dir, checkpoint = setup_run_dir(config, resume, force=force, command="gspo serve")
     setup_objective(config)
     check_installed(config.report_to)  # before the folder is claimed and the model loads
     if checkpoint is None:
-        start_fresh(run_dir)
+        start_fresh(run_dir, command="gspo serve")
     save_config(config, run_path(run_dir, "config.yaml"))
     torch.manual_seed(config.seed)
     random.seed(config.seed)

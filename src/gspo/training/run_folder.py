@@ -29,7 +29,12 @@ from gspo.training.run_paths import run_path
 
 
 def setup_run_dir(
-    config: Config, resume: str | Path | None, *, force: bool = False, from_step: int | None = None
+    config: Config,
+    resume: str | Path | None,
+    *,
+    force: bool = False,
+    from_step: int | None = None,
+    command: str = "gspo train",
 ) -> tuple[Path, Path | None]:
     """The run folder and, when resuming, its latest complete checkpoint (its config checked against the
     requested one: gspo.training.resume), then the folder locked for this process (gspo.training.lock).
@@ -37,14 +42,15 @@ def setup_run_dir(
     checked. A refused run writes nothing. `from_step`: resume that step's checkpoint, not the latest.
 
     A new run needs an empty or new folder, or one of gspo's own runs stopped before its first
-    checkpoint (which restarts from scratch); resuming such a run restarts it the same way.
+    checkpoint (which restarts from scratch); resuming such a run restarts it the same way. `command`:
+    what a refusal tells the user to continue a run with (`gspo serve` continues a served run).
     """
     if resume is None:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         # rank 0's name: the ranks' clocks may straddle a second
         run_dir = Path(broadcast_object(config.output_dir or f"runs/{config.train.objective}-{stamp}"))
         # rank 0 decides, before anyone writes: the others would see its first files
-        refusal = broadcast_object(_new_run_refusal(run_dir) if is_main() else None)
+        refusal = broadcast_object(_new_run_refusal(run_dir, command) if is_main() else None)
         if refusal is not None:
             raise RunFolderError(refusal)
         return run_dir, None
@@ -106,21 +112,21 @@ def _lock(run_dir: Path) -> str | None:
     return None
 
 
-def _claim_new_run(run_dir: Path) -> str | None:
+def _claim_new_run(run_dir: Path, command: str) -> str | None:
     """Why a new run may not use `run_dir`, or None with the folder created and locked. Checked before
     the lock (nothing is written into a folder that is refused) and again under it (another process may
     have started a run there in between)."""
-    refusal = _new_run_refusal(run_dir)
+    refusal = _new_run_refusal(run_dir, command)
     if refusal is not None:
         return refusal
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except FileExistsError:  # created as a file in between
-        return _new_run_refusal(run_dir)
-    return _lock(run_dir) or _new_run_refusal(run_dir)
+        return _new_run_refusal(run_dir, command)
+    return _lock(run_dir) or _new_run_refusal(run_dir, command)
 
 
-def _new_run_refusal(run_dir: Path) -> str | None:
+def _new_run_refusal(run_dir: Path, command: str) -> str | None:
     if run_dir.exists() and not run_dir.is_dir():
         return f"output_dir={str(run_dir)!r} is a file, not a folder: choose another output_dir"
     try:
@@ -129,7 +135,7 @@ def _new_run_refusal(run_dir: Path) -> str | None:
         return str(error)
     if latest is not None:
         return (
-            f"{run_dir} already holds a run: continue it with `gspo train --resume {run_dir}` or choose "
+            f"{run_dir} already holds a run: continue it with `{command} --resume {run_dir}` or choose "
             "another output_dir"
         )
     if run_dir.is_dir() and (run_dir / RUN_MARKER).is_file() and (refusal := _only_incomplete(run_dir)):
@@ -144,11 +150,11 @@ def _new_run_refusal(run_dir: Path) -> str | None:
     return None
 
 
-def start_fresh(run_dir: Path) -> None:
+def start_fresh(run_dir: Path, command: str = "gspo train") -> None:
     """Create and lock the run folder of a run that starts at step 0 (on every rank: rank 0 does it, and
     its refusal reaches all), and mark it as gspo's; a gspo run stopped before its first checkpoint loses
     the files it wrote, so that the new run's metrics start clean."""
-    refusal = broadcast_object(_claim_new_run(run_dir) if is_main() else None)
+    refusal = broadcast_object(_claim_new_run(run_dir, command) if is_main() else None)
     if refusal is not None:
         raise RunFolderError(refusal)
     if not is_main():
