@@ -132,13 +132,17 @@ def render_turns(
     *,
     generation_prompt: bool = False,
     splice: Splice | None = None,
+    check_text: Callable[[str], None] | None = None,
 ) -> Rendering:
     """The chat template's tokens of a conversation with each assistant turn located (module docstring),
-    and, where `splice` gives them, the turn's own tokens in place of the template's."""
+    and, where `splice` gives them, the turn's own tokens in place of the template's. `check_text` sees
+    the conversation's text before anything is tokenised (and may raise to refuse it)."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise TrajectoryError("trajectories need a tokenizer with a chat template (tokenizer.chat_template)")
     end_ids = {tokenizer.eos_token_id}
     full = _render(tokenizer, messages, tools, generation_prompt)
+    if check_text is not None:
+        check_text(full)
     ids: list[int] = []
     turns: list[Turn] = []
     pos = 0  # how much of `full` (characters) has been placed

@@ -124,14 +124,10 @@ def render_chat(
         return sampled, end_of_turn_as_context(sampled, generated, glue, end_ids)[1]
 
     try:
-        if check_text is not None:
-            check_text(
-                tokenizer.apply_chat_template(
-                    rendered, tools=tools, tokenize=False, add_generation_prompt=True
-                )
-            )
         try:
-            rendering = render_turns(tokenizer, rendered, tools, generation_prompt=True, splice=splice)
+            rendering = render_turns(
+                tokenizer, rendered, tools, generation_prompt=True, splice=splice, check_text=check_text
+            )
         except TrajectoryError:
             # the template (or tokenizer) renders earlier turns differently once later ones follow: the
             # prompt is the template's rendering, and no earlier turn can be the tokens that were sampled
