@@ -106,19 +106,19 @@ async def follow(
     handle: Handle,
     *,
     deadline: float,
-    disconnected: Callable[[], Awaitable[bool]] | None = None,
+    disconnected: Callable[[], Awaitable[bool]],
 ) -> AsyncIterator[list[Token]]:
     """The request's tokens, a list per engine step, until all its samples have ended. Cancels the request
-    when the caller stops iterating early, the deadline passes (ServeError 504) or `disconnected()`."""
+    when the caller stops iterating early, the deadline passes (ServeError 504) or `disconnected()`.
+    Every caller checks for a disconnect: a check time left in the past (streams once passed none) made
+    every wait 0 s, and wait_for(queue.get(), 0) cancels the get before it runs, so a stream whose first
+    token came later than DISCONNECT_CHECK never got one."""
     ended: set[int] = set()
-    # no `disconnected` (a stream: Starlette cancels it when its client goes): only the deadline bounds
-    # a wait. A check time left in the past made every wait 0 s, and wait_for(queue.get(), 0) cancels the
-    # get before it runs: a stream whose first token came later than DISCONNECT_CHECK never got one.
-    check = time.monotonic() + DISCONNECT_CHECK if disconnected is not None else math.inf
+    check = time.monotonic() + DISCONNECT_CHECK
     try:
         while len(ended) < handle.n:
             now = time.monotonic()
-            if disconnected is not None and now >= check:  # on a clock: tokens may arrive every few ms
+            if now >= check:  # on a clock: tokens may arrive every few ms
                 if await disconnected():
                     return
                 check = now + DISCONNECT_CHECK

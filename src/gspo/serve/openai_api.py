@@ -244,7 +244,7 @@ async def chat_completions(inference: Inference, body: ChatRequest, request: Req
     (handle,) = submit(inference, prepared)
     response_id = "chatcmpl-" + new_completion_id().removeprefix("gspo-")
     if body.stream:
-        call = ChatCall(inference, body, prepared, chat, handle, decoder, response_id, bool(tools))
+        call = ChatCall(inference, body, prepared, chat, handle, decoder, response_id, bool(tools), request)
         events = _chat_stream(call)
         return StreamingResponse(events, media_type="text/event-stream")
     choices = await collect(inference, handle, decoder, request)
@@ -285,6 +285,7 @@ class ChatCall:
     decoder: Decoder
     response_id: str
     tools: bool
+    request: Request
 
 
 def _sse(data: dict[str, Any]) -> str:
@@ -293,7 +294,9 @@ def _sse(data: dict[str, Any]) -> str:
 
 async def _chat_stream(call: ChatCall) -> AsyncIterator[str]:
     """The chunks of a streamed chat completion (tool calls: the text is held back and sent at the end,
-    parsed). A client that disconnects cancels the request (Starlette cancels this generator)."""
+    parsed). A client that disconnects cancels the request: Starlette cancels this generator, and `follow`
+    checks too (asyncio.wait_for may swallow a cancellation that meets a token: tokens that kept coming
+    faster than a loaded event loop took them ran a stream to its end after its client had gone)."""
     head = {
         "id": call.response_id,
         "object": "chat.completion.chunk",
@@ -314,7 +317,12 @@ async def _chat_stream(call: ChatCall) -> AsyncIterator[str]:
     deadline = time.monotonic() + call.inference.serve.request_timeout
     try:
         async with contextlib.aclosing(
-            follow(call.inference.driver, call.handle, deadline=deadline)
+            follow(
+                call.inference.driver,
+                call.handle,
+                deadline=deadline,
+                disconnected=call.request.is_disconnected,
+            )
         ) as steps:
             async for tokens in steps:
                 marks = {c.index: len(c.tokens) for c in choices}
