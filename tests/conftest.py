@@ -30,6 +30,16 @@ NO_LLAMA_CPP = pytest.mark.skip(
 )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def own_runs_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The per-user record of one's own runs (gspo.training.own_runs) in a folder of the session's, not the
+    user's ~/.local/state: the runs the tests start are recorded there (subprocesses inherit it)."""
+    with pytest.MonkeyPatch.context() as patch:
+        state = tmp_path_factory.mktemp("xdg_state")
+        patch.setenv("XDG_STATE_HOME", str(state))
+        yield state / "gspo"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skips the `llama_cpp` tests where llama-cpp-python is missing (the README's test command does not
     compile it: CI's second stage does), and keeps the `slow` marker honest: a test that uses the real SmolLM2

@@ -4,6 +4,7 @@ only when the user names them on the command line."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ from gspo.cli import EXIT_CODES, main
 from gspo.config import load_config
 from gspo.models import tiny_tokenizer
 from gspo.rollout.openai import OpenAIBackend
+from gspo.training import own_runs
 from gspo.training.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -274,3 +276,119 @@ def test_a_malformed_api_key_is_refused_by_its_variables_name_and_never_shown(tm
     with pytest.raises(ValueError, match=r"^api_key holds whitespace") as error:  # from Python, too
         OpenAIBackend("http://127.0.0.1:9/v1", tiny_tokenizer(), api_key=secret + "\r")
     assert secret not in str(error.value)
+
+
+# ---- the record of one's own runs (gspo.training.own_runs) -------------------------------------------------
+OWN_TASK = (
+    REWARD
+    + """
+
+import torch
+
+import gspo
+
+
+@gspo.objective(level="sequence")
+def plain_ratio(s, knobs):
+    ratio = torch.exp(s.seq_log_ratio.clamp(-20, 20))
+    return gspo.Terms(-ratio * s.adv_seq, ratio < 0, ratio < 0)
+"""
+)
+
+
+@pytest.fixture
+def own_run(tmp_path: Path, monkeypatch, capsys) -> Path:
+    """A run the user started with `gspo train` and a config file of their own that names a reward and an
+    objective in their file (relative paths, anchored to the config's folder): returns the run folder."""
+    task = tmp_path / "mytask"
+    task.mkdir()
+    (task / "mytask.py").write_text(OWN_TASK)
+    (task / "config.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "model": {"tiny": "llama"},
+                "task": {"num_train": 16, "num_eval": 2},
+                "rewards": {"mytask.py:reward": 1.0},
+                "rollout": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4},
+                "train": {"objective": "mytask.py:plain_ratio", "steps": 1},
+                "eval": {"every": 0, "max_new_tokens": 4},
+                "tensorboard": False,
+            }
+        )
+    )
+    monkeypatch.setenv("GSPO_TEST_MARKER", str(tmp_path / "imported"))
+    monkeypatch.chdir(tmp_path)
+    code, err = _gspo(capsys, "train", str(task / "config.yaml"), "output_dir=run")
+    assert code == 0, err
+    (tmp_path / "imported").unlink()
+    return tmp_path / "run"
+
+
+def test_own_run_resumes_and_evaluates_with_no_flag(own_run: Path, own_runs_store: Path, capsys) -> None:
+    marker = own_run.parent / "imported"
+    code, err = _gspo(capsys, "train", "--resume", "run", "train.steps=2")
+    assert code == 0, err
+    assert marker.exists()
+    marker.unlink()
+    code, err = _gspo(capsys, "eval", "run", "--output", "r.json")
+    assert code == 0, err
+    assert marker.exists()
+    code, err = _gspo(capsys, "eval", str(own_run / ".." / "run"), "--output", "r2.json")  # the same folder
+    assert code == 0, err
+    store = own_runs_store / "own_runs.json"
+    assert (own_runs_store.stat().st_mode & 0o777, store.stat().st_mode & 0o777) == (0o700, 0o600)
+    file = own_run.parent / "mytask" / "mytask.py"
+    digest = hashlib.sha256(file.read_bytes()).hexdigest()
+    assert json.loads(store.read_text())[str(own_run.resolve())] == {str(file.resolve()): digest}
+    assert not list(own_runs_store.glob("*.tmp"))
+
+
+def test_a_copied_own_run_or_a_changed_file_asks_again(own_run: Path, tmp_path: Path, capsys) -> None:
+    marker = tmp_path / "imported"
+    shutil.copytree(own_run, tmp_path / "copy")
+    for argv in (["train", "--resume", "copy", "train.steps=2"], ["eval", "copy", "--output", "r.json"]):
+        code, err = _gspo(capsys, *argv)
+        assert code == EXIT_CODES["config"], err
+        assert "mytask.py:plain_ratio', Python code that gspo would import" in err  # checked first
+        assert not marker.exists()
+    code, err = _gspo(
+        capsys, "train", "--resume", "copy", "train.steps=2", "train.objective=mytask/mytask.py:plain_ratio"
+    )
+    assert code == EXIT_CODES["config"] and "names the reward" in err, err
+    file = tmp_path / "mytask" / "mytask.py"
+    file.write_text(file.read_text() + "\n# changed\n")
+    for argv in (["train", "--resume", "run", "train.steps=2"], ["eval", "run", "--output", "r.json"]):
+        code, err = _gspo(capsys, *argv)
+        assert code == EXIT_CODES["config"], err
+        assert f"({file.resolve()} has changed since you started this run with it)" in err
+        assert not marker.exists()
+
+
+def test_a_store_of_another_user_or_writable_by_others_is_ignored(
+    own_run: Path, own_runs_store: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    marker = tmp_path / "imported"
+    store = own_runs_store / "own_runs.json"
+    before = store.read_text()
+    for path, mode, why in (
+        (store, 0o622, "is writable by others (mode 622)"),
+        (own_runs_store, 0o777, "is writable by others (mode 777)"),
+    ):
+        path.chmod(mode)
+        code, err = _gspo(capsys, "eval", "run", "--output", "r.json")
+        assert code == EXIT_CODES["config"], err
+        assert f"(gspo's record of your runs is ignored: {path} {why})" in err
+        assert not marker.exists()
+        code, err = _gspo(capsys, "train", "--resume", "run", "train.steps=2", "--trust-run-code")
+        assert code == 0 and store.read_text() == before, err  # nor written
+        marker.unlink()
+        path.chmod(0o700 if path.is_dir() else 0o600)
+    uid = os.getuid()
+    monkeypatch.setattr(own_runs.os, "getuid", lambda: uid + 1)  # the store is now another user's
+    code, err = _gspo(capsys, "eval", "run", "--output", "r.json")
+    assert code == EXIT_CODES["config"], err
+    assert f"is ignored: {own_runs_store} belongs to another user (uid {uid})" in err
+    code, err = _gspo(capsys, "train", "mytask/config.yaml", "output_dir=run2")
+    assert code == 0, err
+    assert "note: this run is not recorded as yours" in err
+    assert store.read_text() == before

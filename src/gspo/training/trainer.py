@@ -63,12 +63,13 @@ from gspo.training.build import (
 )
 from gspo.training.checkpoint import latest_checkpoint, load_trainer_state, rng_state, save_policy
 from gspo.training.metrics import MetricsLogger, SilentLogger
+from gspo.training.own_runs import record
 from gspo.training.resume import restore_state, resume_config
 from gspo.training.run_folder import setup_run_dir, start_fresh
 from gspo.training.run_paths import run_path
 from gspo.training.stalls import StallWatch
 from gspo.training.trackers import check_installed
-from gspo.training.trust import check_run_folder_config
+from gspo.training.trust import check_run_folder_config, users_code_files
 
 
 def skip_notice(config: Config, spec: UpdateSpec) -> str:
@@ -398,8 +399,10 @@ def train(
 
     ``resume``: continue that run folder (its config.yaml plus ``overrides``; ``force`` allows changes
     beyond gspo.training.resume.RESUMABLE). Reward code and a server its config names are used only when
-    ``overrides`` name them again, or ``reward_functions`` replaces them, or ``trust_run_code``
-    (gspo.training.trust). ``from_step``: resume that step's checkpoint instead of the latest.
+    ``overrides`` name them again, or ``reward_functions`` replaces them, or the user started this run in
+    this folder with those files, unchanged (gspo.training.own_runs), or ``trust_run_code``
+    (gspo.training.trust). The code files the user names are recorded as theirs for this run. ``from_step``:
+    resume that step's checkpoint instead of the latest.
 
     >>> from gspo import train, load_config
     >>> result = train(load_config("configs/tiny.yaml"), reward_functions={"mine": my_reward})  # doctest: +SKIP
@@ -420,6 +423,13 @@ def train(
         trainer = Trainer(
             config, reward_functions=reward_functions, resume=resume, force=force, from_step=from_step
         )
+        files = users_code_files(trainer.config, overrides, resumed=resume is not None)
+        if is_main() and (refusal := record(trainer.run_dir, files)):
+            print(
+                f"note: this run is not recorded as yours ({refusal}): --resume and gspo eval of it will ask "
+                "you to name its code again",
+                file=sys.stderr,
+            )
         result = trainer.run()
         # every rank done with the group before any rank destroys it: a gloo rank torn down while a peer
         # still finishes its run aborted once in about a dozen torchrun runs here ("terminate called without an

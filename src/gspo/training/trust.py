@@ -1,5 +1,6 @@
 """A run folder is data: its config.yaml may name reward code and a server, but gspo runs that code, and
-sends requests and a key to that server, only when the user names them on the command line.
+sends requests and a key to that server, only when the user names them on the command line, or when the
+user started that run, in that folder, with those very files (gspo.training.own_runs).
 
 People share run folders the way they share checkpoints; whoever opens one (`gspo train --resume RUN`,
 `gspo eval RUN`) must not run its author's code or send its author their credentials. The checks run on
@@ -17,6 +18,7 @@ import yaml
 
 from gspo.config import Config, ConfigError
 from gspo.config.loading import RENAMED, code_file
+from gspo.training.own_runs import file_digest, recorded_files
 
 
 class UntrustedRunFolder(ConfigError):
@@ -54,18 +56,46 @@ def _absolute(name: str) -> str:
     return f"{os.path.abspath(file.expanduser())}:{name.rpartition(':')[2]}"
 
 
+def users_code_files(config: Config, overrides: Sequence[str], *, resumed: bool) -> list[Path]:
+    """The code files the user named for a run they start: all that `config` names when it is theirs (a
+    new run), else those the overrides name again (a resumed run's config.yaml is its folder's)."""
+    names = [*code_rewards(config), config.train.objective]
+    if resumed:
+        objective = [config.train.objective] if "train.objective" in overridden_keys(overrides) else []
+        names = [*(set(code_rewards(config)) & named_rewards(overrides)), *objective]
+    return [file for name in names if (file := code_file(name)) is not None]
+
+
+def _own_code(name: str, folder: Path) -> tuple[bool, str]:
+    """Whether code `name` is a file the user started the run in `folder` with, unchanged since
+    (gspo.training.own_runs); else what the refusal adds about the record."""
+    file = code_file(name)
+    if file is None:  # a module: only files are recorded
+        return False, ""
+    recorded, problem = recorded_files(folder)
+    digest = recorded.get(str(file.resolve()))
+    if digest is None:
+        return False, f" ({problem})" if problem else ""
+    if file.is_file() and file_digest(file.resolve()) == digest:
+        return True, ""
+    return False, f" ({file} has changed since you started this run with it)"
+
+
 def check_objective_code(
     config: Config, overrides: Sequence[str], *, folder: Path, trust_run_code: bool = False
 ) -> None:
     """Refuse a run folder's train.objective that is code ("file.py:function", "module:function") unless the
-    user names it (a `train.objective=` override) or `trust_run_code`."""
+    user names it (a `train.objective=` override), started this run with it, or `trust_run_code`."""
     name = config.train.objective
     if ":" not in name or trust_run_code or "train.objective" in overridden_keys(overrides):
         return
+    own, why = _own_code(name, folder)
+    if own:
+        return
     raise UntrustedRunFolder(
         f"{folder / 'config.yaml'} names the objective {name!r}, Python code that gspo would import and run: "
-        f"a run folder is data, so its code runs only when you name it yourself. Read the code, then pass "
-        f"train.objective={name} on the command line, or --trust-run-code"
+        f"a run folder is data, so its code runs only when you name it yourself{why}. Read the code, then "
+        f"pass train.objective={name} on the command line, or --trust-run-code"
     )
 
 
@@ -78,17 +108,20 @@ def check_run_folder_config(
     server: bool = True,
 ) -> None:
     """Refuse what a run folder's config names that the user has not: reward and objective code (unless
-    the overrides name it, or `trust_run_code`) and, with `server`, rollout.engine=openai's URL and key
+    the overrides name it, the user started the run with it, or `trust_run_code`) and, with `server`, rollout.engine=openai's URL and key
     variable (unless set by the overrides)."""
     source = folder / "config.yaml"
     check_objective_code(config, overrides, folder=folder, trust_run_code=trust_run_code)
     mine = named_rewards(overrides)
     foreign = [name for name in code_rewards(config) if name not in mine]
-    if foreign and not trust_run_code:
+    for name in [] if trust_run_code else foreign:
+        own, why = _own_code(name, folder)
+        if own:
+            continue
         weights = ", ".join(f"{name}: {config.rewards[name]:g}" for name in config.rewards)
         raise UntrustedRunFolder(
-            f"{source} names the reward {foreign[0]!r}, Python code that gspo would import and run: a run "
-            f"folder is data, so its code runs only when you name it yourself. Read the code, then pass "
+            f"{source} names the reward {name!r}, Python code that gspo would import and run: a run "
+            f"folder is data, so its code runs only when you name it yourself{why}. Read the code, then pass "
             f"'rewards={{{weights}}}' on the command line, or --trust-run-code"
         )
     openai = config.rollout.openai
