@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -231,6 +232,49 @@ def test_a_reward_that_calls_sys_exit_is_its_error_not_gspos_exit(
     )
     assert code == EXIT_CODES[kind], err
     assert message.format(file=file) in _one_line(err)
+
+
+FLAKY = """\
+calls = 0
+
+
+def flaky(prompts, completions, **_):
+    global calls
+    calls += 1
+    if calls >= {fail_at}:
+        return [len(c) / 0.0 for c in completions]
+    return [float(len(c) % 2) for c in completions]
+"""
+
+
+@pytest.mark.parametrize(
+    ("fail_at", "cadence", "kept"),
+    [
+        (3, ["checkpoint.every=1", "eval.every=0"], 1),  # calls: eval 0, step 1, step 2 (raises)
+        (4, ["checkpoint.every=0", "eval.every=2"], 2),  # eval 0, steps 1 and 2, eval 2 (raises)
+    ],
+)
+def test_a_failing_reward_shows_its_line_and_keeps_the_run(
+    tmp_path: Path, capsys, monkeypatch, fail_at: int, cadence: list[str], kept: int
+) -> None:
+    """The error names the user's file and line, what the run kept, and the command that continues it; a
+    failure in an evaluation keeps the update before it."""
+    file = tmp_path / "flaky.py"
+    file.write_text(FLAKY.format(fail_at=fail_at))
+    run = tmp_path / "run"
+    monkeypatch.chdir(tmp_path)
+    reward = f"rewards={{{file}:flaky: 1.0}}"
+    code, err = _run(capsys, TINY, f"output_dir={run}", reward, "train.steps=4", "task.num_eval=2", *cadence)
+    assert code == EXIT_CODES["reward"], err
+    checkpoint = run / "checkpoints" / f"step_{kept:06d}"
+    command = f"gspo train --resume {run} 'rewards={{{file}:flaky: 1}}'"
+    assert err.endswith(
+        f"in {file}:8 `return [len(c) / 0.0 for c in completions]`; the run is kept up to step {kept} "
+        f"({checkpoint}): fix the reward function, then `{command}`"
+    )
+    file.write_text(FLAKY.format(fail_at=10**6))
+    assert main(shlex.split(command)[1:]) == 0
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*"))[-1] == "step_000004"
 
 
 def test_every_commands_user_errors_have_their_kinds_exit_code(

@@ -140,6 +140,25 @@ def test_raising_function_names_function_and_sample():
     assert "x" * 81 not in str(info.value)
 
 
+def test_a_reward_error_points_at_the_users_innermost_line(tmp_path, monkeypatch):
+    """The last frame of the user's code: a helper module of theirs, not gspo's or the library's frames."""
+    (tmp_path / "helpers.py").write_text("import json\n\n\ndef parse(text):\n    return json.loads(text)\n")
+    (tmp_path / "task.py").write_text(
+        "from helpers import parse\n\n\ndef parsed(prompts, completions, **_):\n"
+        "    return [float(parse(c)) for c in completions]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    parsed = resolve_reward(f"{tmp_path / 'task.py'}:parsed")
+    with pytest.raises(RewardError) as info:
+        compute_rewards([("parsed", with_timeout(parsed, 5.0, "parsed"), 1.0)], ["p"] * 2, ["1", "x"], {})
+    assert str(info.value).endswith(
+        f"at sample 1 (completion 'x') in {tmp_path / 'helpers.py'}:5 `return json.loads(text)`"
+    )
+    with pytest.raises(RewardError) as info:  # gspo's own function: no line of the user's
+        compute_rewards([("correct_number", correct_number, 1.0)], ["p"], ["1"], {})
+    assert str(info.value).endswith("at sample 0 (completion '1')")
+
+
 def test_batch_only_failure_is_reported_for_the_batch():
     def needs_pairs(prompts, completions, **_):
         if len(completions) != 1:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from gspo.rollout.reasoning_gym import scorer
-from gspo.rollout.user_code import load_function, raised
+from gspo.rollout.user_code import load_function, raised, raised_where
 
 __all__ = [
     "BUILTIN_REWARDS",
@@ -234,12 +234,12 @@ def _call_one(
                 function(prompts[index : index + 1], completions[index : index + 1], **single_fields)
             except (Exception, SystemExit) as error:
                 raise RewardError(
-                    f"reward function {name!r} {raised(error)} "
-                    f"at sample {index} (completion {_excerpt(completions[index])})"
+                    f"reward function {name!r} {raised(error)} at sample {index} "
+                    f"(completion {_excerpt(completions[index])}){raised_where(error, function)}"
                 ) from error
         raise RewardError(
-            f"reward function {name!r} {raised(batch_error)} on the batch "
-            f"of {len(completions)} samples, though no single sample raises alone"
+            f"reward function {name!r} {raised(batch_error)} on the batch of {len(completions)} "
+            f"samples, though no single sample raises alone{raised_where(batch_error, function)}"
         ) from batch_error
 
 

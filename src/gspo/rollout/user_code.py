@@ -7,7 +7,10 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.util
+import inspect
 import sys
+import sysconfig
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,35 @@ def raised(error: BaseException, kind: str = "reward") -> str:
     if isinstance(error, SystemExit):
         return f"called sys.exit({error.code!r}) (a {kind} returns its values; it does not end the process)"
     return f"raised {type(error).__name__}: {error}"
+
+
+def raised_where(error: BaseException, function: Callable[..., Any]) -> str:
+    """ " in FILE:LINE `source`": the innermost line of the user's code that `error` passed through, or ""
+    where it passed through none (a built-in of gspo's, a call refused before it ran). The user's code:
+    `function`'s own file, and any file outside gspo and the Python installation's libraries (a helper
+    module of theirs)."""
+    own = getattr(inspect.unwrap(function), "__code__", None)
+    own_file = own.co_filename if own is not None else None
+    frames = [
+        frame
+        for frame in traceback.extract_tb(error.__traceback__)
+        if not frame.filename.startswith(_GSPO)
+        and (frame.filename == own_file or not frame.filename.startswith(_LIBRARIES))
+    ]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    source = f" `{frame.line}`" if frame.line else ""
+    return f" in {frame.filename}:{frame.lineno}{source}"
+
+
+_GSPO = str(Path(__file__).resolve().parents[1])
+_LIBRARIES = (
+    "<",  # frozen and generated code: <frozen importlib._bootstrap>, <string>
+    *{sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")},
+)
+"""Where code that is not the user's lives (besides gspo): the installation's standard library and
+site-packages, where a reward named "package.module:function" may live too (its own file counts)."""
 
 
 def load_function(name: str, kind: str) -> Callable[..., Any]:

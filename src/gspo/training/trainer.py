@@ -61,7 +61,13 @@ from gspo.training.build import (
     setup_policy,
     setup_sampler,
 )
-from gspo.training.checkpoint import latest_checkpoint, load_trainer_state, rng_state, save_policy
+from gspo.training.checkpoint import (
+    checkpoint_step,
+    latest_checkpoint,
+    load_trainer_state,
+    rng_state,
+    save_policy,
+)
 from gspo.training.metrics import MetricsLogger, SilentLogger
 from gspo.training.own_runs import record
 from gspo.training.resume import restore_state, resume_config
@@ -69,7 +75,12 @@ from gspo.training.run_folder import setup_run_dir, start_fresh
 from gspo.training.run_paths import run_path
 from gspo.training.stalls import StallWatch
 from gspo.training.trackers import check_installed
-from gspo.training.trust import check_run_folder_config, users_code_files
+from gspo.training.trust import (
+    check_run_folder_config,
+    code_rewards,
+    rewards_override,
+    users_code_files,
+)
 
 
 def skip_notice(config: Config, spec: UpdateSpec) -> str:
@@ -296,6 +307,30 @@ class Trainer:
         return latest_checkpoint(self.run_dir)
 
     def run(self) -> dict[str, Any]:
+        """Train to train.steps, evaluating and checkpointing on the way, then `finish`. A reward function's
+        error stops the run with what it kept: the run folder and its latest checkpoint, which `--resume`
+        continues."""
+        try:
+            return self._run_steps()
+        except RewardError as error:
+            # an evaluation failed after this step's update: keep it (its train metrics are logged). Not
+            # under torchrun, where the other ranks may not have raised and would not join the save.
+            if world_size() == 1 and self.step > 0 and self._saved_step != self.step:
+                self.checkpoint()
+            raise RewardError(f"{error}; {self._kept()}") from error
+
+    def _kept(self) -> str:
+        """What a stopped run kept, and the command that continues it (naming its reward code again, which
+        the user is fixing: an edited file is no longer the one the run was started with)."""
+        command = f"gspo train --resume {self.run_dir}"
+        if code_rewards(self.config):
+            command += f" {rewards_override(self.config)}"
+        latest = latest_checkpoint(self.run_dir)
+        if latest is None:
+            return f"{self.run_dir} holds no checkpoint yet: fix the reward function, then `{command}` starts it again"
+        return f"the run is kept up to step {checkpoint_step(latest)} ({latest}): fix the reward function, then `{command}`"
+
+    def _run_steps(self) -> dict[str, Any]:
         cfg = self.config
         if self.step == 0 and not self.resumed:  # a resumed step-0 checkpoint has both already
             self._log_eval()

@@ -30,6 +30,12 @@ def code_rewards(config: Config) -> list[str]:
     return [name for name in config.rewards if ":" in name]
 
 
+def rewards_override(config: Config) -> str:
+    """The override that names the config's rewards: "'rewards={/abs/r.py:fn: 1, digit_fraction: 0.5}'"."""
+    weights = ", ".join(f"{name}: {weight:g}" for name, weight in config.rewards.items())
+    return f"'rewards={{{weights}}}'"
+
+
 def overridden_keys(overrides: Sequence[str]) -> set[str]:
     """The dotted keys the overrides set, under their current names."""
     keys = {override.partition("=")[0].strip() for override in overrides}
@@ -118,11 +124,10 @@ def check_run_folder_config(
         own, why = _own_code(name, folder)
         if own:
             continue
-        weights = ", ".join(f"{name}: {config.rewards[name]:g}" for name in config.rewards)
         raise UntrustedRunFolder(
             f"{source} names the reward {name!r}, Python code that gspo would import and run: a run "
             f"folder is data, so its code runs only when you name it yourself{why}. Read the code, then pass "
-            f"'rewards={{{weights}}}' on the command line, or --trust-run-code"
+            f"{rewards_override(config)} on the command line, or --trust-run-code"
         )
     openai = config.rollout.openai
     if not server or config.rollout.engine != "openai":
