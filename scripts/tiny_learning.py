@@ -4,8 +4,9 @@ configs/tiny.yaml is the smoke run: a randomly initialised 2-layer Llama with a 
 the default arithmetic prompts ("What is 3 + 5? Answer with just the number."). Such a model cannot learn
 addition in seconds; what it can learn is the answer's format, which the prompt asks for, and the first
 reward (`number_format`, the eval accuracy) scores: a bare number. This script trains the config as it is
-at each seed (only output_dir, seed and tensorboard overridden) and prints each evaluation's accuracy and
-the run's wall time.
+at each seed (only output_dir, seed and tensorboard overridden) and prints each evaluation's accuracy, the
+share of sampled training completions that are bare numbers at the first and last step, and the run's
+wall time.
 
 Run:  HF_HUB_OFFLINE=1 python scripts/tiny_learning.py [--seeds 3] [key=value ...]
 """
@@ -37,8 +38,15 @@ def run_seed(seed: int, overrides: list[str], folder: Path) -> dict:
     start = time.perf_counter()
     train(config)
     seconds = time.perf_counter() - start
-    evals = [row for row in read_metrics(run_dir) if row["kind"] == "eval"]
-    return {"seed": seed, "accuracy": {row["step"]: row["accuracy"] for row in evals}, "seconds": seconds}
+    rows = read_metrics(run_dir)
+    evals = [row for row in rows if row["kind"] == "eval"]
+    sampled = [row["reward/number_format"] for row in rows if row["kind"] == "train"]
+    return {
+        "seed": seed,
+        "accuracy": {row["step"]: row["accuracy"] for row in evals},
+        "train_number_format": {"first": sampled[0], "last": sampled[-1]},
+        "seconds": seconds,
+    }
 
 
 def main() -> None:
@@ -56,7 +64,12 @@ def main() -> None:
             result = run_seed(seed, args.overrides, Path(folder))
             results.append(result)
             curve = "  ".join(f"{step}: {acc:.2f}" for step, acc in result["accuracy"].items())
-            print(f"seed {seed}  held-out accuracy by step  {curve}  ({result['seconds']:.1f} s)", flush=True)
+            sampled = result["train_number_format"]
+            print(
+                f"seed {seed}  held-out accuracy by step  {curve}  train reward/number_format "
+                f"{sampled['first']:.2f} -> {sampled['last']:.2f}  ({result['seconds']:.1f} s)",
+                flush=True,
+            )
     curves = [list(r["accuracy"].values()) for r in results]
     risen = sum(curve[-1] > curve[0] for curve in curves)
     print(f"accuracy rose in {risen} of {len(results)} seeds")

@@ -38,7 +38,7 @@ def _copy(run: Path, tmp_path: Path) -> Path:
 def test_resume_refuses_changes_to_what_the_run_computes_naming_each_key(finished_run, tmp_path) -> None:
     run = _copy(finished_run, tmp_path)
     before = (run / "config.yaml").read_text()
-    with pytest.raises(ConfigError, match=r"train\.lr: 0\.001 -> 0\.5.*--force"):
+    with pytest.raises(ConfigError, match=r"train\.lr: 0\.01 -> 0\.5.*--force"):
         train(resume=run, overrides=["train.lr=0.5"])
     with pytest.raises(ConfigError, match=r"rollout\.group_size: 4 -> 8; train\.objective: 'gspo' -> 'grpo'"):
         train(resume=run, overrides=["rollout.group_size=8", "train.objective=grpo"])
