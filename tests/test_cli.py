@@ -3,7 +3,9 @@ its kind (gspo.cli.EXIT_CODES); `--debug` shows the traceback instead."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import json
 import os
 import shlex
 import shutil
@@ -13,10 +15,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
 import gspo.training.trainer
 from gspo.cli import EXIT_CODES, main
-from gspo.config import ConfigError
+from gspo.config import Config, ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -357,3 +360,95 @@ def test_the_command_table_in_docs_is_the_codes() -> None:
                 c for c, mark in zip(codes, cells[1:], strict=True) if mark
             }
     assert rows == {cmd: {EXIT_CODES[kind] for kind in kinds} for cmd, kinds in COMMAND_ERRORS.items()}
+
+
+def test_eval_of_a_model_writes_no_report_unless_asked(
+    two_step_run: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """`gspo eval MODEL CONFIG` wrote ./eval_report.json into the working directory unasked."""
+    monkeypatch.chdir(tmp_path)
+    model = two_step_run / "checkpoints" / "step_000002" / "model"
+    assert main(["eval", str(model), TINY, "task.num_eval=2"]) == 0
+    out = capsys.readouterr().out
+    assert "(2 problems, held-out split" in out and "report: not written (--output FILE" in out
+    assert list(tmp_path.iterdir()) == []
+    assert main(["eval", str(model), TINY, "task.num_eval=2", "--output", "mine.json"]) == 0
+    assert json.loads((tmp_path / "mine.json").read_text())["problems"] == 2
+    assert list(tmp_path.iterdir()) == [tmp_path / "mine.json"]
+
+
+def test_ctrl_c_says_what_the_run_kept_and_how_to_continue(tmp_path: Path, capsys, monkeypatch) -> None:
+    """It printed `error: interrupted` and nothing about the run folder or --resume."""
+    real = gspo.training.trainer.Trainer.train_step
+
+    def interrupted_at_step_3(self):
+        if self.step == 2:
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(gspo.training.trainer.Trainer, "train_step", interrupted_at_step_3)
+    run = tmp_path / "run"
+    code, err = _run(capsys, TINY, f"output_dir={run}", "train.steps=4", "task.num_eval=2")
+    assert code == EXIT_CODES["interrupted"]
+    assert err == (
+        f"error: interrupted; the run is kept up to step 2 ({run / 'checkpoints' / 'step_000002'}): "
+        f"continue it with `gspo train --resume {run}`"
+    )
+    monkeypatch.setattr(gspo.training.trainer.Trainer, "train_step", real)
+    assert main(shlex.split(err.rpartition("`gspo ")[2].rstrip("`"))) == 0
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*"))[-1] == "step_000004"
+
+
+def test_a_missing_data_file_says_what_its_path_is_relative_to(tmp_path: Path, capsys, monkeypatch) -> None:
+    """A task.data_path in a config file is read relative to the file's folder, one on the command line
+    relative to the working directory: the error says so, with the path it tried."""
+    (tmp_path / "task").mkdir()
+    config = tmp_path / "task" / "config.yaml"
+    config.write_text("model:\n  tiny: llama\ntask:\n  name: file\n  data_path: missing.jsonl\n")
+    monkeypatch.chdir(tmp_path)
+    why = "(a path in a config file is read relative to that file's folder, one on the command line relative"
+    for argv, tried in (
+        ([str(config)], tmp_path / "task" / "missing.jsonl"),
+        ([str(config), "task.data_path=missing.jsonl"], tmp_path / "missing.jsonl"),
+    ):
+        code, err = _run(capsys, *argv, f"output_dir={tmp_path / 'run'}")
+        assert code == EXIT_CODES["input"], err
+        assert f"error: task.data_path: data file not found: {tried} {why}" in err
+
+
+def test_gspo_config_shows_one_section(capsys) -> None:
+    """`gspo config` printed all ~300 lines; `gspo config SECTION` prints one section, as YAML that loads
+    to its defaults."""
+    for section, value in (("train", Config().train), ("rollout.openai", Config().rollout.openai)):
+        assert main(["config", section]) == 0
+        out = capsys.readouterr().out
+        expected = dataclasses.asdict(value)
+        for name in reversed(section.split(".")):
+            expected = {name: expected}
+        assert yaml.safe_load(out) == expected
+    for section, message in (
+        ("trian", "error: no config section 'trian'; did you mean 'train'? sections here: model, lora,"),
+        ("train.lr", "error: train.lr is a key, not a section: `gspo config train` shows it"),
+    ):
+        assert main(["config", section]) == EXIT_CODES["usage"]
+        assert capsys.readouterr().err.startswith(message)
+
+
+def test_no_held_out_problems_trains_without_evaluations(tmp_path: Path, capsys) -> None:
+    """task.num_eval=0 failed inside the first reward (called on a batch of 0 samples, without fields)."""
+    run = tmp_path / "run"
+    assert (
+        main(["train", TINY, f"output_dir={run}", "task.num_eval=0", "train.steps=2", "tensorboard=false"])
+        == 0
+    )
+    captured = capsys.readouterr()
+    assert "held-out accuracy" not in captured.out and f"run folder: {run}" in captured.out
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in rows] == [("train", 1), ("train", 2)]
+    assert (run / "summary.md").is_file()
+    code, err = _gspo(capsys, "eval", str(run))
+    assert code == EXIT_CODES["config"]
+    assert (
+        err
+        == "error: task.num_eval=0: the task holds no problem out to evaluate; pass task.num_eval=N or --data FILE"
+    )

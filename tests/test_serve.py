@@ -24,6 +24,7 @@ import httpx
 import openai
 import pytest
 import torch
+import yaml
 
 import gspo.learning.step as serve_step
 import gspo.serve.generation as serve_generation
@@ -698,3 +699,22 @@ def test_records_are_bounded_and_expire(monkeypatch) -> None:
     now[0] += 10.5
     add(9)
     assert len(store) == 1 and store.get("r3") is None and store.expired == 4
+
+
+@pytest.mark.slow
+def test_the_agent_guess_example_has_a_smoke_mode(tmp_path: Path) -> None:
+    """`examples/agent_guess/train.py --smoke`, like the other examples: its own `gspo serve` of the tiny
+    random model, one step of two games, the held-out games measured before and after (about 30 s here)."""
+    script = Path(__file__).resolve().parents[1] / "examples" / "agent_guess" / "train.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [e["step"] for e in results["evals"]] == [0, 1] and [t["step"] for t in results["train"]] == [1]
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"]["tiny"] == "llama"

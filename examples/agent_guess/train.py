@@ -1,6 +1,7 @@
 """Train the guessing-game agent through `gspo serve` (docs/agents.md).
 
     python examples/agent_guess/train.py --seed 0 --out runs/agent_guess/seed0
+    python examples/agent_guess/train.py --smoke    # the tiny random model, 1 step of 2 games: seconds
 
 starts `gspo serve examples/agent_guess/serve.yaml` (seed, run folder under --out), measures the held-out
 success rate, then each step plays `--games` fresh games `--group-size` times each with the agent
@@ -30,11 +31,13 @@ from gspo.client import Client  # noqa: E402
 
 EVAL_SEED = 10_000
 """The held-out games' seed; training games use seeds 1_000 * run seed + step."""
+SMOKE = {"steps": 1, "games": 2, "group_size": 2, "eval_games": 2, "eval_every": 1}
+"""--smoke: the run's size (the server gets the tiny random model)."""
 
 
-def start_server(seed: int, run_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(seed: int, run_dir: Path, log: Path, overrides: list[str]) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, "-m", "gspo", "serve", str(HERE / "serve.yaml"), f"seed={seed}"]
-    command += [f"output_dir={run_dir}", "serve.port=0"]
+    command += [f"output_dir={run_dir}", "serve.port=0", *overrides]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
     line = process.stdout.readline()
     if not line.startswith("gspo serve: http://"):
@@ -89,9 +92,10 @@ async def run(args: argparse.Namespace, client: Client) -> dict:
             "time_rollout": t1 - t0,
             "time_train_call": time.perf_counter() - t1,
         }
-        row |= {
+        row |= {  # a step whose groups all scored alike has no update, so no loss or clip metrics
             k: metrics[k]
             for k in ("reward_mean", "loss", "clip_frac_seq", "time_update", "split_trajectories")
+            if k in metrics
         }
         results["train"].append(row)
         print(
@@ -115,13 +119,19 @@ def main() -> None:
     parser.add_argument("--eval-games", type=int, default=32)
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--smoke", action="store_true", help="the tiny random model, 1 step of 2 games, in seconds"
+    )
     args = parser.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE)
     out = args.out = args.out or Path("runs") / "agent_guess" / f"seed{args.seed}"
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # SIGTERM too runs the `finally` below: the server is our child and must not outlive us
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    process, url = start_server(args.seed, out / "run", out / "server.log")
+    overrides = ["model.tiny=llama"] if args.smoke else []
+    process, url = start_server(args.seed, out / "run", out / "server.log", overrides)
     try:
         results = asyncio.run(run(args, Client(url)))
     finally:

@@ -125,7 +125,8 @@ def classify(error: BaseException) -> tuple[str, str] | None:
     for kind, types in kinds:
         if isinstance(error, types):
             message = " ".join(str(error).split()) or type(error).__name__
-            return kind, "interrupted" if kind == "interrupted" else message
+            bare = kind == "interrupted" and not str(error)  # Ctrl-C outside a run
+            return kind, "interrupted" if bare else message
     if isinstance(error, OSError) and error.filename:  # not a directory, a directory, ... : a path problem
         return "disk", f"{error.strerror or error}: {error.filename}"
     return None
@@ -224,13 +225,12 @@ def _eval(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         trust_run_code=args.trust_run_code,
     )
-    path = write_report(
-        result,
-        header,
-        args.output or default_report_path(header, args.samples),
-        force=args.force or not args.output,
-    )
     print(summary_line(result, header))
+    path = args.output or default_report_path(header, args.samples)
+    if path is None:  # a model or .gguf file: nothing is written where the user did not ask
+        print("report: not written (--output FILE writes every problem's completions)")
+        return 0
+    path = write_report(result, header, path, force=args.force or not args.output)
     print(f"report: {path}")
     return 0
 
@@ -270,9 +270,29 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
-    from gspo.config import describe
+    import dataclasses
+    import difflib
 
-    print(describe())
+    from gspo.config import Config, describe
+
+    names = args.section.split(".") if args.section else []
+    section = Config()
+    for depth, name in enumerate(names):
+        fields = [f.name for f in dataclasses.fields(section)]
+        if name in fields and not dataclasses.is_dataclass(getattr(section, name)):
+            command = f"gspo config {'.'.join(names[:depth])}".strip()
+            raise UsageError(f"{args.section} is a key, not a section: `{command}` shows it")
+        if name not in fields:
+            sections = [f for f in fields if dataclasses.is_dataclass(getattr(section, f))]
+            close = difflib.get_close_matches(name, sections, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise UsageError(
+                f"no config section {args.section!r}; {hint}sections here: {', '.join(sections)}"
+            )
+        section = getattr(section, name)
+    for depth, name in enumerate(names):  # the section's own YAML path above its keys
+        print(f"{'  ' * depth}{name}:")
+    print(describe(type(section), "  " * len(names)))
     return 0
 
 
@@ -353,8 +373,9 @@ def _add_eval(commands: typing.Any, common: argparse.ArgumentParser) -> None:
         help="evaluate a run's checkpoint, a model directory, a .gguf file or the embedded model",
         description="TARGET: a run folder (its latest checkpoint, or --step N), a model directory, a .gguf "
         "file, or nothing (the config's model: by default the embedded SmolLM2). The task, rewards and "
-        "eval.* settings come from CONFIG (default: the run's config.yaml) and key=value overrides. Writes a "
-        "JSON report with every problem's completions and prints one summary line.",
+        "eval.* settings come from CONFIG (default: the run's config.yaml) and key=value overrides. Prints one "
+        "summary line and writes a JSON report with every problem's completions (into the run folder, or "
+        "--output).",
     )
     evaluate.add_argument("args", nargs="*", metavar="TARGET | CONFIG | key=value")
     evaluate.add_argument(
@@ -371,7 +392,8 @@ def _add_eval(commands: typing.Any, common: argparse.ArgumentParser) -> None:
         "--temperature", type=_positive, default=1.0, help="sampling temperature of --samples (> 0)"
     )
     evaluate.add_argument(
-        "--output", help="the JSON report (default: RUN_DIR/evals/step_N.json, else ./eval_report.json)"
+        "--output",
+        help="the JSON report (default: RUN_DIR/evals/step_N.json for a run folder; else only with --output)",
     )
     evaluate.add_argument("--force", action="store_true", help="overwrite an existing --output")
     evaluate.add_argument("--trust-run-code", action="store_true", help=TRUST_HELP)
@@ -417,6 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     config = commands.add_parser(
         "config", parents=[common], help="list every config key with its default and meaning"
     )
+    config.add_argument("section", nargs="?", help="only this section, e.g. train or rollout.openai")
     config.set_defaults(func=_config)
     return parser
 

@@ -52,6 +52,12 @@ def build_examples(config: Config) -> tuple[list[Example], list[Example]]:
     task = config.task
     try:
         if task.name == "file":
+            if task.data_path is not None and not Path(task.data_path).exists():
+                raise FileNotFoundError(
+                    f"task.data_path: data file not found: {task.data_path} (a path in a config file is read "
+                    "relative to that file's folder, one on the command line relative to the working "
+                    "directory)"
+                )
             examples = load_examples(
                 task.data_path, prompt_field=task.prompt_field, answer_fields=tuple(task.answer_fields)
             )

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from gspo.config import load_config
+from gspo.config import ConfigError, load_config
 from gspo.models import load_model
 from gspo.parallel.collectives import all_gather_list
 from gspo.parallel.group import rank, resolve_device, world_size
@@ -185,6 +185,11 @@ def evaluate_target(
     else:
         examples = build_examples(config)[1]
         header["data"] = f"held-out split of task {config.task.name!r}"
+        if not examples:
+            raise ConfigError(
+                "task.num_eval=0: the task holds no problem out to evaluate; pass task.num_eval=N or "
+                "--data FILE"
+            )
     rewards = resolve_rewards(config, None)
     model = model.to(resolve_device(config.device))
     torch.manual_seed(config.seed)
@@ -230,9 +235,10 @@ def write_report(
     return path
 
 
-def default_report_path(header: dict[str, Any], samples: int | None) -> Path:
-    """RUN_DIR/evals/step_000040[_samples8].json for a run, else eval_report[_samples8].json here."""
+def default_report_path(header: dict[str, Any], samples: int | None) -> Path | None:
+    """RUN_DIR/evals/step_000040[_samples8].json for a run; None for any other target (no report unless
+    the user names one)."""
+    if "step" not in header:
+        return None
     suffix = "" if samples is None else f"_samples{samples}"
-    if "step" in header:
-        return run_path(header["target"], EVALS_DIR, f"step_{header['step']:06d}{suffix}.json")
-    return Path(f"eval_report{suffix}.json")
+    return run_path(header["target"], EVALS_DIR, f"step_{header['step']:06d}{suffix}.json")

@@ -107,6 +107,10 @@ def open_logger(config: Config, run_dir: Path, *, resume_step: int | None) -> Me
     )
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a run; the message says what the run kept and how to continue it."""
+
+
 class Trainer:
     """A run: its config and folder, the policy, the sampler, the prompt stream, the step counter, the logger.
 
@@ -308,8 +312,8 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         """Train to train.steps, evaluating and checkpointing on the way, then `finish`. A reward function's
-        error stops the run with what it kept: the run folder and its latest checkpoint, which `--resume`
-        continues."""
+        error, or Ctrl-C, stops the run with what it kept: the run folder and its latest checkpoint, which
+        `--resume` continues."""
         try:
             return self._run_steps()
         except RewardError as error:
@@ -317,18 +321,22 @@ class Trainer:
             # under torchrun, where the other ranks may not have raised and would not join the save.
             if world_size() == 1 and self.step > 0 and self._saved_step != self.step:
                 self.checkpoint()
-            raise RewardError(f"{error}; {self._kept()}") from error
+            # the command names the reward code again: the user is editing it, and an edited file is no
+            # longer the one the run was started with (gspo.training.own_runs)
+            command = f"gspo train --resume {self.run_dir}"
+            if code_rewards(self.config):
+                command += f" {rewards_override(self.config)}"
+            raise RewardError(f"{error}; {self._kept('fix the reward function, then', command)}") from error
+        except KeyboardInterrupt as error:
+            command = f"gspo train --resume {self.run_dir}"
+            raise RunInterrupted(f"interrupted; {self._kept('continue it with', command)}") from error
 
-    def _kept(self) -> str:
-        """What a stopped run kept, and the command that continues it (naming its reward code again, which
-        the user is fixing: an edited file is no longer the one the run was started with)."""
-        command = f"gspo train --resume {self.run_dir}"
-        if code_rewards(self.config):
-            command += f" {rewards_override(self.config)}"
+    def _kept(self, then: str, command: str) -> str:
+        """What a stopped run kept, and the command that continues it."""
         latest = latest_checkpoint(self.run_dir)
         if latest is None:
-            return f"{self.run_dir} holds no checkpoint yet: fix the reward function, then `{command}` starts it again"
-        return f"the run is kept up to step {checkpoint_step(latest)} ({latest}): fix the reward function, then `{command}`"
+            return f"{self.run_dir} holds no checkpoint yet: {then} `{command}`, which starts it again"
+        return f"the run is kept up to step {checkpoint_step(latest)} ({latest}): {then} `{command}`"
 
     def _run_steps(self) -> dict[str, Any]:
         cfg = self.config
@@ -373,14 +381,15 @@ class Trainer:
         """The progress bar and eval lines: interactive runs only (a terminal), so logs and pipes stay quiet."""
         return self.config.progress and is_main() and sys.stderr.isatty()
 
-    def _log_eval(self) -> dict[str, float]:
+    def _log_eval(self) -> None:
+        if not self.eval_examples:  # task.num_eval=0: nothing held out, nothing to measure
+            return
         result = self.evaluate()
         self.logger.log(self.step, result, kind="eval")
         if self._show_progress():
             tqdm.write(
                 f"step {self.step}: eval accuracy {result['accuracy']:.3f} (reward {result['reward_mean']:.3f})"
             )
-        return result
 
     def finish(self) -> dict[str, Any]:
         """End the run as `gspo train` does: a checkpoint of the last step (unless it has one), the metrics
