@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_config
+from conftest import TINY_NUMERICS, tiny_config
 from gspo import LossInputs, LossSpec, compute_loss
 from gspo.cli import main
 from gspo.config import ConfigError, load_config
@@ -126,8 +126,9 @@ def test_gspo_train_with_a_user_objective_trains_as_the_built_in(objective_file,
 
 
 def _tiny_overrides() -> list[str]:
-    """configs/tiny.yaml's keys as overrides (the objective comes from the user's config file)."""
-    tiny = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+    """configs/tiny.yaml's keys as overrides (the objective comes from the user's config file), with
+    tiny_config's `TINY_NUMERICS`, as the built-in run it is compared with."""
+    tiny = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml", TINY_NUMERICS)
     return [
         "task.num_train=60",
         f"task.num_eval={tiny.task.num_eval}",
