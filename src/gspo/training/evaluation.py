@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from gspo.config import ConfigError, load_config
+from gspo.config import Config, ConfigError, load_config
 from gspo.models import load_model
 from gspo.parallel.collectives import all_gather_list
 from gspo.parallel.group import rank, resolve_device, world_size
@@ -176,20 +176,7 @@ def evaluate_target(
         config = load_config(config_file, [*overrides, *model_overrides])
         model, tokenizer = load_model(config.model, seed=config.seed)
         header["model"] = config.model.path or config.model.tiny or "embedded SmolLM2-135M-Instruct"
-    if data is not None:
-        task = config.task
-        examples = load_examples(
-            data, prompt_field=task.prompt_field, answer_fields=tuple(task.answer_fields)
-        )
-        header["data"] = str(data)
-    else:
-        examples = build_examples(config)[1]
-        header["data"] = f"held-out split of task {config.task.name!r}"
-        if not examples:
-            raise ConfigError(
-                "task.num_eval=0: the task holds no problem out to evaluate; pass task.num_eval=N or "
-                "--data FILE"
-            )
+    examples, header["data"] = _problems(config, data)
     rewards = resolve_rewards(config, None)
     model = model.to(resolve_device(config.device))
     torch.manual_seed(config.seed)
@@ -210,6 +197,21 @@ def evaluate_target(
         "problems": len(examples),
     }
     return result, header
+
+
+def _problems(config: Config, data: str | None) -> tuple[list[Example], str]:
+    """What `gspo eval` scores, and where it comes from: every row of `data`, else the task's held-out
+    split."""
+    task = config.task
+    if data is not None:
+        fields = tuple(task.answer_fields)
+        return load_examples(data, prompt_field=task.prompt_field, answer_fields=fields), str(data)
+    examples = build_examples(config)[1]
+    if not examples:
+        raise ConfigError(
+            "task.num_eval=0: the task holds no problem out to evaluate; pass task.num_eval=N or --data FILE"
+        )
+    return examples, f"held-out split of task {task.name!r}"
 
 
 def summary_line(evaluation: Evaluation, header: dict[str, Any]) -> str:
