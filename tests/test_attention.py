@@ -96,10 +96,12 @@ def test_unsupported_models_keep_their_attention() -> None:
     with attention.segment_attention(model, position_ids) as used:
         assert not used and model.config._attn_implementation == "sdpa"
     model.config.sliding_window = None
-    model.activation_checkpointing_enable()
+    # transformers' name for it from 5.2x on; gradient_checkpointing_* before (pyproject allows both)
+    prefix = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
+    getattr(model, f"{prefix}_checkpointing_enable")()
     with attention.segment_attention(model, position_ids) as used:
         assert not used
-    model.activation_checkpointing_disable()
+    getattr(model, f"{prefix}_checkpointing_disable")()
     with pytest.raises(ValueError, match="boom"), attention.segment_attention(model, position_ids) as used:
         assert used and model.config._attn_implementation == attention.NAME
         raise ValueError("boom")
