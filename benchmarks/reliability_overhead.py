@@ -146,9 +146,7 @@ def main() -> None:
             f"load_config(configs/default.yaml): {load_us:.0f} us, of which the value table {table_us:.0f} us"
         )
         trainer = Trainer(
-            load_config(
-                ROOT / "configs" / "tiny.yaml", [f"output_dir={Path(tmp) / 'tiny'}", "report_to=[]"]
-            )
+            load_config(ROOT / "configs" / "tiny.yaml", [f"output_dir={Path(tmp) / 'tiny'}", "report_to=[]"])
         )
         trainer.train_step()  # warm-up
         step_us = _median_us(trainer.train_step, 3)
