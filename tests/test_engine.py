@@ -7,6 +7,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import dataclasses
 import threading
 import time
 
@@ -104,6 +105,38 @@ def test_logprobs_equal_the_trainers_recomputation(name: str) -> None:
     lengths = [len(s.token_ids) for r in requests for s in r.samples]
     assert len(set(lengths)) > 3  # samples ended at different lengths
     assert steps < sum(lengths)  # and decoded together
+
+
+SYSTEM = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]  # a start shared by every prompt (a chat template)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_start_the_prompts_share_is_computed_once(name: str) -> None:
+    """Prompts that begin alike (the same 11 tokens, and 3 more for two of them; one prompt only 1 token
+    longer than the start): the start runs once, in a row of its own, then each prompt's rest at its
+    positions after it; the log-probs are still the trainer's, and the samples those of an engine that
+    computes each prompt whole (sliding window: layer 1's window of 4 ends inside the start)."""
+    prompts = [[*SYSTEM, 5, 9, 14, 3], [*SYSTEM, 5, 9, 14, 60, 61], [*SYSTEM, 20], [*SYSTEM, 33, 34]]
+    model = MODELS[name]()
+    forwards = []  # (rows, tokens) of every forward
+    decoder = model.get_base_model().model if name == "lora" else model.model
+    decoder.embed_tokens.register_forward_hook(lambda m, args, out: forwards.append(tuple(args[0].shape)))
+    params = SamplingParams(max_new_tokens=6, seed=3)
+    engine = Engine(model, slots=8, stop_token_ids=[EOS])
+    requests = engine.generate(prompts, 2, params)
+    assert [shape for shape in forwards if shape[1] > 1] == [(1, 11), (4, 5)]  # 11 + 4 x 5, not 4 x 16
+    assert engine.computed_tokens == 11 + 4 * 5 + sum(
+        len(s.token_ids) - 1 for r in requests for s in r.samples
+    )
+    _assert_exact(model, requests)
+    whole = Engine(model, slots=8, stop_token_ids=[EOS])  # one prompt per prefill: nothing shared
+    for request in requests:
+        alone = whole.submit(request.prompt_ids, 2, dataclasses.replace(params, seed=request.seed))
+        while not whole.idle:
+            whole.step()
+        for ours, theirs in zip(request.samples, alone.samples, strict=True):
+            assert ours.token_ids == theirs.token_ids
+            torch.testing.assert_close(ours.logprobs, theirs.logprobs, atol=1e-5, rtol=0)
 
 
 def test_each_prompt_is_computed_once_and_slots_are_refilled() -> None:

@@ -49,6 +49,10 @@ from gspo.rollout.requests import Completion, Event, Request, SamplingParams
 CAPACITY_STEP = 128
 """The cache grows in multiples of this many tokens per slot."""
 
+SHARED_START_MIN = 8
+"""A prefill computes the start its prompts share (a system prompt, a chat template) once when it is at
+least this many tokens long."""
+
 
 @dataclass
 class _Prefix:
@@ -282,18 +286,26 @@ class Engine:
             self._prefill_batch(batch)
 
     def _prefill_batch(self, prompts: list[tuple[int, ...]]) -> None:
-        width = max(len(p) for p in prompts)
-        ids = torch.zeros((len(prompts), width), dtype=torch.long)  # right-padded: the padding is never seen
-        for row, prompt in enumerate(prompts):
-            ids[row, : len(prompt)] = torch.tensor(prompt)
-        lengths = torch.tensor([len(p) for p in prompts])
+        """The prompts' keys, values and next-token logits; the start they share (`shared_start`) is
+        computed once, in a row of its own, and copied into each prompt's row before the rest."""
+        width, first = max(len(p) for p in prompts), shared_start(prompts)
         cache = SlotCache(self.num_layers, len(prompts), width)
-        hidden = self._forward(cache, ids, torch.zeros_like(lengths), lengths, width)  # (P, width, H)
+        if first:
+            start = SlotCache(self.num_layers, 1, first)
+            one = torch.ones(1, dtype=torch.long)
+            self._forward(start, torch.tensor([prompts[0][:first]]), 0 * one, first * one, first)
+            rows = torch.arange(len(prompts))
+            cache.copy_rows(start, torch.zeros_like(rows), rows, first)
+        ids = torch.zeros((len(prompts), width - first), dtype=torch.long)  # right-padded: never seen
+        for row, prompt in enumerate(prompts):
+            ids[row, : len(prompt) - first] = torch.tensor(prompt[first:])
+        lengths = torch.tensor([len(p) - first for p in prompts])
+        hidden = self._forward(cache, ids, torch.full_like(lengths, first), lengths, width)  # (P, q, H)
         last = hidden[torch.arange(len(prompts), device=hidden.device), lengths.to(hidden.device) - 1]
         logits = self._head(last, last.new_empty((len(prompts), self.head.out_features), dtype=torch.float32))
         for row, prompt in enumerate(prompts):
             self._prefixes[prompt] = _Prefix(cache, row, logits[row])
-        self.computed_tokens += ids.numel()
+        self.computed_tokens += first + ids.numel()
 
     def _decode(self) -> None:
         """Every live slot's last token through the model: its keys and values written, next logits."""
@@ -313,11 +325,13 @@ class Engine:
         at starts[r] .. (the first lengths[r] real, the rest padding); width: max(starts + lengths),
         known on the host."""
         device = self.head.weight.device
+        first = int(starts[0]) if ids.shape[1] > 1 else 0  # a prefill's rows start together (on the host)
         ids, starts, lengths = ids.to(device), starts.to(device), lengths.to(device)
         positions = starts[:, None] + torch.arange(ids.shape[1], device=device)
         autocast = torch.is_autocast_enabled(device.type)
         dtype = torch.get_autocast_dtype(device.type) if autocast else self.head.weight.dtype
         cache.plan = plan = make_plan(starts, lengths, ids.shape[1], width, self.windows, dtype)
+        plan.first = first
         with slot_attention(self.decoder):
             out = self.decoder(
                 input_ids=ids,
@@ -419,6 +433,19 @@ class Engine:
             order[hole] = mover
         self._slots = [self._slots[i] for i in order]
         self._pending = min(self._pending, kept)
+
+
+def shared_start(prompts: Sequence[Sequence[int]]) -> int:
+    """The length of the start all `prompts` share, when there are several and it is at least
+    SHARED_START_MIN tokens (else 0); each prompt keeps at least one token of its own, whose logits are its
+    first draw's."""
+    if len(prompts) < 2:
+        return 0
+    first, last = min(prompts), max(prompts)  # the common start of all is that of the extreme two
+    longest, n = min(len(p) for p in prompts) - 1, 0
+    while n < longest and first[n] == last[n]:
+        n += 1
+    return n if n >= SHARED_START_MIN else 0
 
 
 def _seed(params: SamplingParams) -> int:

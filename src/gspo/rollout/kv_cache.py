@@ -39,6 +39,9 @@ class Plan:
     width: int
     masks: dict[int | None, Tensor]  # per sliding window (None: none), (n, 1, q, width) additive float
     calls: int = 0  # attention calls that read it (0 after a forward: the model bypassed it)
+    first: int = (
+        0  # a prefill's (q > 1) start, the same for every row: the cache indices before it are filled
+    )
 
 
 def make_plan(
@@ -99,9 +102,9 @@ class SlotCache(Cache):
             index = torch.arange(rows, device=keys.device)
             keys[index, :, plan.starts] = key_states[:, :, 0]
             values[index, :, plan.starts] = value_states[:, :, 0]
-        else:  # a prefill: the rows start at 0
-            keys[:rows, :, :queries] = key_states
-            values[:rows, :, :queries] = value_states
+        else:  # a prefill: every row starts at plan.first
+            keys[:rows, :, plan.first : plan.first + queries] = key_states
+            values[:rows, :, plan.first : plan.first + queries] = value_states
         return keys[:rows, :, : plan.width], values[:rows, :, : plan.width]
 
     def copy_rows(self, source: SlotCache, rows: Tensor, to: Tensor, length: int) -> None:
