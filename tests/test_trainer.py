@@ -19,6 +19,7 @@ from gspo.core.objectives import LossInputs, LossSpec, compute_loss
 from gspo.learning import learner
 from gspo.learning.policy import score
 from gspo.rollout.rewards import RewardError
+from gspo.training import lock
 from gspo.training.checkpoint import latest_checkpoint, load_trainer_state
 from gspo.training.metrics import read_metrics
 from gspo.training.trainer import Trainer, train
@@ -189,6 +190,42 @@ def test_reward_error_names_the_function_and_leaves_a_loadable_checkpoint(tmp_pa
     checkpoint = latest_checkpoint(trainer.run_dir)
     assert load_trainer_state(checkpoint)["step"] == 1
     AutoModelForCausalLM.from_pretrained(checkpoint / "model")
+
+
+@pytest.mark.parametrize("where", ["sampling", "weight_sync"])
+def test_a_server_failure_keeps_the_run_and_its_resume_ends_where_an_unbroken_run_does(
+    tmp_path: Path, where: str
+) -> None:
+    """The sampling server fails at step 2 (checkpoint.every=0: only step 0 saved): while drawing, the
+    state at the step's start is kept; after the update, when the engine refuses the new weights, the
+    update is kept. Either way `--resume` ends with the weights of a run that never failed."""
+    from gspo.rollout.openai import ServerError
+
+    overrides = ("train.steps=3", "checkpoint.every=0", "eval.every=0")
+    train(tiny_config(tmp_path / "unbroken", *overrides))
+    trainer = Trainer(tiny_config(tmp_path / "run", *overrides))
+    sample, sync = trainer.sample, trainer.sampler.sync_weights
+
+    def failing_sample():
+        if trainer.step == 1 and where == "sampling":
+            raise ServerError("http://127.0.0.1:1/v1: connection refused")
+        return sample()
+
+    def failing_sync(model, tokenizer, step):
+        if step == 2 and where == "weight_sync":
+            raise ServerError("the weight sync failed")
+        sync(model, tokenizer, step)
+
+    trainer.sample, trainer.sampler.sync_weights = failing_sample, failing_sync
+    with pytest.raises(ServerError, match=r"the run is kept up to step (\d).*gspo train --resume") as error:
+        trainer.run()
+    lock.release(trainer.run_dir)
+    kept = {"sampling": "1", "weight_sync": "2"}[where]
+    assert error.value.args[0].split("kept up to step ")[1].startswith(kept)
+    assert load_trainer_state(latest_checkpoint(trainer.run_dir))["step"] == int(kept)
+    train(resume=trainer.run_dir)
+    unbroken, resumed = _final_params(tmp_path / "unbroken"), _final_params(trainer.run_dir)
+    assert all(torch.equal(unbroken[k], resumed[k]) for k in unbroken)
 
 
 def _cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -44,6 +44,7 @@ from gspo.parallel.group import (
 )
 from gspo.parallel.state import rank_states
 from gspo.rollout.data import Example, PromptStream, batch_fields, format_prompt
+from gspo.rollout.openai import ServerError
 from gspo.rollout.rewards import RewardError, RewardFunction, compute_rewards
 from gspo.rollout.samplers import HFSampler, Sampler
 from gspo.rollout.trajectories import TrajectoryGroup, trajectory_samples
@@ -327,6 +328,9 @@ class Trainer:
             if code_rewards(self.config):
                 command += f" {rewards_override(self.config)}"
             raise RewardError(f"{error}; {self._kept('fix the reward function, then', command)}") from error
+        except ServerError as error:  # the sampling server: down, dead, or refusing the weights
+            command = f"gspo train --resume {self.run_dir}"
+            raise ServerError(f"{error}; {self._kept('continue it with', command)}") from error
         except KeyboardInterrupt as error:
             command = f"gspo train --resume {self.run_dir}"
             raise RunInterrupted(f"interrupted; {self._kept('continue it with', command)}") from error
@@ -348,9 +352,13 @@ class Trainer:
         bar = tqdm(total=cfg.train.steps, initial=self.step, disable=not show, desc="gspo", unit="step")
         while self.step < cfg.train.steps:
             start_rng, start_stream = rng_state(), self.stream.state_dict()
+            started = self.step
             try:
                 metrics = self.train_step()
-            except RewardError:
+            except (RewardError, ServerError):
+                if self.step != started:  # the engine did not take the update (a weight sync): keep it
+                    self.checkpoint()
+                    raise
                 # nothing was updated in this step: record its start so `--resume` redoes it exactly
                 latest = latest_checkpoint(self.run_dir)
                 if latest is None or load_trainer_state(latest)["step"] != self.step:
