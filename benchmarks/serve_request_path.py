@@ -9,7 +9,7 @@ handler). The path lists each thread's entries in order, repeats collapsed ("eng
 thread runs inside serve.driver's loop throughout, so its path lists what that loop enters. Counts, not
 times: they do not depend on the machine's load.
 
-Run:  HF_HUB_OFFLINE=1 python benchmarks/serve_request_path.py [--tokens 6]
+Run:  HF_HUB_OFFLINE=1 python benchmarks/serve_request_path.py [--tokens 6] [--functions]
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ class Tracer:
         self.root = os.path.dirname(gspo.__file__) + os.sep
         self.on = False
         self.calls: list[tuple[str, str, bool]] = []
+        self.functions: collections.Counter[str] = collections.Counter()
         self._modules: dict[str, str | None] = {}
 
     def module(self, filename: str) -> str | None:
@@ -62,6 +63,7 @@ class Tracer:
         entered = caller is None or self.module(caller.f_code.co_filename) != module
         thread = "engine" if threading.current_thread().name == ENGINE_THREAD else "server"
         self.calls.append((thread, module, entered))
+        self.functions[f"{module}.{frame.f_code.co_qualname}"] += 1
 
 
 def settle(running: Running) -> None:
@@ -72,15 +74,15 @@ def settle(running: Running) -> None:
     time.sleep(0.2)
 
 
-def traced(tracer: Tracer, running: Running, request: Callable[[], int]) -> tuple[int, list]:
-    """(completion tokens, the gspo calls made while `request` ran)."""
+def traced(tracer: Tracer, running: Running, request: Callable[[], int]) -> tuple[int, list, dict]:
+    """(completion tokens, the gspo calls made while `request` ran, the calls per function)."""
     settle(running)
-    tracer.calls = []
+    tracer.calls, tracer.functions = [], collections.Counter()
     tracer.on = True
     tokens = request()
     settle(running)
     tracer.on = False
-    return tokens, tracer.calls
+    return tokens, tracer.calls, tracer.functions
 
 
 def path(calls: list[tuple[str, str, bool]], thread: str) -> str:
@@ -96,7 +98,14 @@ def path(calls: list[tuple[str, str, bool]], thread: str) -> str:
     return " > ".join(m if k == 1 else f"{m} x{k}" for m, k in runs) or "(none)"
 
 
-def report(title: str, tokens: int, calls: list[tuple[str, str, bool]]) -> None:
+def report(
+    title: str,
+    tokens: int,
+    calls: list[tuple[str, str, bool]],
+    functions: dict[str, int],
+    *,
+    by_function: bool,
+) -> None:
     count = collections.Counter(module for _, module, _ in calls)
     entries = collections.Counter(module for _, module, entered in calls if entered)
     first = {}
@@ -111,6 +120,9 @@ def report(title: str, tokens: int, calls: list[tuple[str, str, bool]]) -> None:
         print(f"  {module:<28}{count[module]:>7}{entries[module]:>9}")
     print(f"  server thread: {path(calls, 'server')}")
     print(f"  engine thread, from serve.driver's loop: {path(calls, 'engine')}")
+    if by_function:
+        for name, k in sorted(functions.items(), key=lambda item: -item[1]):
+            print(f"    {k:>5}  {name}")
 
 
 def main() -> None:
@@ -119,6 +131,7 @@ def main() -> None:
     )
     parser.add_argument("--tokens", type=int, default=6, help="max_tokens of each request")
     parser.add_argument("--seed", type=int, default=3, help="the requests' sampling seed")
+    parser.add_argument("--functions", action="store_true", help="also list the calls per function")
     args = parser.parse_args()
     tracer = Tracer()
     threading.setprofile(tracer)  # threads started from here on: the driver's and the server's
@@ -142,8 +155,8 @@ def main() -> None:
                 return [c for c in chunks][-1].usage.completion_tokens
 
             whole()  # warm-up: first-call work (imports, caches) is not part of a request's path
-            report("chat completion", *traced(tracer, running, whole))
-            report("streamed chat completion", *traced(tracer, running, streamed))
+            report("chat completion", *traced(tracer, running, whole), by_function=args.functions)
+            report("streamed chat completion", *traced(tracer, running, streamed), by_function=args.functions)
         finally:
             running.stop()
             threading.setprofile(None)
