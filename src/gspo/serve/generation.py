@@ -82,17 +82,13 @@ class Decoder:
             choice.stop_token = token.finish_reason == "stop" and token.token in self.stop_ids
             choice.finish_reason = token.finish_reason
             added[token.index] = choice
-        for choice in added.values():
-            self._decode(choice)
-
-    def _decode(self, choice: Choice) -> None:
-        """The choice's text (special tokens and a final stop token left out), cut before a stop string."""
-        shown = choice.tokens[:-1] if choice.stop_token else choice.tokens
-        text = self.tokenizer.decode(shown, skip_special_tokens=True)
-        hit = self._first_stop(text, len(choice.text))
-        if hit is not None:
-            text, choice.finish_reason = text[:hit], "stop"
-        choice.text = text
+        for choice in added.values():  # the text: special tokens and a final stop token left out
+            shown = choice.tokens[:-1] if choice.stop_token else choice.tokens
+            text = self.tokenizer.decode(shown, skip_special_tokens=True)
+            hit = self._first_stop(text, len(choice.text))
+            if hit is not None:
+                text, choice.finish_reason = text[:hit], "stop"
+            choice.text = text
 
     def _first_stop(self, text: str, previous: int) -> int | None:
         if not self.stop:
@@ -135,7 +131,7 @@ async def follow(
     now = time.monotonic()
     deadline, check = now + timeout, now + DISCONNECT_CHECK
     try:
-        while not all(c.done for c in choices):
+        while True:
             now = time.monotonic()
             if now >= check:  # on a clock: tokens may arrive every few ms
                 if await disconnected():
@@ -156,6 +152,8 @@ async def follow(
             ended.update(t.index for t in item if t.finish_reason is not None)
             decoder.add(choices, item)
             yield
+            if all(c.done for c in choices):
+                return
     finally:
         if len(ended) < handle.n:
             driver.cancel(handle)
