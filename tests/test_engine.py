@@ -329,6 +329,7 @@ def test_submit_refuses_what_the_model_cannot_take() -> None:
     for prompt, n, error in [
         ([], 1, "empty"),
         ([5, VOCAB], 1, "vocabulary"),
+        ([-1, 5], 1, "vocabulary"),
         (list(range(3, 15)), 1, "limit is 12"),
         ([5], 0, "at least one"),
     ]:

@@ -113,6 +113,29 @@ def test_streaming_sends_the_same_tokens_as_the_answer(client: openai.OpenAI) ->
     assert chunks[-1].usage.completion_tokens == len(ids)
 
 
+def test_a_stop_string_ends_text_and_tokens_where_it_completes(client: openai.OpenAI, server) -> None:
+    """The text stops before the first stop string, the tokens at the one that completed it (a naive
+    reference: the shortest prefix whose text holds it), streamed or not; an answer without stop strings
+    (its tokens handed over at its end, not per step) is the unstopped one."""
+    settings = {"model": "gspo", "messages": QUESTION, "max_tokens": 16, "temperature": 0}
+    free = client.chat.completions.create(**settings)
+    ids = _extra(free.choices[0])["token_ids"]
+    tokenizer = server.service.inference.tokenizer
+    assert free.choices[0].message.content == tokenizer.decode(ids, skip_special_tokens=True)
+    stop = free.choices[0].message.content[6:8]
+    k = next(k for k in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:k], skip_special_tokens=True))
+    shown = tokenizer.decode(ids[:k], skip_special_tokens=True)
+    assert k < len(ids), "the stop string should end the answer early"
+    whole = client.chat.completions.create(**settings, stop=[stop, "never said"])
+    assert whole.choices[0].message.content == shown[: shown.index(stop)]
+    assert _extra(whole.choices[0])["token_ids"] == ids[:k] and whole.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(**settings, stop=stop, stream=True))
+    parts = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(p.delta.content or "" for p in parts) == whole.choices[0].message.content
+    assert [t for p in parts for t in (_extra(p).get("token_ids") or [])] == ids[:k]
+    assert parts[-1].finish_reason == "stop"
+
+
 def test_async_client_and_16_concurrent_multi_turn_sessions_are_batched(server) -> None:
     client = openai.AsyncOpenAI(base_url=server.url, api_key="none", max_retries=0)
     steps_before = server.service.inference.driver.steps

@@ -127,7 +127,7 @@ class Engine:
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
         vocab = self.head.out_features
-        if not all(0 <= t < vocab for t in prompt_ids):
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:  # in C: a long prompt costs no Python per token
             raise ValueError(f"the prompt has token ids outside the model's vocabulary [0, {vocab})")
         if len(prompt_ids) >= self.max_length:
             raise ValueError(
@@ -239,11 +239,11 @@ class Engine:
         also across requests), copy their keys, values and next-token logits into their slots (pending,
         after any pending ones)."""
         with self._lock:
-            free = self.slots - len(self._slots)
-            taken = [self._queue.popleft() for _ in range(min(free, len(self._queue)))]
+            count = min(self.slots - len(self._slots), len(self._queue))
+            if count == 0:  # most steps: nothing waits, or no slot is free
+                return False
+            taken = [self._queue.popleft() for _ in range(count)]
             waiting = {s.request.prompt_key for s in self._queue}
-        if not taken:
-            return False
         groups: dict[tuple[int, ...], list[Completion]] = {}
         for sample in taken:
             groups.setdefault(sample.request.prompt_key, []).append(sample)

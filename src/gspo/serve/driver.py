@@ -1,12 +1,13 @@
 """The one place the server touches the sampling engine (gspo.rollout.engine): a driver thread steps it.
 
-asyncio handlers `submit` a request's prompts and read its samples' tokens from a `Handle`'s queue as each engine step
-draws them (tokens can be streamed at once); `cancel` frees a request's slots at the next step (a client
-that went away). The driver thread is the only caller of `Engine.step`; it sleeps while there is no work.
-Between two steps it runs the calls the server queues with `between_steps` (e.g. copying new weights into
-the sampling model, then `reset_prefix_cache`). `pause` stops admitting new requests and waits until the
-running ones have finished (the engine is idle), so the weights can change with no sample straddling two
-versions; `resume` admits again. Every token is tagged with the policy version the engine sampled it from.
+asyncio handlers `submit` a request's prompts and read its samples' tokens from a `Handle`'s queue as each
+engine step draws them (tokens can be streamed at once), or with `at_end` all at once when its samples have
+ended; `cancel` frees a request's slots at the next step (a client that went away). The driver thread is the
+only caller of `Engine.step`; it sleeps while there is no work. Between two steps it runs the calls the
+server queues with `between_steps` (e.g. copying new weights into the sampling model, then
+`reset_prefix_cache`). `pause` stops admitting new requests and waits until the running ones have finished
+(the engine is idle), so the weights can change with no sample straddling two versions; `resume` admits
+again. Every token is tagged with the policy version the engine sampled it from.
 An engine error fails the requests in flight with that error, and a fresh engine takes over.
 """
 
@@ -23,24 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gspo.rollout.draws import stream_key
 from gspo.rollout.engine import Engine
 from gspo.rollout.requests import Event, SamplingParams
-
-
-def sampling_params(
-    max_tokens: int, *, temperature: float, top_p: float, seed: int | None, prompt: int, top_logprobs: int
-) -> SamplingParams:
-    """The engine's parameters of one prompt of a request: temperature 0 is greedy; with a seed, prompt j
-    of the request draws from streams (seed, j, sample), so a request's samples repeat exactly."""
-    return SamplingParams(
-        max_tokens,
-        temperature=temperature if temperature > 0 else 1.0,
-        top_p=top_p,
-        greedy=temperature == 0,
-        seed=None if seed is None else stream_key(seed, prompt),
-        top_logprobs=top_logprobs,
-    )
 
 
 class Busy(RuntimeError):
@@ -65,16 +50,21 @@ class Token:
 
 @dataclass(eq=False)
 class Handle:
-    """A request as an asyncio handler sees it: its tokens arrive on `queue` as lists (one per step), or
-    an exception when the engine failed or the server stops."""
+    """A request as an asyncio handler sees it: its tokens arrive on `queue` as lists (one per step, or
+    with `at_end` one when all its samples have ended), or an exception when the engine failed or the
+    server stops."""
 
     prompt_ids: list[int]
     n: int
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
+    at_end: bool = False
+    """Hold the tokens until the last sample ends: a handler that answers whole, with no stop string to
+    watch for, has nothing to do with them sooner (one wake of the event loop per request, not per step)."""
     queue: asyncio.Queue[list[Token] | BaseException] = field(default_factory=asyncio.Queue)
     cancelled: bool = False
     request: Any = None  # the engine's Request, once admitted
+    held: list[Token] = field(default_factory=list)  # drawn, not delivered yet (driver thread only)
 
     def deliver(self, item: list[Token] | BaseException) -> None:
         """From the driver thread: hand `item` to the handler's event loop."""
@@ -109,11 +99,13 @@ class Driver:
         self._thread.start()
 
     # ---- the event loop's side -------------------------------------------------------------------------
-    def submit(self, prompts: Sequence[tuple[Sequence[int], SamplingParams]], n: int) -> list[Handle]:
+    def submit(
+        self, prompts: Sequence[tuple[Sequence[int], SamplingParams]], n: int, *, at_end: bool = False
+    ) -> list[Handle]:
         """Queue n samples of each (prompt ids, params) of a request, all or none: Busy when they would
-        pass serve.max_waiting samples waiting for a slot."""
+        pass serve.max_waiting samples waiting for a slot. `at_end`: see `Handle`."""
         loop = asyncio.get_running_loop()
-        handles = [Handle(list(ids), n, params, loop) for ids, params in prompts]
+        handles = [Handle(list(ids), n, params, loop, at_end) for ids, params in prompts]
         with self._cond:
             if self._stopping:
                 raise EngineFailure("the server is shutting down")
@@ -259,14 +251,20 @@ class Driver:
             by_request[e.sample.request.id].append(
                 Token(e.sample.index, e.token, e.logprob, e.top_logprobs, e.finish_reason, self.version)
             )
+        ready = []
         with self._cond:
-            handles = {rid: self._live.get(rid) for rid in by_request}
-            for rid, handle in handles.items():
-                if handle is not None and handle.request.done:
-                    del self._live[rid]
-        for rid, tokens in by_request.items():
-            if handles[rid] is not None:
-                handles[rid].deliver(tokens)
+            for rid, tokens in by_request.items():
+                handle = self._live.get(rid)
+                if handle is not None:
+                    ended = handle.request.done
+                    if ended:
+                        del self._live[rid]
+                    ready.append((handle, tokens, ended))
+        for handle, tokens, ended in ready:
+            handle.held += tokens
+            if ended or not handle.at_end:
+                handle.deliver(handle.held)
+                handle.held = []
 
     def _fail_all(self, error: BaseException, *, waiting: bool = True) -> None:
         with self._cond:

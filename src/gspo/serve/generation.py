@@ -5,12 +5,14 @@ is decoded again (held back where it might still become a stop string or ends in
 stop string ends the choice there: its text stops before the string, its tokens keep the one that
 completed it (what the model produced; the template's end-of-turn token is then context in the next turn).
 `follow` waits for a request's tokens with a deadline, and cancels the request when its client is gone,
-when it times out, or when every choice has ended on a stop string.
+when it times out, or when every choice has ended on a stop string. `store` keeps a finished choice as the
+`Record` a train call names.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,7 +22,7 @@ from typing import Any
 from gspo.serve.chat import parse_tool_calls, turn_key
 from gspo.serve.driver import Driver, Handle, Token
 from gspo.serve.protocol import ServeError
-from gspo.serve.records import Record, float_array, new_completion_id, token_array
+from gspo.serve.records import Record, RecordStore, float_array, new_completion_id, token_array
 
 DISCONNECT_CHECK = 0.5
 """Seconds between checks that a client waiting for a whole answer is still connected."""
@@ -39,6 +41,8 @@ class Choice:
     text: str = ""
     sent: int = 0
     """Characters of `text` already streamed."""
+    sent_tokens: int = 0
+    """Tokens already streamed."""
     finish_reason: str | None = None
     stop_token: bool = False
     """It ended on a stop token (kept in `tokens`, not in `text`)."""
@@ -58,27 +62,33 @@ class Decoder:
     stop: list[str]
     stop_ids: frozenset[int]
 
-    def add(self, choice: Choice, token: Token) -> None:
-        """Record one drawn token (ignored once the choice has ended)."""
-        if choice.done:
-            return
-        if token.token < 0:  # cancelled before it ended: the client is gone or a stop string ended it
-            choice.finish_reason = "cancelled"
-            return
-        choice.tokens.append(token.token)
-        choice.logprobs.append(token.logprob)
-        if token.top is not None:
-            choice.tops.append(token.top)
-        choice.versions.append(token.version)
-        choice.stop_token = token.finish_reason == "stop" and token.token in self.stop_ids
-        shown = choice.tokens[:-1] if choice.stop_token else choice.tokens
-        text = self.tokenizer.decode(shown, skip_special_tokens=True)
-        hit = self._first_stop(text, len(choice.text))
-        if hit is not None:
-            text, choice.finish_reason = text[:hit], "stop"
-        else:
+    def add(self, choices: list[Choice], tokens: list[Token]) -> None:
+        """Record drawn tokens in their choices (a token of a choice that has ended is ignored), then decode
+        each choice's text once. A stop string ends a choice at the token that completed it when its tokens
+        come one step at a time: a request with stop strings gets them so (`Handle.at_end` off)."""
+        added: dict[int, Choice] = {}
+        for token in tokens:
+            choice = choices[token.index]
+            if choice.done:
+                continue
+            if token.token < 0:  # cancelled before it ended: the client is gone or a stop string ended it
+                choice.finish_reason = "cancelled"
+                continue
+            choice.tokens.append(token.token)
+            choice.logprobs.append(token.logprob)
+            if token.top is not None:
+                choice.tops.append(token.top)
+            choice.versions.append(token.version)
+            choice.stop_token = token.finish_reason == "stop" and token.token in self.stop_ids
             choice.finish_reason = token.finish_reason
-        choice.text = text
+            added[token.index] = choice
+        for choice in added.values():  # the text: special tokens and a final stop token left out
+            shown = choice.tokens[:-1] if choice.stop_token else choice.tokens
+            text = self.tokenizer.decode(shown, skip_special_tokens=True)
+            hit = self._first_stop(text, len(choice.text))
+            if hit is not None:
+                text, choice.finish_reason = text[:hit], "stop"
+            choice.text = text
 
     def _first_stop(self, text: str, previous: int) -> int | None:
         if not self.stop:
@@ -104,19 +114,24 @@ class Decoder:
 async def follow(
     driver: Driver,
     handle: Handle,
+    choices: list[Choice],
+    decoder: Decoder,
     *,
-    deadline: float,
+    timeout: float,
     disconnected: Callable[[], Awaitable[bool]],
-) -> AsyncIterator[list[Token]]:
-    """The request's tokens, a list per engine step, until all its samples have ended. Cancels the request
-    when the caller stops iterating early, the deadline passes (ServeError 504) or `disconnected()`.
-    Every caller checks for a disconnect: a check time left in the past (streams once passed none) made
-    every wait 0 s, and wait_for(queue.get(), 0) cancels the get before it runs, so a stream whose first
-    token came later than DISCONNECT_CHECK never got one."""
-    ended: set[int] = set()
-    check = time.monotonic() + DISCONNECT_CHECK
+) -> AsyncIterator[None]:
+    """Add the request's tokens to its `choices` as they come (a list per engine step, or one at the end:
+    `Handle.at_end`), yielding after each list, until every choice has ended. Cancels the request when the
+    caller stops iterating early, after `timeout` seconds (ServeError 504), when `disconnected()`, or when
+    the choices have ended on stop strings before the engine ended them. Every caller checks for a
+    disconnect: a check time left in the past (streams once passed none) made every wait 0 s, and
+    wait_for(queue.get(), 0) cancels the get before it runs, so a stream whose first token came later than
+    DISCONNECT_CHECK never got one."""
+    ended: set[int] = set()  # the samples the engine has ended
+    now = time.monotonic()
+    deadline, check = now + timeout, now + DISCONNECT_CHECK
     try:
-        while len(ended) < handle.n:
+        while True:
             now = time.monotonic()
             if now >= check:  # on a clock: tokens may arrive every few ms
                 if await disconnected():
@@ -135,17 +150,38 @@ async def follow(
             if isinstance(item, BaseException):
                 raise ServeError(503, f"{item}", code="engine_error") from None
             ended.update(t.index for t in item if t.finish_reason is not None)
-            yield item
+            decoder.add(choices, item)
+            yield
+            if all(c.done for c in choices):
+                return
     finally:
         if len(ended) < handle.n:
             driver.cancel(handle)
 
 
-def make_record(
-    choice: Choice, prompt_ids: list[int], *, temperature: float, greedy: bool, tools: bool
-) -> tuple[Record, str, list[dict[str, Any]]]:
-    """The record of a finished choice, with the content and tool calls its response shows; a choice
-    whose log-probs are not finite (a numerical fault in the engine) is refused, not recorded."""
+async def collect(
+    driver: Driver,
+    handle: Handle,
+    decoder: Decoder,
+    *,
+    timeout: float,
+    disconnected: Callable[[], Awaitable[bool]],
+) -> list[Choice]:
+    """All of a request's choices, run to their end (stop strings, limits); [] if the client left."""
+    choices = [Choice(i) for i in range(handle.n)]
+    steps = follow(driver, handle, choices, decoder, timeout=timeout, disconnected=disconnected)
+    async with contextlib.aclosing(steps):
+        async for _ in steps:
+            pass
+    return choices if all(c.done for c in choices) else []
+
+
+def store(
+    records: RecordStore, handle: Handle, choice: Choice, *, tools: bool
+) -> tuple[str, list[dict[str, Any]]]:
+    """Record a finished choice of `handle`'s request (its finish_reason becomes its record's) and return
+    the content and tool calls its response shows; a choice whose log-probs are not finite (a numerical
+    fault in the engine) is refused, not recorded."""
     if not all(math.isfinite(lp) for lp in choice.logprobs):
         raise ServeError(
             500,
@@ -158,15 +194,18 @@ def make_record(
         reason = "stop"
     if calls:
         reason = "tool_calls"
-    record = Record(
-        id=choice.completion_id,
-        prompt_ids=token_array(prompt_ids),
-        completion_ids=token_array(choice.tokens),
-        logprobs=float_array(choice.logprobs),
-        versions=(min(choice.versions, default=0), max(choice.versions, default=0)),
-        temperature=temperature,
-        greedy=greedy,
-        content=turn_key(content, calls),
-        finish_reason=reason,
+    records.add(
+        Record(
+            id=choice.completion_id,
+            prompt_ids=token_array(handle.prompt_ids),
+            completion_ids=token_array(choice.tokens),
+            logprobs=float_array(choice.logprobs),
+            versions=(min(choice.versions, default=0), max(choice.versions, default=0)),
+            temperature=handle.params.temperature,
+            greedy=handle.params.greedy,
+            content=turn_key(content, calls),
+            finish_reason=reason,
+        )
     )
-    return record, content, calls
+    choice.finish_reason = reason
+    return content, calls

@@ -21,9 +21,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from gspo.config import ServeConfig
+from gspo.rollout.draws import stream_key
+from gspo.rollout.requests import SamplingParams
 from gspo.serve.chat import ChatPrompt, render_chat, template_supports_tools
-from gspo.serve.driver import Busy, Driver, EngineFailure, Handle, sampling_params
-from gspo.serve.generation import Choice, Decoder, follow, make_record
+from gspo.serve.driver import Busy, Driver, EngineFailure, Handle
+from gspo.serve.generation import Choice, Decoder, collect, follow, store
 from gspo.serve.protocol import ChatRequest, CompletionRequest, SamplingFields, ServeError
 from gspo.serve.records import RecordStore, new_completion_id
 
@@ -73,12 +75,11 @@ class Prepared:
 
     prompts: list[list[int]]
     n: int
-    max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int | None
-    top_logprobs: int
+    params: list[SamplingParams]
+    """The engine's parameters of each prompt: temperature 0 is greedy; with a seed, prompt j draws from
+    streams (seed, j, sample), so a request's samples repeat exactly."""
     stop: list[str]
+    stream: bool
 
 
 def prepare(
@@ -129,45 +130,40 @@ def prepare(
             code="context_length_exceeded",
         )
     temperature = 1.0 if body.temperature is None else body.temperature
-    top_p = 1.0 if body.top_p is None else body.top_p
-    return Prepared(prompts, body.n, max_tokens, temperature, top_p, body.seed, top, stop)
+    params = [
+        SamplingParams(
+            max_tokens,
+            temperature=temperature if temperature > 0 else 1.0,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            greedy=temperature == 0,
+            seed=None if body.seed is None else stream_key(body.seed, j),
+            top_logprobs=top,
+        )
+        for j in range(len(prompts))
+    ]
+    return Prepared(prompts, body.n, params, stop, body.stream)
 
 
 def submit(inference: Inference, prepared: Prepared) -> list[Handle]:
-    prompts = [
-        (
-            prompt,
-            sampling_params(
-                prepared.max_tokens,
-                temperature=prepared.temperature,
-                top_p=prepared.top_p,
-                seed=prepared.seed,
-                prompt=j,
-                top_logprobs=prepared.top_logprobs,
-            ),
-        )
-        for j, prompt in enumerate(prepared.prompts)
-    ]
+    """Queue the request's samples; a whole answer with no stop string gets its tokens at the end."""
+    at_end = not (prepared.stream or prepared.stop)
     try:
-        return inference.driver.submit(prompts, prepared.n)
+        return inference.driver.submit(
+            list(zip(prepared.prompts, prepared.params, strict=True)), prepared.n, at_end=at_end
+        )
     except Busy as error:
         raise ServeError(429, f"the server is busy: {error}; try again later", code="busy") from None
     except EngineFailure as error:
         raise ServeError(503, str(error), code="engine_error") from None
 
 
-async def collect(inference: Inference, handle: Handle, decoder: Decoder, request: Request) -> list[Choice]:
-    """All of a request's choices, run to their end (stop strings, limits); [] if the client left."""
-    choices = [Choice(i) for i in range(handle.n)]
-    deadline = time.monotonic() + inference.serve.request_timeout
-    stream = follow(inference.driver, handle, deadline=deadline, disconnected=request.is_disconnected)
-    async with contextlib.aclosing(stream) as steps:
-        async for tokens in steps:
-            for token in tokens:
-                decoder.add(choices[token.index], token)
-            if all(c.done for c in choices):
-                break
-    return choices if all(c.done for c in choices) else []  # not all done: the client has gone
+async def _whole(inference: Inference, prepared: Prepared, handle: Handle, request: Request) -> list[Choice]:
+    """All of a prompt's choices, run to their end (stop strings, limits); [] if the client left."""
+    decoder = Decoder(inference.tokenizer, prepared.stop, inference.stop_ids)
+    timeout = inference.serve.request_timeout
+    return await collect(
+        inference.driver, handle, decoder, timeout=timeout, disconnected=request.is_disconnected
+    )
 
 
 def _usage(prompts: list[list[int]], choices: list[Choice]) -> dict[str, int]:
@@ -202,21 +198,6 @@ def _gspo_fields(choice: Choice) -> dict[str, Any]:
     }
 
 
-def _store(
-    inference: Inference, prepared: Prepared, prompt: list[int], choice: Choice, tools: bool
-) -> tuple[str, list]:
-    record, content, calls = make_record(
-        choice,
-        prompt,
-        temperature=prepared.temperature if prepared.temperature > 0 else 1.0,
-        greedy=prepared.temperature == 0,
-        tools=tools,
-    )
-    inference.records.add(record)
-    choice.finish_reason = record.finish_reason
-    return content, calls
-
-
 async def chat_completions(inference: Inference, body: ChatRequest, request: Request) -> Any:
     tokenizer = inference.tokenizer
     if not getattr(tokenizer, "chat_template", None):
@@ -240,17 +221,17 @@ async def chat_completions(inference: Inference, body: ChatRequest, request: Req
     top = (body.top_logprobs or 0) if body.logprobs else 0
     requested = body.max_completion_tokens or body.max_tokens
     prepared = prepare(inference, body, [chat.ids], requested=requested, top=top, field="messages")
-    decoder = Decoder(tokenizer, prepared.stop, inference.stop_ids)
     (handle,) = submit(inference, prepared)
     response_id = "chatcmpl-" + new_completion_id().removeprefix("gspo-")
     if body.stream:
+        decoder = Decoder(tokenizer, prepared.stop, inference.stop_ids)
         call = ChatCall(inference, body, prepared, chat, handle, decoder, response_id, bool(tools), request)
         events = _chat_stream(call)
         return StreamingResponse(events, media_type="text/event-stream")
-    choices = await collect(inference, handle, decoder, request)
+    choices = await _whole(inference, prepared, handle, request)
     out = []
     for choice in choices:
-        content, calls = _store(inference, prepared, chat.ids, choice, bool(tools))
+        content, calls = store(inference.records, handle, choice, tools=bool(tools))
         message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
         if calls:
             message["tool_calls"] = calls
@@ -314,26 +295,20 @@ async def _chat_stream(call: ChatCall) -> AsyncIterator[str]:
         | {"choices": first, "prompt_token_ids": chat.ids}
         | {"spliced_messages": chat.spliced, "unmatched_messages": chat.unmatched}
     )
-    deadline = time.monotonic() + call.inference.serve.request_timeout
+    steps = follow(
+        call.inference.driver,
+        call.handle,
+        choices,
+        call.decoder,
+        timeout=call.inference.serve.request_timeout,
+        disconnected=call.request.is_disconnected,
+    )
     try:
-        async with contextlib.aclosing(
-            follow(
-                call.inference.driver,
-                call.handle,
-                deadline=deadline,
-                disconnected=call.request.is_disconnected,
-            )
-        ) as steps:
-            async for tokens in steps:
-                marks = {c.index: len(c.tokens) for c in choices}
-                for token in tokens:
-                    call.decoder.add(choices[token.index], token)
-                parts = [_stream_part(call, c, marks[c.index]) for c in choices]
-                parts = [p for p in parts if p is not None]
+        async with contextlib.aclosing(steps):
+            async for _ in steps:
+                parts = [part for c in choices if (part := _stream_part(call, c)) is not None]
                 if parts:
                     yield _sse(head | {"choices": parts})
-                if all(c.done for c in choices):
-                    break
     except ServeError as error:
         yield _sse(error.body())
         return
@@ -343,8 +318,9 @@ async def _chat_stream(call: ChatCall) -> AsyncIterator[str]:
     yield "data: [DONE]\n\n"
 
 
-def _stream_part(call: ChatCall, choice: Choice, mark: int) -> dict[str, Any] | None:
-    """One choice's part of a chunk: the text and tokens since `mark`; at its end, its record's fields."""
+def _stream_part(call: ChatCall, choice: Choice) -> dict[str, Any] | None:
+    """One choice's part of a chunk: the text and tokens not sent yet; at its end, its record's fields."""
+    mark, choice.sent_tokens = choice.sent_tokens, len(choice.tokens)
     if choice.reported or (mark == len(choice.tokens) and not choice.done):
         return None
     delta: dict[str, Any] = {}
@@ -355,7 +331,7 @@ def _stream_part(call: ChatCall, choice: Choice, mark: int) -> dict[str, Any] | 
     if call.body.logprobs:
         part["logprobs"] = chat_logprobs(call.inference.tokenizer, choice, mark, len(choice.tokens))
     if choice.done:
-        content, calls = _store(call.inference, call.prepared, call.chat.ids, choice, call.tools)
+        content, calls = store(call.inference.records, call.handle, choice, tools=call.tools)
         if call.tools:
             delta["content"] = content or None
             if calls:
@@ -423,10 +399,9 @@ async def completions(inference: Inference, body: CompletionRequest, request: Re
     handles = submit(inference, prepared)
     out, finished = [], []
     for j, handle in enumerate(handles):
-        decoder = Decoder(inference.tokenizer, prepared.stop, inference.stop_ids)
-        choices = await collect(inference, handle, decoder, request)
+        choices = await _whole(inference, prepared, handle, request)
         for choice in choices:
-            text, _ = _store(inference, prepared, prompts[j], choice, tools=False)
+            text, _ = store(inference.records, handle, choice, tools=False)
             entry = {
                 "index": j * prepared.n + choice.index,
                 "text": text,
