@@ -1,0 +1,159 @@
+"""verifiers v1 environments trained by gspo: a v1 `Env`'s episodes run against the live policy of one
+`gspo serve`, are scored by the environment's own reward functions, and train as GSPO groups.
+
+How a trainer drives v1 (prime-rl's orchestrator does the same through `verifiers.v1.serve`): inside
+`env.serving()`, `env.run_episode(task, ModelContext(model, client, sampling))` runs the env's agents, each
+a harness program whose model calls go through verifiers' interception server to the `client` endpoint,
+then scores each trace with the task's `@reward`s. Here the endpoint is `gspo serve`'s OpenAI API
+(`EvalClientConfig`: verifiers relays the server's JSON to the harness unchanged), and the harness is
+`GspoHarness`, a chat program that runs in this process: it keeps, in `trace.info["gspo"]`, each call's
+`completion_id` and the exact prompt and completion token ids and log-probs the server sampled. A trace
+becomes a `gspo.client.Episode` (its completion ids in order, its reward `trace.reward`: the weighted sum
+of the task's rewards), an env episode's traces one group member each, and `Client.atrain` runs one step
+of the server's objective on the groups: the trained tokens are the sampled ones.
+
+Why a harness of gspo's own: verifiers' built-in harnesses run their chat program as a uv script, which
+fetches its dependencies from PyPI at the first episode (no network on many training machines), and they
+never see the completion ids; its `TrainClientConfig` path needs a vLLM `/inference/v1/generate` endpoint.
+The interception contract allows an in-process loop (`Harness.launch`'s docstring), and
+`SUPPORTS_RESUME` lets a multi-turn env (`agent.interaction(task)`) continue the conversation turn by turn.
+
+An episode that failed (an error in the env's `run`/`finalize`, a task's reward or metric raising, the
+harness or the server failing, a reward left unset) is treated like a reward function raising in
+`gspo train`: `RewardError` names the task, the episode and verifiers' error line, and nothing of that
+batch is trained (the server keeps every step already taken).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import verifiers.v1 as vf
+from openai import AsyncOpenAI
+from verifiers.v1.dialects.chat import message_to_wire
+from verifiers.v1.runtimes import ProgramResult
+
+from gspo.client import Client, Episode, EpisodeGroup, completion_id
+from gspo.rollout.rewards import RewardError
+
+__all__ = ["GspoHarness", "GspoHarnessConfig"]  # a verifiers harness plugin: harness id = this module
+
+HARNESS_ID = "gspo_harness"
+"""`vf.HarnessConfig(id=HARNESS_ID)`. verifiers loads a harness by a module name without dots (it looks
+for `verifiers.v1.harnesses.<id>` first, and a dotted id breaks that look-up), so this module is also
+registered under that name when it is imported."""
+sys.modules.setdefault(HARNESS_ID, sys.modules[__name__])
+CALLS = "gspo"
+"""The `trace.info` key of the model calls the harness made (completion id, token ids, log-probs)."""
+
+
+class GspoHarnessConfig(vf.HarnessConfig):
+    """No settings of its own: sampling is the run's `ModelContext.sampling`, limits are the agent's."""
+
+
+class GspoHarness(vf.Harness[GspoHarnessConfig]):
+    """A chat program in this process: one model call per segment, through the interception endpoint."""
+
+    APPENDS_SYSTEM_PROMPT = True
+    SUPPORTS_RESUME = True  # a multi-turn env relaunches it on the accreted conversation
+    EXECUTES_CODE = False
+    NEEDS_CONTAINER = False
+
+    async def launch(
+        self,
+        ctx: vf.ModelContext,
+        trace: vf.Trace,
+        runtime: Any,
+        endpoint: str,
+        secret: str,
+        mcp_urls: dict[str, str],
+        data: vf.TaskData,
+    ) -> ProgramResult:
+        system, prompt = self.resolve_prompt(data)
+        messages = [{"role": "system", "content": system}] if system else []
+        if isinstance(prompt, str):
+            messages.append({"role": "user", "content": prompt})
+        else:
+            messages += [message_to_wire(message) for message in prompt or []]
+        async with AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client:
+            reply = await client.chat.completions.create(model=ctx.model, messages=messages)
+        choice = reply.choices[0]
+        extra = choice.model_extra or {}
+        trace.info.setdefault(CALLS, []).append(
+            {
+                "completion_id": completion_id(choice),  # a ValueError if the endpoint is not gspo serve
+                "prompt_token_ids": (reply.model_extra or {}).get("prompt_token_ids"),
+                "token_ids": extra.get("token_ids"),
+                "token_logprobs": extra.get("token_logprobs"),
+            }
+        )
+        return ProgramResult(exit_code=0, stdout=choice.message.content or "", stderr="")
+
+
+def model_context(client: Client, sampling: vf.Sampling | None = None) -> vf.ModelContext:
+    """The ModelContext that points an env's agents at `client`'s server (its key from $GSPO_API_KEY)."""
+    if client.openai.api_key not in ("no-key", os.environ.get("GSPO_API_KEY")):
+        # verifiers' client sends the key of an environment variable, after any header of ours
+        raise ValueError("model_context: verifiers reads the server's API key from $GSPO_API_KEY: set it")
+    config = vf.EvalClientConfig(base_url=str(client.openai.base_url), api_key_var="GSPO_API_KEY")
+    return vf.ModelContext(model=client.model, client=config, sampling=sampling or vf.Sampling())
+
+
+async def rollouts(
+    env: vf.Env, tasks: Sequence[vf.Task], context: vf.ModelContext, group_size: int
+) -> list[list[vf.Episode]]:
+    """`group_size` episodes of each task, all at once (inside `env.serving()`)."""
+    runs = [env.run_episode(task, context) for task in tasks for _ in range(group_size)]
+    episodes = await asyncio.gather(*runs)
+    return [list(episodes[i : i + group_size]) for i in range(0, len(episodes), group_size)]
+
+
+def episode_groups(groups: Iterable[Sequence[vf.Episode]]) -> list[EpisodeGroup]:
+    """gspo groups of scored v1 episodes: each trace that called the model is one trajectory (its
+    completion ids, its reward). A failed episode raises RewardError (module docstring)."""
+    out = []
+    for g, group in enumerate(groups):
+        members = []
+        for e, episode in enumerate(group):
+            where = f"task {episode.task.data.idx} (group {g}), episode {e}"
+            failure = episode.last_error or next((t.errors[-1] for t in episode.traces if t.errors), None)
+            if failure is not None or not episode.ok:
+                line = f"{failure.type}: {failure.message}" if failure else "not ok, without an error"
+                raise RewardError(
+                    f"verifiers environment failed at {where}: {line}; nothing of this batch "
+                    "was trained: fix the environment, then run again"
+                )
+            for trace in episode.traces:
+                unset = sorted(name for name, reward in trace.rewards.items() if reward is None)
+                if unset:
+                    raise RewardError(f"verifiers environment at {where}: rewards {unset} were not recorded")
+                calls = trace.info.get(CALLS, [])
+                if calls:
+                    ids = [call["completion_id"] for call in calls]
+                    members.append(Episode(ids, float(trace.reward), metrics=_numbers(trace.metrics)))
+        out.append(EpisodeGroup(members))
+    return out
+
+
+def _numbers(metrics: dict[str, float | None]) -> dict[str, float]:
+    return {name: float(value) for name, value in metrics.items() if value is not None}
+
+
+async def train_step(
+    env: vf.Env,
+    client: Client,
+    tasks: Sequence[vf.Task],
+    *,
+    group_size: int,
+    sampling: vf.Sampling | None = None,
+) -> dict[str, Any]:
+    """One GSPO step: `group_size` episodes of each task against the live policy, scored by the env, trained
+    by the server. Call inside `env.serving()`. Returns the server's answer (version, metrics) and the
+    episodes (``answer["episodes"]``)."""
+    groups = await rollouts(env, tasks, model_context(client, sampling), group_size)
+    answer = await client.atrain(episode_groups(groups))
+    return {**answer, "episodes": groups}
