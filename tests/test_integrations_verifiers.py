@@ -15,7 +15,8 @@ vf = pytest.importorskip("verifiers.v1", reason="needs pip install 'gspo[verifie
 import gspo.learning.step as serve_step  # noqa: E402
 from conftest import tiny_config  # noqa: E402
 from gspo.client import Client  # noqa: E402
-from gspo.integrations.verifiers import CALLS, HARNESS_ID, train_step  # noqa: E402
+from gspo.integrations.verifiers import harness_config, train_step  # noqa: E402
+from gspo.integrations.verifiers_harness import CALLS  # noqa: E402
 from gspo.rollout.rewards import RewardError  # noqa: E402
 from gspo.serve.server import build_service, start_in_thread  # noqa: E402
 
@@ -53,7 +54,7 @@ class TwoTurnEnv(vf.SingleAgentEnv):
 
 
 def make_env(kind: type[vf.SingleAgentEnv]) -> vf.SingleAgentEnv:
-    agent = vf.AgentConfig(harness=vf.HarnessConfig(id=HARNESS_ID), runtime=vf.SubprocessConfig())
+    agent = vf.AgentConfig(harness=harness_config(), runtime=vf.SubprocessConfig())
     return kind(vf.SingleAgentEnvConfig(taskset=vf.TasksetConfig(id=__name__), agent=agent))
 
 

@@ -5,8 +5,8 @@ How a trainer drives v1 (prime-rl's orchestrator does the same through `verifier
 `env.serving()`, `env.run_episode(task, ModelContext(model, client, sampling))` runs the env's agents, each
 a harness program whose model calls go through verifiers' interception server to the `client` endpoint,
 then scores each trace with the task's `@reward`s. Here the endpoint is `gspo serve`'s OpenAI API
-(`EvalClientConfig`: verifiers relays the server's JSON to the harness unchanged), and the harness is
-`GspoHarness`, a chat program that runs in this process: it keeps, in `trace.info["gspo"]`, each call's
+(`EvalClientConfig`: verifiers relays the server's JSON to the harness unchanged), and the agents' harness
+is `harness_config()`: gspo.integrations.verifiers_harness, a chat program in this process that keeps, in `trace.info["gspo"]`, each call's
 `completion_id` and the exact prompt and completion token ids and log-probs the server sampled. A trace
 becomes a `gspo.client.Episode` (its completion ids in order, its reward `trace.reward`: the weighted sum
 of the task's rewards), an env episode's traces one group member each, and `Client.atrain` runs one step
@@ -28,70 +28,35 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import verifiers.v1 as vf
-from openai import AsyncOpenAI
-from verifiers.v1.dialects.chat import message_to_wire
-from verifiers.v1.runtimes import ProgramResult
-
-from gspo.client import Client, Episode, EpisodeGroup, completion_id
+from gspo.client import Client, Episode, EpisodeGroup
 from gspo.rollout.rewards import RewardError
 
-__all__ = ["GspoHarness", "GspoHarnessConfig"]  # a verifiers harness plugin: harness id = this module
-
-HARNESS_ID = "gspo_harness"
-"""`vf.HarnessConfig(id=HARNESS_ID)`. verifiers loads a harness by a module name without dots (it looks
-for `verifiers.v1.harnesses.<id>` first, and a dotted id breaks that look-up), so this module is also
-registered under that name when it is imported."""
-sys.modules.setdefault(HARNESS_ID, sys.modules[__name__])
-CALLS = "gspo"
-"""The `trace.info` key of the model calls the harness made (completion id, token ids, log-probs)."""
+if TYPE_CHECKING:
+    import verifiers.v1 as vf
 
 
-class GspoHarnessConfig(vf.HarnessConfig):
-    """No settings of its own: sampling is the run's `ModelContext.sampling`, limits are the agent's."""
+def _import_verifiers() -> Any:
+    """verifiers.v1 and gspo's harness plugin, imported on first use (the package is an optional extra)."""
+    try:
+        import verifiers.v1 as vf
+
+        import gspo.integrations.verifiers_harness  # noqa: F401  (registers the harness id)
+    except ImportError as error:
+        raise ImportError(
+            f"gspo.integrations.verifiers needs verifiers: pip install 'gspo[verifiers]' ({error})"
+        ) from None
+    return vf
 
 
-class GspoHarness(vf.Harness[GspoHarnessConfig]):
-    """A chat program in this process: one model call per segment, through the interception endpoint."""
+def harness_config() -> vf.HarnessConfig:
+    """The agent's harness for training through gspo: `vf.AgentConfig(harness=harness_config(), ...)`."""
+    vf = _import_verifiers()
+    from gspo.integrations.verifiers_harness import HARNESS_ID
 
-    APPENDS_SYSTEM_PROMPT = True
-    SUPPORTS_RESUME = True  # a multi-turn env relaunches it on the accreted conversation
-    EXECUTES_CODE = False
-    NEEDS_CONTAINER = False
-
-    async def launch(
-        self,
-        ctx: vf.ModelContext,
-        trace: vf.Trace,
-        runtime: Any,
-        endpoint: str,
-        secret: str,
-        mcp_urls: dict[str, str],
-        data: vf.TaskData,
-    ) -> ProgramResult:
-        system, prompt = self.resolve_prompt(data)
-        messages = [{"role": "system", "content": system}] if system else []
-        if isinstance(prompt, str):
-            messages.append({"role": "user", "content": prompt})
-        else:
-            messages += [message_to_wire(message) for message in prompt or []]
-        async with AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client:
-            reply = await client.chat.completions.create(model=ctx.model, messages=messages)
-        choice = reply.choices[0]
-        extra = choice.model_extra or {}
-        trace.info.setdefault(CALLS, []).append(
-            {
-                "completion_id": completion_id(choice),  # a ValueError if the endpoint is not gspo serve
-                "prompt_token_ids": (reply.model_extra or {}).get("prompt_token_ids"),
-                "token_ids": extra.get("token_ids"),
-                "token_logprobs": extra.get("token_logprobs"),
-            }
-        )
-        return ProgramResult(exit_code=0, stdout=choice.message.content or "", stderr="")
+    return vf.HarnessConfig(id=HARNESS_ID)
 
 
 def model_context(client: Client, sampling: vf.Sampling | None = None) -> vf.ModelContext:
@@ -99,6 +64,7 @@ def model_context(client: Client, sampling: vf.Sampling | None = None) -> vf.Mod
     if client.openai.api_key not in ("no-key", os.environ.get("GSPO_API_KEY")):
         # verifiers' client sends the key of an environment variable, after any header of ours
         raise ValueError("model_context: verifiers reads the server's API key from $GSPO_API_KEY: set it")
+    vf = _import_verifiers()
     config = vf.EvalClientConfig(base_url=str(client.openai.base_url), api_key_var="GSPO_API_KEY")
     return vf.ModelContext(model=client.model, client=config, sampling=sampling or vf.Sampling())
 
@@ -115,6 +81,8 @@ async def rollouts(
 def episode_groups(groups: Iterable[Sequence[vf.Episode]]) -> list[EpisodeGroup]:
     """gspo groups of scored v1 episodes: each trace that called the model is one trajectory (its
     completion ids, its reward). A failed episode raises RewardError (module docstring)."""
+    from gspo.integrations.verifiers_harness import CALLS
+
     out = []
     for g, group in enumerate(groups):
         members = []
