@@ -1,8 +1,10 @@
 """verifiers v1 environments trained by gspo: a v1 `Env`'s episodes run against the live policy of one
 `gspo serve`, are scored by the environment's own reward functions, and train as GSPO groups.
 
-How a trainer drives v1 (prime-rl's orchestrator does the same through `verifiers.v1.serve`): inside
-`env.serving()`, `env.run_episode(task, ModelContext(model, client, sampling))` runs the env's agents, each
+How a trainer drives v1: prime-rl's orchestrator spawns verifiers' env server (`verifiers.v1.serve`) and asks
+it for rollouts by task index, with a `TrainClientConfig` that points at vLLM; that server runs, inside
+`env.serving()`, `env.run_slot(slot, ModelContext(model, client, sampling))`. gspo calls the same in its own
+process (no server, no ZMQ). An episode runs the env's agents, each
 a harness program whose model calls go through verifiers' interception server to the `client` endpoint,
 then scores each trace with the task's `@reward`s. Here the endpoint is `gspo serve`'s OpenAI API
 (`EvalClientConfig`: verifiers relays the server's JSON to the harness unchanged), and the agents' harness
@@ -72,9 +74,10 @@ def model_context(client: Client, sampling: vf.Sampling | None = None) -> vf.Mod
 async def rollouts(
     env: vf.Env, tasks: Sequence[vf.Task], context: vf.ModelContext, group_size: int
 ) -> list[list[vf.Episode]]:
-    """`group_size` episodes of each task, all at once (inside `env.serving()`)."""
-    runs = [env.run_episode(task, context) for task in tasks for _ in range(group_size)]
-    episodes = await asyncio.gather(*runs)
+    """`group_size` episodes of each task, all at once (inside `env.serving()`), as verifiers' env server
+    runs them for prime-rl: planned by `env.slots`, each retried whole per the env's `retries`."""
+    slots = [slot for task in tasks for slot in env.slots(task, group_size)]
+    episodes = await asyncio.gather(*(env.run_slot(slot, context) for slot in slots))
     return [list(episodes[i : i + group_size]) for i in range(0, len(episodes), group_size)]
 
 
