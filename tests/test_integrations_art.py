@@ -5,7 +5,12 @@ package. Skipped without it (pip install 'gspo[art]')."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -122,3 +127,27 @@ def test_choices_from_elsewhere_and_art_training_arguments_are_refused(tmp_path)
     assert "trajectory_groups[0].trajectories[0]: a choice without a gspo completion_id" in errors[0]
     assert "learning_rate (train.lr)" in errors[1]
     assert step == 0  # nothing trained
+
+
+def test_the_tic_tac_toe_example_judges_games_and_has_a_smoke_mode(tmp_path):
+    """examples/art_tic_tac_toe/train.py, ART's published example on gspo's backend: its referee on
+    hand-made boards, then `--smoke` (the tiny model, one step of 2 games x 2; 30 to 90 s here, under load)."""
+    script = Path(__file__).resolve().parents[1] / "examples" / "art_tic_tac_toe" / "train.py"
+    spec = importlib.util.spec_from_file_location("art_tic_tac_toe", script)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    boards = {"x": "xo_xo_x__", "o": "xxo_o_o__", "draw": "xoxxoooxx", None: "xo_______"}
+    for expected, cells in boards.items():
+        assert example.winner([list(cells[r * 3 : r * 3 + 3]) for r in range(3)]) == expected, cells
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    (row,) = json.loads((tmp_path / "results.json").read_text())["train"]
+    # the tiny random model never writes <move>..</move>: every game ends at its first answer
+    assert (row["step"], row["invalid"], row["reward_mean"]) == (1, 1.0, -1.0)
