@@ -15,7 +15,7 @@ vf = pytest.importorskip("verifiers.v1", reason="needs pip install 'gspo[verifie
 import gspo.learning.step as serve_step  # noqa: E402
 from conftest import tiny_config  # noqa: E402
 from gspo.client import Client  # noqa: E402
-from gspo.integrations.verifiers import harness_config, train_step  # noqa: E402
+from gspo.integrations.verifiers import harness_config, model_context, rollouts, train_step  # noqa: E402
 from gspo.integrations.verifiers_harness import CALLS  # noqa: E402
 from gspo.rollout.rewards import RewardError  # noqa: E402
 from gspo.serve.server import build_service, start_in_thread  # noqa: E402
@@ -139,3 +139,23 @@ def test_an_error_in_the_environments_code_stops_the_step_like_a_reward_function
     assert "ZeroDivisionError" in message and "the reward's own bug" in message
     assert "nothing of this batch was trained" in message
     assert seen == [] and server.service.trainer.version == version
+
+
+def test_a_server_key_reaches_the_server_through_verifiers_from_gspo_api_key(tmp_path, monkeypatch):
+    running = start_in_thread(build_service(tiny_config(tmp_path / "run"), key="k3y"))
+    try:
+        monkeypatch.delenv("GSPO_API_KEY", raising=False)
+        with pytest.raises(ValueError, match=r"\$GSPO_API_KEY: set it"):
+            model_context(Client(running.url, api_key="k3y"))
+        env = make_env(vf.SingleAgentEnv)
+        (task, _) = list(env.taskset)
+
+        async def main(context):
+            async with env.serving():
+                return await rollouts(env, [task], context, 1)
+
+        monkeypatch.setenv("GSPO_API_KEY", "k3y")  # the server refuses a call without it (401)
+        ((episode,),) = asyncio.run(main(model_context(Client(running.url))))
+        assert episode.ok and len(episode.traces[0].info[CALLS]) == 1
+    finally:
+        running.stop()
