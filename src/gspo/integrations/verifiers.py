@@ -21,7 +21,7 @@ The interception contract allows an in-process loop (`Harness.launch`'s docstrin
 `SUPPORTS_RESUME` lets a multi-turn env (`agent.interaction(task)`) continue the conversation turn by turn.
 
 An episode that failed (an error in the env's `run`/`finalize`, a task's reward or metric raising, the
-harness or the server failing, a reward left unset) is treated like a reward function raising in
+harness or the server failing) is treated like a reward function raising in
 `gspo train`: `RewardError` names the task, the episode and verifiers' error line, and nothing of that
 batch is trained (the server keeps every step already taken).
 """
@@ -91,17 +91,15 @@ def episode_groups(groups: Iterable[Sequence[vf.Episode]]) -> list[EpisodeGroup]
         members = []
         for e, episode in enumerate(group):
             where = f"task {episode.task.data.idx} (group {g}), episode {e}"
-            failure = episode.last_error or next((t.errors[-1] for t in episode.traces if t.errors), None)
-            if failure is not None or not episode.ok:
-                line = f"{failure.type}: {failure.message}" if failure else "not ok, without an error"
+            # `ok`, not the errors: an episode or agent run that a retry saved keeps the earlier errors
+            if not episode.ok:
+                failure = episode.last_error or next((t.errors[-1] for t in episode.traces if t.errors), None)
+                line = f"{failure.type}: {failure.message}" if failure else "the episode is not ok"
                 raise RewardError(
-                    f"verifiers environment failed at {where}: {line}; nothing of this batch "
-                    "was trained: fix the environment, then run again"
+                    f"verifiers environment failed at {where}: {line}; nothing of this batch was trained: "
+                    "fix the environment, then run again"
                 )
             for trace in episode.traces:
-                unset = sorted(name for name, reward in trace.rewards.items() if reward is None)
-                if unset:
-                    raise RewardError(f"verifiers environment at {where}: rewards {unset} were not recorded")
                 calls = trace.info.get(CALLS, [])
                 if calls:
                     ids = [call["completion_id"] for call in calls]
