@@ -151,3 +151,14 @@ def test_the_tic_tac_toe_example_judges_games_and_has_a_smoke_mode(tmp_path):
     (row,) = json.loads((tmp_path / "results.json").read_text())["train"]
     # the tiny random model never writes <move>..</move>: every game ends at its first answer
     assert (row["step"], row["invalid"], row["reward_mean"]) == (1, 1.0, -1.0)
+
+
+def test_openai_3_under_this_art_is_refused_before_anything_starts(tmp_path, monkeypatch):
+    """Under openai 3, ART 0.5.18's model.openai_client() fails on every request in anyio ("float +
+    Timeout"); the backend says why and how to fix it instead, and starts no server."""
+    import openai
+
+    monkeypatch.setattr(openai, "__version__", "3.57.0")
+    with pytest.raises(RuntimeError, match=r"under openai 3\.57\.0 .*: pip install 'openai<3'"):
+        GspoBackend(config="configs/tiny.yaml", overrides=[f"output_dir={tmp_path / 'run'}"])
+    assert not (tmp_path / "run").exists()

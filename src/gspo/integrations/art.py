@@ -24,12 +24,16 @@ Deliberate choices:
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
+import re
 import shlex
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import openai
 
 from gspo.client import Client, Episode, EpisodeGroup, completion_id
 
@@ -43,7 +47,24 @@ def _import_art() -> Any:
         import art
     except ImportError as error:
         raise ImportError(f"GspoBackend needs openpipe-art: pip install 'gspo[art]' ({error})") from None
+    _check_openai(importlib.metadata.version("openpipe-art"), openai.__version__)
     return art
+
+
+def _check_openai(art_version: str, openai_version: str) -> None:
+    """openpipe-art up to 0.5.18 hands openai's http client an `httpx.Timeout`; openai 3 builds that client
+    on httpx2, which takes it for a number, and every request of `model.openai_client()` then fails deep in
+    anyio ("float + Timeout"). Say so before anything starts."""
+
+    def release(version: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+
+    if release(openai_version) >= (3,) and release(art_version) <= (0, 5, 18):
+        raise RuntimeError(
+            f"openpipe-art {art_version}'s model.openai_client() fails under openai {openai_version} "
+            "(httpx2 cannot use the httpx.Timeout it passes): pip install 'openai<3' (the gspo[art] extra "
+            "pins it)"
+        )
 
 
 SERVER_KEYS = {
