@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -162,3 +163,20 @@ def test_openai_3_under_this_art_is_refused_before_anything_starts(tmp_path, mon
     with pytest.raises(RuntimeError, match=r"under openai 3\.57\.0 .*: pip install 'openai<3'"):
         GspoBackend(config="configs/tiny.yaml", overrides=[f"output_dir={tmp_path / 'run'}"])
     assert not (tmp_path / "run").exists()
+
+
+def test_a_server_started_for_a_client_that_dies_stops_with_it(tmp_path):
+    """A client that crashes (os._exit, no close) leaves no `gspo serve` behind holding the model."""
+    script = (
+        "import os\nfrom gspo.integrations.art import start_server\n"
+        f"server, url = start_server('configs/tiny.yaml', ['output_dir={tmp_path / 'run'}', 'report_to=[]'])\n"
+        "print(server.pid, flush=True)\nos._exit(1)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    pid = int(done.stdout.split()[0])
+    stat = Path(f"/proc/{pid}/stat")
+    deadline = time.monotonic() + 60
+    # gone, or a zombie nobody reaps (a container's init may not)
+    while stat.exists() and stat.read_text().split()[2] != "Z" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not stat.exists() or stat.read_text().split()[2] == "Z", f"gspo serve {pid} outlived its client"

@@ -24,9 +24,11 @@ Deliberate choices:
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import importlib.metadata
 import re
 import shlex
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -106,17 +108,8 @@ class GspoBackend:
         self._model_name: str | None = None
 
     def _start_server(self, config: str | Path | None, overrides: Sequence[str]) -> str:
-        """`gspo serve CONFIG overrides serve.port=0` as a child process (its log on this stderr); its URL."""
-        command = [sys.executable, "-m", "gspo", "serve", *([str(config)] if config else []), *overrides]
-        self._server = subprocess.Popen([*command, "serve.port=0"], stdout=subprocess.PIPE, text=True)
-        line = self._server.stdout.readline() if self._server.stdout else ""
-        if not line.startswith("gspo serve: http://"):  # it failed: its error line is on stderr
-            self._server.kill()
-            self._server.wait()
-            raise RuntimeError(
-                f"gspo serve did not start (exit code {self._server.returncode}): {shlex.join(command)}"
-            )
-        return line.split()[2]
+        self._server, url = start_server(config, overrides)
+        return url
 
     # ---- registration and inference ------------------------------------------------------------------
     async def register(self, model: art.Model) -> None:
@@ -183,6 +176,30 @@ class GspoBackend:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def start_server(config: str | Path | None, overrides: Sequence[str]) -> tuple[subprocess.Popen, str]:
+    """`gspo serve CONFIG overrides serve.port=0` as a child process (its log on this stderr): the process
+    and its URL. On Linux the server gets SIGTERM (and checkpoints, as on close) when the thread that
+    started it ends, so a client that crashed leaves no server holding the model's memory."""
+    command = [sys.executable, "-m", "gspo", "serve", *([str(config)] if config else []), *overrides]
+    server = subprocess.Popen(
+        [*command, "serve.port=0"],
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=_terminate_with_parent if sys.platform == "linux" else None,
+    )
+    line = server.stdout.readline() if server.stdout else ""
+    if not line.startswith("gspo serve: http://"):  # it failed: its error line is on stderr
+        server.kill()
+        server.wait()
+        raise RuntimeError(f"gspo serve did not start (exit code {server.returncode}): {shlex.join(command)}")
+    return server, line.split()[2]
+
+
+def _terminate_with_parent() -> None:
+    """In the child before exec: prctl(PR_SET_PDEATHSIG, SIGTERM)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
 
 
 def episodes(group: art.TrajectoryGroup, index: int = 0) -> list[Episode]:
