@@ -8,6 +8,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -172,11 +173,23 @@ def test_a_server_started_for_a_client_that_dies_stops_with_it(tmp_path):
         f"server, url = start_server('configs/tiny.yaml', ['output_dir={tmp_path / 'run'}', 'report_to=[]'])\n"
         "print(server.pid, flush=True)\nos._exit(1)\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    # the server's log goes to the client's stderr: not a pipe here, which a live server would hold open
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        timeout=120,
+    )
     pid = int(done.stdout.split()[0])
     stat = Path(f"/proc/{pid}/stat")
+
+    def running() -> bool:  # a zombie that nobody reaps (a container's init may not) has stopped
+        return stat.exists() and stat.read_text().split()[2] != "Z"
+
     deadline = time.monotonic() + 60
-    # gone, or a zombie nobody reaps (a container's init may not)
-    while stat.exists() and stat.read_text().split()[2] != "Z" and time.monotonic() < deadline:
+    while running() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not stat.exists() or stat.read_text().split()[2] == "Z", f"gspo serve {pid} outlived its client"
+    if running():
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"gspo serve {pid} outlived its client")
