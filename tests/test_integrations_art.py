@@ -5,7 +5,14 @@ package. Skipped without it (pip install 'gspo[art]')."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import json
 import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -122,3 +129,67 @@ def test_choices_from_elsewhere_and_art_training_arguments_are_refused(tmp_path)
     assert "trajectory_groups[0].trajectories[0]: a choice without a gspo completion_id" in errors[0]
     assert "learning_rate (train.lr)" in errors[1]
     assert step == 0  # nothing trained
+
+
+def test_the_tic_tac_toe_example_judges_games_and_has_a_smoke_mode(tmp_path):
+    """examples/art_tic_tac_toe/train.py, ART's published example on gspo's backend: its referee on
+    hand-made boards, then `--smoke` (the tiny model, one step of 2 games x 2; 30 to 90 s here, under load)."""
+    script = Path(__file__).resolve().parents[1] / "examples" / "art_tic_tac_toe" / "train.py"
+    spec = importlib.util.spec_from_file_location("art_tic_tac_toe", script)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    boards = {"x": "xo_xo_x__", "o": "xxo_o_o__", "draw": "xoxxoooxx", None: "xo_______"}
+    for expected, cells in boards.items():
+        assert example.winner([list(cells[r * 3 : r * 3 + 3]) for r in range(3)]) == expected, cells
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    (row,) = json.loads((tmp_path / "results.json").read_text())["train"]
+    # the tiny random model never writes <move>..</move>: every game ends at its first answer
+    assert (row["step"], row["invalid"], row["reward_mean"]) == (1, 1.0, -1.0)
+
+
+def test_openai_3_under_this_art_is_refused_before_anything_starts(tmp_path, monkeypatch):
+    """Under openai 3, ART 0.5.18's model.openai_client() fails on every request in anyio ("float +
+    Timeout"); the backend says why and how to fix it instead, and starts no server."""
+    import openai
+
+    monkeypatch.setattr(openai, "__version__", "3.57.0")
+    with pytest.raises(RuntimeError, match=r"under openai 3\.57\.0 .*: pip install 'openai<3'"):
+        GspoBackend(config="configs/tiny.yaml", overrides=[f"output_dir={tmp_path / 'run'}"])
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_server_started_for_a_client_that_dies_stops_with_it(tmp_path):
+    """A client that crashes (os._exit, no close) leaves no `gspo serve` behind holding the model."""
+    script = (
+        "import os\nfrom gspo.integrations.art import start_server\n"
+        f"server, url = start_server('configs/tiny.yaml', ['output_dir={tmp_path / 'run'}', 'report_to=[]'])\n"
+        "print(server.pid, flush=True)\nos._exit(1)\n"
+    )
+    # the server's log goes to the client's stderr: not a pipe here, which a live server would hold open
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        timeout=120,
+    )
+    pid = int(done.stdout.split()[0])
+    stat = Path(f"/proc/{pid}/stat")
+
+    def running() -> bool:  # a zombie that nobody reaps (a container's init may not) has stopped
+        return stat.exists() and stat.read_text().split()[2] != "Z"
+
+    deadline = time.monotonic() + 60
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if running():
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"gspo serve {pid} outlived its client")

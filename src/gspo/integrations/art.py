@@ -24,12 +24,18 @@ Deliberate choices:
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import importlib.metadata
+import re
 import shlex
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import openai
 
 from gspo.client import Client, Episode, EpisodeGroup, completion_id
 
@@ -43,7 +49,24 @@ def _import_art() -> Any:
         import art
     except ImportError as error:
         raise ImportError(f"GspoBackend needs openpipe-art: pip install 'gspo[art]' ({error})") from None
+    _check_openai(importlib.metadata.version("openpipe-art"), openai.__version__)
     return art
+
+
+def _check_openai(art_version: str, openai_version: str) -> None:
+    """openpipe-art up to 0.5.18 hands openai's http client an `httpx.Timeout`; openai 3 builds that client
+    on httpx2, which takes it for a number, and every request of `model.openai_client()` then fails deep in
+    anyio ("float + Timeout"). Say so before anything starts."""
+
+    def release(version: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+
+    if release(openai_version) >= (3,) and release(art_version) <= (0, 5, 18):
+        raise RuntimeError(
+            f"openpipe-art {art_version}'s model.openai_client() fails under openai {openai_version} "
+            "(httpx2 cannot use the httpx.Timeout it passes): pip install 'openai<3' (the gspo[art] extra "
+            "pins it)"
+        )
 
 
 SERVER_KEYS = {
@@ -85,17 +108,8 @@ class GspoBackend:
         self._model_name: str | None = None
 
     def _start_server(self, config: str | Path | None, overrides: Sequence[str]) -> str:
-        """`gspo serve CONFIG overrides serve.port=0` as a child process (its log on this stderr); its URL."""
-        command = [sys.executable, "-m", "gspo", "serve", *([str(config)] if config else []), *overrides]
-        self._server = subprocess.Popen([*command, "serve.port=0"], stdout=subprocess.PIPE, text=True)
-        line = self._server.stdout.readline() if self._server.stdout else ""
-        if not line.startswith("gspo serve: http://"):  # it failed: its error line is on stderr
-            self._server.kill()
-            self._server.wait()
-            raise RuntimeError(
-                f"gspo serve did not start (exit code {self._server.returncode}): {shlex.join(command)}"
-            )
-        return line.split()[2]
+        self._server, url = start_server(config, overrides)
+        return url
 
     # ---- registration and inference ------------------------------------------------------------------
     async def register(self, model: art.Model) -> None:
@@ -162,6 +176,30 @@ class GspoBackend:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def start_server(config: str | Path | None, overrides: Sequence[str]) -> tuple[subprocess.Popen, str]:
+    """`gspo serve CONFIG overrides serve.port=0` as a child process (its log on this stderr): the process
+    and its URL. On Linux the server gets SIGTERM (and checkpoints, as on close) when the thread that
+    started it ends, so a client that crashed leaves no server holding the model's memory."""
+    command = [sys.executable, "-m", "gspo", "serve", *([str(config)] if config else []), *overrides]
+    server = subprocess.Popen(
+        [*command, "serve.port=0"],
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=_terminate_with_parent if sys.platform == "linux" else None,
+    )
+    line = server.stdout.readline() if server.stdout else ""
+    if not line.startswith("gspo serve: http://"):  # it failed: its error line is on stderr
+        server.kill()
+        server.wait()
+        raise RuntimeError(f"gspo serve did not start (exit code {server.returncode}): {shlex.join(command)}")
+    return server, line.split()[2]
+
+
+def _terminate_with_parent() -> None:
+    """In the child before exec: prctl(PR_SET_PDEATHSIG, SIGTERM)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
 
 
 def episodes(group: art.TrajectoryGroup, index: int = 0) -> list[Episode]:
