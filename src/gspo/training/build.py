@@ -338,6 +338,8 @@ def choose_layout(config: Config, model: torch.nn.Module, pad_id: int) -> str:
     mode = config.train.layout
     if mode != "auto":
         return mode
+    if config.distributed.sequence_parallel > 1:  # the one layout a row split across ranks supports
+        return "packed"
     vocab = model.get_input_embeddings().num_embeddings
     device = next(model.parameters()).device
     spec = UpdateSpec(

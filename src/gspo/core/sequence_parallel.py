@@ -1,0 +1,320 @@
+"""Sequence data parallelism (as in Fast-LLM): each rank of a group computes one slice of packed rows.
+
+The rows' columns are cut into N contiguous slices of equal width (`split_micro_batch`); a rank runs the
+decoder on its own slice. Inside `split_attention`, a supported model's attention all-gathers the keys and
+values of every slice along the sequence (the caller's ``SequenceSplit.gather``, whose backward reduce-
+scatters their gradients), so each local query sees every earlier token of its own segment, as in the
+unsplit row. RoPE needs nothing more: each slice passes its own position_ids. Grouped-query heads are read
+as sdpa's ``enable_gqa``; a layer's sliding window narrows the mask. The rank scores the tokens its hidden
+states predict (columns lo+1..hi of its slice [lo, hi)), through the chunked LM head. The loss then
+all-reduces each sequence's sums over the group (gspo.core.objectives' ``segment_sum_reduce``).
+
+A slice's queries go in pieces, one per segment it holds: a segment starting inside the slice is plainly
+causal and shares a padded batch with pieces of similar length (as gspo.core.attention); the one segment
+per row continuing from an earlier slice also attends to that segment's earlier keys (a lower-right
+aligned causal mask). Only packed rows (position_ids restarting at 0 for each sequence) are supported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import AttentionInterface
+
+from gspo.core.attention import BUCKET_RATIO, supports_segments
+from gspo.core.layout import MicroBatch, SequenceSplit
+from gspo.core.logprobs import _scored_positions, causal_lm_logprobs, decoder_and_head, token_logprobs
+
+NAME = "gspo_sequence_split"
+"""The attention implementation registered with transformers, active only inside split_attention."""
+
+
+@dataclass(frozen=True)
+class _Pieces:
+    """Query pieces of one sdpa call: S pieces padded to Lq queries and Lk keys."""
+
+    queries: Tensor  # (S * Lq,) local flat index b * P + (t - lo) of each query slot (padding repeats one)
+    keys: Tensor  # (S * Lk,) gathered flat index b * T + t of each key slot
+    keep: Tensor  # (n,) the query slots holding real tokens
+    shape: tuple[int, int, int]  # (S, Lq, Lk)
+    offset: Tensor  # (S, 1, 1) the piece's first query minus its first key, in columns
+
+
+@dataclass(frozen=True)
+class SliceLayout:
+    """The pieces of a slice [lo, hi) of packed rows of width T, and where the local tokens land."""
+
+    pieces: list[_Pieces]
+    inverse: Tensor  # (B * P,) position of local token b * P + p among the pieces' kept slots
+    split: SequenceSplit
+
+
+_LAYOUT: contextvars.ContextVar[SliceLayout | None] = contextvars.ContextVar(NAME, default=None)
+
+
+def slice_layout(
+    position_ids: Tensor, split: SequenceSplit, bucket_ratio: float = BUCKET_RATIO
+) -> SliceLayout:
+    """The pieces of this rank's slice of packed rows ``position_ids`` (B, T), whole rows on every rank."""
+    rows, width = position_ids.shape
+    lo, hi = split.bounds(width)
+    part = hi - lo
+    pos = position_ids.detach().cpu()
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    starting: list[tuple[int, int, int]] = []  # (row, first column, length) of pieces that start a segment
+    continuing: list[tuple[int, int, int]] = []  # (row, segment's first column, its last column + 1 here)
+    for b in range(rows):
+        first = starts[b].nonzero().squeeze(1).tolist()
+        for cs, ce in zip(first, [*first[1:], width], strict=True):
+            qs, qe = max(cs, lo), min(ce, hi)
+            if qs >= qe:
+                continue
+            if qs == cs:
+                starting.append((b, qs, qe - qs))
+            else:
+                continuing.append((b, cs, qe))
+    device = position_ids.device
+    pieces, chosen = [], []
+
+    def add(
+        queries: Tensor, keys: Tensor, valid: Tensor, shape: tuple[int, int, int], offset: list[int]
+    ) -> None:
+        pieces.append(
+            _Pieces(
+                queries.to(device),
+                keys.to(device),
+                valid.nonzero().squeeze(1).to(device),
+                shape,
+                torch.tensor(offset).view(-1, 1, 1).to(device),
+            )
+        )
+        chosen.append(queries[valid])
+
+    for b, cs, qe in continuing:  # queries [lo, qe) against keys [cs, qe)
+        queries = b * part + torch.arange(qe - lo)
+        add(
+            queries,
+            b * width + torch.arange(cs, qe),
+            torch.ones(qe - lo, dtype=torch.bool),
+            (1, qe - lo, qe - cs),
+            [lo - cs],
+        )
+    order = sorted(starting, key=lambda piece: -piece[2])
+    i = 0
+    while i < len(order):
+        longest = order[i][2]
+        j = i
+        while j < len(order) and order[j][2] * bucket_ratio >= longest:
+            j += 1
+        row = torch.tensor([b for b, _, _ in order[i:j]])[:, None]
+        col = torch.tensor([c for _, c, _ in order[i:j]])[:, None]
+        length = torch.tensor([n for _, _, n in order[i:j]])[:, None]
+        slot = torch.arange(longest)[None, :]
+        column = col + torch.minimum(slot, length - 1)  # (S, L): a padded slot repeats the last token
+        valid = (slot < length).reshape(-1)
+        add(
+            (row * part + column - lo).reshape(-1),
+            (row * width + column).reshape(-1),
+            valid,
+            (j - i, longest, longest),
+            [0] * (j - i),
+        )
+        i = j
+    return SliceLayout(pieces, torch.argsort(torch.cat(chosen)).to(device), split)
+
+
+def _mask(pieces: _Pieces, window: int | None) -> Tensor | None:
+    """(S, 1, Lq, Lk) bool, key j visible to query i: j <= i + offset, and within the sliding window; None:
+    plainly causal (sdpa's is_causal)."""
+    _, lq, lk = pieces.shape
+    if window is None and not bool(pieces.offset.any()):
+        return None
+    i = torch.arange(lq, device=pieces.offset.device)[:, None]
+    j = torch.arange(lk, device=pieces.offset.device)[None, :]
+    distance = i + pieces.offset - j  # (S, Lq, Lk) how many columns the key lies before the query
+    visible = distance >= 0
+    if window is not None:  # transformers' sliding window: the key is fewer than `window` columns back
+        visible &= distance < window
+    return visible.unsqueeze(1)
+
+
+def _split_attention_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers attention function on a slice: (B, H, P, D) queries, (B, Hkv, P, D) keys, (B, Hkv, P, Dv)
+    values of the local columns -> (B, P, H, Dv), each query against its segment's keys on every rank."""
+    layout = _LAYOUT.get()
+    if layout is None:
+        raise RuntimeError(
+            f"the {NAME!r} attention runs only inside gspo.core.sequence_parallel.split_attention"
+        )
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError(f"{NAME!r}: attention soft-capping is not supported")
+    batch, heads, part, _ = query.shape
+    kv_heads, key_dim, value_dim = key.shape[1], key.shape[-1], value.shape[-1]
+    # one collective for both: (B, Hkv, T, D + Dv), every slice in order
+    key, value = layout.split.gather(torch.cat([key, value], dim=-1)).split([key_dim, value_dim], dim=-1)
+    width = key.shape[2]
+    q = query.transpose(1, 2).reshape(batch * part, heads, -1)
+    k = key.transpose(1, 2).reshape(batch * width, kv_heads, key_dim)
+    v = value.transpose(1, 2).reshape(batch * width, kv_heads, value_dim)
+    outputs = []
+    for pieces in layout.pieces:
+        count, lq, lk = pieces.shape
+        mask = _mask(pieces, kwargs.get("sliding_window"))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.index_select(0, pieces.queries).view(count, lq, heads, -1).transpose(1, 2),
+            k.index_select(0, pieces.keys).view(count, lk, kv_heads, -1).transpose(1, 2),
+            v.index_select(0, pieces.keys).view(count, lk, kv_heads, -1).transpose(1, 2),
+            attn_mask=mask,
+            dropout_p=dropout,
+            is_causal=mask is None,
+            scale=scaling,
+            enable_gqa=kv_heads != heads,
+        )  # (S, H, Lq, Dv)
+        outputs.append(out.transpose(1, 2).reshape(-1, heads, value_dim).index_select(0, pieces.keep))
+    merged = torch.cat(outputs).index_select(0, layout.inverse)  # (B*P, H, Dv) in local token order
+    return merged.view(batch, part, heads, value_dim), None
+
+
+AttentionInterface.register(NAME, _split_attention_forward)
+
+
+def supports_split(model: nn.Module) -> bool:
+    """Whether `split_attention` can take over this model's attention: what gspo.core.attention supports,
+    and models with sliding windows."""
+    config = model.config
+    if getattr(config, "sliding_window", None) is None:
+        return supports_segments(model)
+    saved = config.sliding_window
+    try:
+        config.sliding_window = None  # the window is the one thing segment attention lacks
+        return supports_segments(model)
+    finally:
+        config.sliding_window = saved
+
+
+@contextlib.contextmanager
+def split_attention(model: nn.Module, position_ids: Tensor, split: SequenceSplit) -> Iterator[None]:
+    """Within the block, ``model``'s attention computes this rank's slice of packed rows ``position_ids``
+    (B, T, whole rows) against every slice's keys and values; raises for a model it does not support."""
+    if not supports_split(model):
+        raise ValueError(
+            f"{type(model).__name__}'s attention cannot be split along the sequence (it needs sdpa or eager "
+            "attention through transformers' AttentionInterface, without soft-capping or gradient "
+            "checkpointing): set distributed.sequence_parallel=1"
+        )
+    config = model.config
+    token = _LAYOUT.set(slice_layout(position_ids, split))
+    previous = config._attn_implementation
+    config._attn_implementation = NAME  # transformers then builds no mask of its own
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+        _LAYOUT.reset(token)
+
+
+def split_causal_lm_logprobs(
+    model: nn.Module,
+    input_ids: Tensor,
+    *,
+    position_ids: Tensor,
+    split: SequenceSplit,
+    logprob_mask: Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    kernel: str = "torch",
+    **unused: Any,
+) -> Tensor:
+    """gspo.core.logprobs.causal_lm_logprobs of packed rows (B, T) for this rank's slice [lo, hi): (B, T)
+    float32, the log-probs of the tokens in columns lo+1..hi (those its hidden states predict), 0
+    elsewhere. Every rank of the group passes the same whole rows and calls it together."""
+    decoder, head = decoder_and_head(model)
+    batch, width = input_ids.shape
+    lo, hi = split.bounds(width)
+    with split_attention(decoder, position_ids, split):
+        hidden = decoder(
+            input_ids=input_ids[:, lo:hi], position_ids=position_ids[:, lo:hi], use_cache=False
+        ).last_hidden_state  # (B, P, H)
+    scored = _scored_positions(input_ids, None, position_ids, logprob_mask) & owned_columns(
+        width, split, input_ids.device
+    )
+    flat_pos = scored.flatten().nonzero().squeeze(1)  # (n,) b * T + t with lo < t <= hi
+    row, column = flat_pos // width, flat_pos % width
+    predecessor = row * (hi - lo) + column - 1 - lo  # the local hidden state at t - 1 predicts token t
+    values = token_logprobs(
+        hidden.flatten(0, 1).index_select(0, predecessor),
+        head.weight,
+        input_ids.flatten().index_select(0, flat_pos),
+        chunk_size=chunk_size,
+        temperature=temperature,
+        lm_head_bias=head.bias,
+        kernel=kernel,
+    )
+    dense = torch.zeros(batch * width, dtype=torch.float32, device=input_ids.device)
+    return dense.index_put((flat_pos,), values).view(batch, width)
+
+
+def owned_columns(width: int, split: SequenceSplit, device: torch.device | None = None) -> Tensor:
+    """(1, T) bool: the columns whose tokens this rank scores, lo+1..hi (column 0 has no predecessor)."""
+    lo, hi = split.bounds(width)
+    columns = torch.arange(width, device=device)
+    return ((columns > lo) & (columns <= hi)).unsqueeze(0)
+
+
+def lm_logprobs(
+    model: nn.Module, input_ids: Tensor, *, split: SequenceSplit | None = None, **kwargs: Any
+) -> Tensor:
+    """causal_lm_logprobs, or its slice under sequence data parallelism (``split``)."""
+    if split is None:
+        return causal_lm_logprobs(model, input_ids, **kwargs)
+    return split_causal_lm_logprobs(model, input_ids, split=split, **kwargs)
+
+
+def split_micro_batch(mb: MicroBatch, split: SequenceSplit, pad_id: int) -> MicroBatch:
+    """``mb`` for this rank of a sequence-parallel group: rows right-padded to a multiple of the group's
+    size (the padding a segment of its own that nothing attends to or scores), and trained only on the
+    tokens this rank scores (`owned_columns`: segment_ids -1 elsewhere)."""
+    if mb.prefix_tree or mb.attention_mask is not None:
+        raise ValueError("sequence data parallelism splits packed rows only: set train.layout=packed")
+    rows, width = mb.input_ids.shape
+    extra = -width % split.size
+    input_ids, position_ids, logprob_mask = mb.input_ids, mb.position_ids, mb.logprob_mask
+    segment_ids = mb.segment_ids.view(rows, width)
+    if extra:
+
+        def pad(x: Tensor, value: int | bool) -> Tensor:
+            return torch.cat([x, torch.full((rows, extra), value, dtype=x.dtype, device=x.device)], dim=1)
+
+        input_ids, logprob_mask, segment_ids = (
+            pad(input_ids, pad_id),
+            pad(logprob_mask, False),
+            pad(segment_ids, -1),
+        )
+        tail = torch.arange(extra, device=position_ids.device).expand(rows, extra)
+        position_ids = torch.cat([position_ids, tail], dim=1)
+    owned = owned_columns(width + extra, split, segment_ids.device)
+    return dataclasses.replace(
+        mb,
+        input_ids=input_ids,
+        position_ids=position_ids,
+        logprob_mask=logprob_mask,
+        segment_ids=torch.where(owned, segment_ids, -1).reshape(-1),
+        split=split,
+    )
