@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import tiny_config
+from gspo.config import ConfigError, validate_setup
 from gspo.core.layout import MicroBatch, TokenSequence, make_micro_batches
 from gspo.core.seeds import step_seed
 from gspo.learning.batch import Batch
@@ -276,3 +277,29 @@ def test_sequence_parallel_learn_makes_the_one_process_updates(runs, tmp_path, n
             torch.testing.assert_close(got["grads"][key], value, **TOLERANCE, msg=key)
         for key, value in want["params"].items():
             torch.testing.assert_close(got["params"][key], value, rtol=0, atol=PARAMS_ATOL, msg=key)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train.layout=shared_prefix"], r"splits packed rows: set train\.layout=packed \(or auto\)"),
+        (["train.objective=gmpo"], r"does not support train\.objective=gmpo.*use gspo or gspo_token"),
+        (
+            ["train.sampler_correction=sequence_truncate"],
+            r"set them off, or set distributed\.sequence_parallel=1",
+        ),
+        (["distributed.sequence_parallel=0"], r"distributed\.sequence_parallel"),
+    ],
+)
+def test_settings_a_split_row_cannot_train_name_the_fix(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny_config(tmp_path, "distributed.sequence_parallel=2", *overrides)
+
+
+def test_a_group_size_that_does_not_divide_the_processes_names_the_fix(tmp_path):
+    config = tiny_config(tmp_path, "distributed.sequence_parallel=4", "rollout.prompts_per_step=12")
+    with pytest.raises(
+        ConfigError, match=r"sequence_parallel=4 does not divide the 6 processes: launch a multiple"
+    ):
+        validate_setup(config, num_processes=6, is_moe=False)
+    validate_setup(config, num_processes=4, is_moe=False)  # one group of 4

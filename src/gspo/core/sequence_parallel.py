@@ -44,7 +44,7 @@ class _Pieces:
     keys: Tensor  # (S * Lk,) gathered flat index b * T + t of each key slot
     keep: Tensor  # (n,) the query slots holding real tokens
     shape: tuple[int, int, int]  # (S, Lq, Lk)
-    offset: Tensor  # (S, 1, 1) the piece's first query minus its first key, in columns
+    offset: int  # the pieces' first query minus their first key, in columns (0: plainly causal)
 
 
 @dataclass(frozen=True)
@@ -59,91 +59,81 @@ class SliceLayout:
 _LAYOUT: contextvars.ContextVar[SliceLayout | None] = contextvars.ContextVar(NAME, default=None)
 
 
+def _segment_pieces(
+    position_ids: Tensor, lo: int, hi: int
+) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """The segments of packed rows (B, T) that columns [lo, hi) hold: those starting there, as (row, first
+    column, length in the slice), and those continuing from an earlier slice, as (row, the segment's first
+    column, its last column in the slice + 1)."""
+    pos = position_ids.detach().cpu()
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    starting, continuing = [], []
+    for b in range(pos.shape[0]):
+        first = starts[b].nonzero().squeeze(1).tolist()
+        for cs, ce in zip(first, [*first[1:], pos.shape[1]], strict=True):
+            qs, qe = max(cs, lo), min(ce, hi)
+            if qs < qe and qs == cs:
+                starting.append((b, qs, qe - qs))
+            elif qs < qe:
+                continuing.append((b, cs, qe))
+    return starting, continuing
+
+
 def slice_layout(
     position_ids: Tensor, split: SequenceSplit, bucket_ratio: float = BUCKET_RATIO
 ) -> SliceLayout:
     """The pieces of this rank's slice of packed rows ``position_ids`` (B, T), whole rows on every rank."""
-    rows, width = position_ids.shape
+    width = position_ids.shape[1]
     lo, hi = split.bounds(width)
     part = hi - lo
-    pos = position_ids.detach().cpu()
-    starts = torch.ones_like(pos, dtype=torch.bool)
-    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
-    starting: list[tuple[int, int, int]] = []  # (row, first column, length) of pieces that start a segment
-    continuing: list[tuple[int, int, int]] = []  # (row, segment's first column, its last column + 1 here)
-    for b in range(rows):
-        first = starts[b].nonzero().squeeze(1).tolist()
-        for cs, ce in zip(first, [*first[1:], width], strict=True):
-            qs, qe = max(cs, lo), min(ce, hi)
-            if qs >= qe:
-                continue
-            if qs == cs:
-                starting.append((b, qs, qe - qs))
-            else:
-                continuing.append((b, cs, qe))
+    starting, continuing = _segment_pieces(position_ids, lo, hi)
     device = position_ids.device
     pieces, chosen = [], []
 
-    def add(
-        queries: Tensor, keys: Tensor, valid: Tensor, shape: tuple[int, int, int], offset: list[int]
-    ) -> None:
-        pieces.append(
-            _Pieces(
-                queries.to(device),
-                keys.to(device),
-                valid.nonzero().squeeze(1).to(device),
-                shape,
-                torch.tensor(offset).view(-1, 1, 1).to(device),
-            )
-        )
+    def add(queries: Tensor, keys: Tensor, valid: Tensor, shape: tuple[int, int, int], offset: int) -> None:
+        where = (queries.to(device), keys.to(device), valid.nonzero().squeeze(1).to(device))
+        pieces.append(_Pieces(*where, shape, offset))
         chosen.append(queries[valid])
 
     for b, cs, qe in continuing:  # queries [lo, qe) against keys [cs, qe)
-        queries = b * part + torch.arange(qe - lo)
+        every = torch.ones(qe - lo, dtype=torch.bool)
         add(
-            queries,
+            b * part + torch.arange(qe - lo),
             b * width + torch.arange(cs, qe),
-            torch.ones(qe - lo, dtype=torch.bool),
+            every,
             (1, qe - lo, qe - cs),
-            [lo - cs],
+            lo - cs,
         )
     order = sorted(starting, key=lambda piece: -piece[2])
     i = 0
-    while i < len(order):
+    while i < len(order):  # causal pieces in buckets of similar lengths, right-padded
         longest = order[i][2]
         j = i
         while j < len(order) and order[j][2] * bucket_ratio >= longest:
             j += 1
-        row = torch.tensor([b for b, _, _ in order[i:j]])[:, None]
-        col = torch.tensor([c for _, c, _ in order[i:j]])[:, None]
-        length = torch.tensor([n for _, _, n in order[i:j]])[:, None]
+        row, col, length = (torch.tensor(x)[:, None] for x in zip(*order[i:j], strict=True))
         slot = torch.arange(longest)[None, :]
         column = col + torch.minimum(slot, length - 1)  # (S, L): a padded slot repeats the last token
-        valid = (slot < length).reshape(-1)
-        add(
-            (row * part + column - lo).reshape(-1),
-            (row * width + column).reshape(-1),
-            valid,
-            (j - i, longest, longest),
-            [0] * (j - i),
-        )
+        queries, keys = (row * part + column - lo).reshape(-1), (row * width + column).reshape(-1)
+        add(queries, keys, (slot < length).reshape(-1), (j - i, longest, longest), 0)
         i = j
     return SliceLayout(pieces, torch.argsort(torch.cat(chosen)).to(device), split)
 
 
 def _mask(pieces: _Pieces, window: int | None) -> Tensor | None:
-    """(S, 1, Lq, Lk) bool, key j visible to query i: j <= i + offset, and within the sliding window; None:
+    """(1, 1, Lq, Lk) bool, key j visible to query i: j <= i + offset, and within the sliding window; None:
     plainly causal (sdpa's is_causal)."""
     _, lq, lk = pieces.shape
-    if window is None and not bool(pieces.offset.any()):
+    if window is None and pieces.offset == 0:
         return None
-    i = torch.arange(lq, device=pieces.offset.device)[:, None]
-    j = torch.arange(lk, device=pieces.offset.device)[None, :]
-    distance = i + pieces.offset - j  # (S, Lq, Lk) how many columns the key lies before the query
+    i = torch.arange(lq, device=pieces.keys.device)[:, None]
+    j = torch.arange(lk, device=pieces.keys.device)[None, :]
+    distance = i + pieces.offset - j  # (Lq, Lk) how many columns the key lies before the query
     visible = distance >= 0
     if window is not None:  # transformers' sliding window: the key is fewer than `window` columns back
         visible &= distance < window
-    return visible.unsqueeze(1)
+    return visible[None, None]
 
 
 def _split_attention_forward(
