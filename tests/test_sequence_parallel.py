@@ -303,3 +303,33 @@ def test_a_group_size_that_does_not_divide_the_processes_names_the_fix(tmp_path)
     ):
         validate_setup(config, num_processes=6, is_moe=False)
     validate_setup(config, num_processes=4, is_moe=False)  # one group of 4
+
+
+@pytest.mark.parametrize(
+    ("fused", "window"),
+    [(False, None), (False, 5), (True, None)],
+    ids=["blocks", "blocks-window", "causal-bias"],
+)
+def test_a_continuing_piece_attends_to_its_segment_s_earlier_keys(monkeypatch, fused, window):
+    """Queries 13..32 of a segment against its keys 0..32 (GQA): the blocked, checkpointed masks (3 blocks
+    of 8; a sliding window always takes them) and torch's lower-right CausalBias (the CUDA path, run here on
+    CPU) equal sdpa with the dense mask, values and gradients."""
+    from gspo.core import sequence_parallel
+
+    monkeypatch.setattr(sequence_parallel, "QUERY_BLOCK", 8)
+    if fused:
+        monkeypatch.setattr(sequence_parallel, "LOWER_RIGHT_DEVICES", ("cpu",))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(1, h, n, 8, generator=g, requires_grad=True) for h, n in ((4, 20), (2, 33), (2, 33))
+    )
+    how = sequence_parallel._Attend(0.0, None, True, window)
+    got = sequence_parallel._attend(q, k, v, 13, how)
+    distance = torch.arange(20)[:, None] + 13 - torch.arange(33)[None, :]
+    mask = (distance >= 0) & (distance < (window or 10**9))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    upstream = torch.randn(want.shape, generator=g)
+    grads = [torch.autograd.grad((x * upstream).sum(), (q, k, v)) for x in (got, want)]
+    torch.testing.assert_close(got, want, **TOLERANCE)
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, **TOLERANCE)

@@ -11,8 +11,10 @@ all-reduces each sequence's sums over the group (gspo.core.objectives' ``segment
 
 A slice's queries go in pieces, one per segment it holds: a segment starting inside the slice is plainly
 causal and shares a padded batch with pieces of similar length (as gspo.core.attention); the one segment
-per row continuing from an earlier slice also attends to that segment's earlier keys (a lower-right
-aligned causal mask). Only packed rows (position_ids restarting at 0 for each sequence) are supported.
+per row continuing from an earlier slice also attends to that segment's earlier keys (lower-right aligned
+causal: on CUDA torch's CausalBias, no mask; elsewhere, and with sliding windows, masked blocks of queries
+recomputed in the backward, so no (queries, keys) mask outlives its block). Only packed rows (position_ids
+restarting at 0 for each sequence) are supported.
 """
 
 from __future__ import annotations
@@ -20,12 +22,15 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.attention.bias import causal_lower_right
+from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface
 
 from gspo.core.attention import BUCKET_RATIO, supports_segments
@@ -121,19 +126,71 @@ def slice_layout(
     return SliceLayout(pieces, torch.argsort(torch.cat(chosen)).to(device), split)
 
 
-def _mask(pieces: _Pieces, window: int | None) -> Tensor | None:
-    """(1, 1, Lq, Lk) bool, key j visible to query i: j <= i + offset, and within the sliding window; None:
-    plainly causal (sdpa's is_causal)."""
-    _, lq, lk = pieces.shape
-    if window is None and pieces.offset == 0:
-        return None
-    i = torch.arange(lq, device=pieces.keys.device)[:, None]
-    j = torch.arange(lk, device=pieces.keys.device)[None, :]
-    distance = i + pieces.offset - j  # (Lq, Lk) how many columns the key lies before the query
+QUERY_BLOCK = 512
+"""Queries per sdpa call where a piece needs a mask: each block's (QUERY_BLOCK, keys) mask lives only
+during its call, recomputed in the backward (activation checkpointing), so no (Lq, Lk) mask is ever held."""
+
+
+LOWER_RIGHT_DEVICES = ("cuda",)
+"""Where sdpa runs a lower-right causal CausalBias without materialising its mask (flash attention)."""
+
+
+@dataclass(frozen=True)
+class _Attend:
+    """What every sdpa call of one layer shares."""
+
+    dropout: float
+    scale: float | None
+    gqa: bool
+    window: int | None  # transformers' sliding window: keys fewer than `window` columns back
+
+
+def _block_attention(q: Tensor, k: Tensor, v: Tensor, offset: int, how: _Attend) -> Tensor:
+    """sdpa of queries (S, H, c, D) against keys (S, Hkv, n, D): key j visible to query i where it lies
+    0 <= i + offset - j (< window) columns back."""
+    i = torch.arange(q.shape[2], device=q.device)[:, None]
+    j = torch.arange(k.shape[2], device=q.device)[None, :]
+    distance = i + offset - j
     visible = distance >= 0
-    if window is not None:  # transformers' sliding window: the key is fewer than `window` columns back
-        visible &= distance < window
-    return visible[None, None]
+    if how.window is not None:
+        visible &= distance < how.window
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=visible, dropout_p=how.dropout, scale=how.scale, enable_gqa=how.gqa
+    )
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, offset: int, how: _Attend) -> Tensor:
+    """(S, H, Lq, Dv): query i sees key j where j <= i + offset (and within the window). Plainly causal:
+    sdpa's is_causal; a lower-right causal piece on CUDA: torch's CausalBias, which flash attention runs
+    without a mask; otherwise masked blocks of queries, checkpointed (QUERY_BLOCK)."""
+    lq, lk = q.shape[2], k.shape[2]
+    sdpa = functools.partial(
+        torch.nn.functional.scaled_dot_product_attention,
+        dropout_p=how.dropout,
+        scale=how.scale,
+        enable_gqa=how.gqa,
+    )
+    if how.window is None and offset == 0:
+        return sdpa(q, k, v, is_causal=True)
+    if how.window is None and q.device.type in LOWER_RIGHT_DEVICES and offset == lk - lq:
+        return sdpa(q, k, v, attn_mask=causal_lower_right(lq, lk))
+    blocks = []
+    for start in range(0, lq, QUERY_BLOCK):
+        end = min(start + QUERY_BLOCK, lq)
+        last = min(lk, end + offset)  # keys past the block's last query are invisible to it
+        first = 0 if how.window is None else max(0, start + offset - how.window + 1)
+        blocks.append(
+            checkpoint(
+                _block_attention,
+                q[:, :, start:end],
+                k[:, :, first:last],
+                v[:, :, first:last],
+                start + offset - first,
+                how,
+                use_reentrant=False,
+            )
+        )
+    return torch.cat(blocks, dim=2)
 
 
 def _split_attention_forward(
@@ -163,19 +220,16 @@ def _split_attention_forward(
     q = query.transpose(1, 2).reshape(batch * part, heads, -1)
     k = key.transpose(1, 2).reshape(batch * width, kv_heads, key_dim)
     v = value.transpose(1, 2).reshape(batch * width, kv_heads, value_dim)
+    how = _Attend(dropout, scaling, kv_heads != heads, kwargs.get("sliding_window"))
     outputs = []
     for pieces in layout.pieces:
         count, lq, lk = pieces.shape
-        mask = _mask(pieces, kwargs.get("sliding_window"))
-        out = torch.nn.functional.scaled_dot_product_attention(
+        out = _attend(
             q.index_select(0, pieces.queries).view(count, lq, heads, -1).transpose(1, 2),
             k.index_select(0, pieces.keys).view(count, lk, kv_heads, -1).transpose(1, 2),
             v.index_select(0, pieces.keys).view(count, lk, kv_heads, -1).transpose(1, 2),
-            attn_mask=mask,
-            dropout_p=dropout,
-            is_causal=mask is None,
-            scale=scaling,
-            enable_gqa=kv_heads != heads,
+            pieces.offset,
+            how,
         )  # (S, H, Lq, Dv)
         outputs.append(out.transpose(1, 2).reshape(-1, heads, value_dim).index_select(0, pieces.keep))
     merged = torch.cat(outputs).index_select(0, layout.inverse)  # (B*P, H, Dv) in local token order
