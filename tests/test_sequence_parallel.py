@@ -3,7 +3,7 @@
 Starting processes is most of the cost, so one spawn of 4 workers runs every scenario on one process group
 and saves what it saw; the tests compare that with one-process references computed here. Groups of 2 are
 2 sequence-parallel x 2 data-parallel ranks; a group of 4 splits every row four ways. Tolerance: fp32,
-rtol 1e-5 and atol 1e-6 (float summation order is the only difference).
+rtol 1e-5 and atol 5e-6 (float summation order is the only difference).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from gspo.learning.learner import learn
 
 WORLD = 4
 DEADLINE_S = 240
-TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+TOLERANCE = {"rtol": 1e-5, "atol": 5e-6}
 
 
 # ---- log-probs and gradients of a split row ---------------------------------------------------------
@@ -306,18 +306,18 @@ def test_a_group_size_that_does_not_divide_the_processes_names_the_fix(tmp_path)
 
 
 @pytest.mark.parametrize(
-    ("fused", "window"),
-    [(False, None), (False, 5), (True, None)],
-    ids=["blocks", "blocks-window", "causal-bias"],
+    ("path", "window"),
+    [("lse", None), ("blocks", 5), ("causal-bias", None)],
+    ids=["lse", "blocks", "causal-bias"],
 )
-def test_a_continuing_piece_attends_to_its_segment_s_earlier_keys(monkeypatch, fused, window):
-    """Queries 13..32 of a segment against its keys 0..32 (GQA): the blocked, checkpointed masks (3 blocks
-    of 8; a sliding window always takes them) and torch's lower-right CausalBias (the CUDA path, run here on
-    CPU) equal sdpa with the dense mask, values and gradients."""
+def test_a_continuing_piece_attends_to_its_segment_s_earlier_keys(monkeypatch, path, window):
+    """Queries 13..32 of a segment against its keys 0..32 (GQA) equal sdpa with the dense mask, values and
+    gradients: on CPU the flash kernel's two parts merged by log-sum-exp; with a sliding window masked,
+    checkpointed blocks (3 of 8 queries); torch's lower-right CausalBias (the CUDA path, run on CPU)."""
     from gspo.core import sequence_parallel
 
     monkeypatch.setattr(sequence_parallel, "QUERY_BLOCK", 8)
-    if fused:
+    if path == "causal-bias":
         monkeypatch.setattr(sequence_parallel, "LOWER_RIGHT_DEVICES", ("cpu",))
     g = torch.Generator().manual_seed(0)
     q, k, v = (

@@ -12,8 +12,9 @@ all-reduces each sequence's sums over the group (gspo.core.objectives' ``segment
 A slice's queries go in pieces, one per segment it holds: a segment starting inside the slice is plainly
 causal and shares a padded batch with pieces of similar length (as gspo.core.attention); the one segment
 per row continuing from an earlier slice also attends to that segment's earlier keys (lower-right aligned
-causal: on CUDA torch's CausalBias, no mask; elsewhere, and with sliding windows, masked blocks of queries
-recomputed in the backward, so no (queries, keys) mask outlives its block). Only packed rows (position_ids
+causal: on CUDA torch's CausalBias, no mask; on CPU the flash kernel on the earlier keys and on the slice's
+own, merged by their log-sum-exps; with sliding windows, masked blocks of queries recomputed in the
+backward, so no (queries, keys) mask outlives its block). Only packed rows (position_ids
 restarting at 0 for each sequence) are supported.
 """
 
@@ -129,8 +130,7 @@ def slice_layout(
 QUERY_BLOCK = 32
 """Queries per sdpa call where a piece needs a mask: each block's (QUERY_BLOCK, keys) mask lives only
 during its call, recomputed in the backward (activation checkpointing), so no (Lq, Lk) mask is ever held.
-On CPU, 32 rather than 128 or 512 took the peak of an 8k-token row's second half from 138 and 205 MiB to
-113 MiB at the same time (benchmarks/sequence_parallel.py)."""
+Small, because the CPU kernel's buffers for a masked call grow with QUERY_BLOCK x keys."""
 
 
 LOWER_RIGHT_DEVICES = ("cuda",)
@@ -161,10 +161,44 @@ def _block_attention(q: Tensor, k: Tensor, v: Tensor, offset: int, how: _Attend)
     )
 
 
+class _PrefixThenCausal(torch.autograd.Function):
+    """CPU flash attention of queries (S, H, Lq, D) against keys that are all visible (a prefix, Lp) then
+    causal (Lq, the queries' own): two kernel calls merged by their log-sum-exps, no mask. The backward
+    calls the kernel's own backward on each part with the merged output and log-sum-exp, as ring attention
+    does: each key block's gradient needs only those."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k_prefix: Tensor, v_prefix: Tensor, k_own: Tensor, v_own: Tensor, scale):
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        out_prefix, lse_prefix = flash(q, k_prefix, v_prefix, 0.0, False, scale=scale)
+        out_own, lse_own = flash(q, k_own, v_own, 0.0, True, scale=scale)
+        lse = torch.logaddexp(lse_prefix, lse_own)  # (S, H, Lq)
+        # out = sum_parts exp(lse_part - lse) out_part
+        out = out_prefix * (lse_prefix - lse).exp().unsqueeze(-1) + out_own * (lse_own - lse).exp().unsqueeze(
+            -1
+        )
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k_prefix, v_prefix, k_own, v_own, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        q, k_prefix, v_prefix, k_own, v_own, out, lse = ctx.saved_tensors
+        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        grad = grad.contiguous()
+        dq_prefix, dk_prefix, dv_prefix = backward(
+            grad, q, k_prefix, v_prefix, out, lse, 0.0, False, scale=ctx.scale
+        )
+        dq_own, dk_own, dv_own = backward(grad, q, k_own, v_own, out, lse, 0.0, True, scale=ctx.scale)
+        return dq_prefix + dq_own, dk_prefix, dv_prefix, dk_own, dv_own, None
+
+
 def _attend(q: Tensor, k: Tensor, v: Tensor, offset: int, how: _Attend) -> Tensor:
     """(S, H, Lq, Dv): query i sees key j where j <= i + offset (and within the window). Plainly causal:
-    sdpa's is_causal; a lower-right causal piece on CUDA: torch's CausalBias, which flash attention runs
-    without a mask; otherwise masked blocks of queries, checkpointed (QUERY_BLOCK)."""
+    sdpa's is_causal. A lower-right causal piece (the keys before the queries, then the queries' own): on
+    CUDA torch's CausalBias, which flash attention runs without a mask; on CPU `_PrefixThenCausal`.
+    Otherwise (a sliding window, dropout elsewhere) masked blocks of queries, checkpointed (QUERY_BLOCK)."""
     lq, lk = q.shape[2], k.shape[2]
     sdpa = functools.partial(
         torch.nn.functional.scaled_dot_product_attention,
@@ -174,8 +208,14 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, offset: int, how: _Attend) -> Tenso
     )
     if how.window is None and offset == 0:
         return sdpa(q, k, v, is_causal=True)
-    if how.window is None and q.device.type in LOWER_RIGHT_DEVICES and offset == lk - lq:
+    if how.window is None and offset == lk - lq and q.device.type in LOWER_RIGHT_DEVICES:
         return sdpa(q, k, v, attn_mask=causal_lower_right(lq, lk))
+    if how.window is None and offset == lk - lq and q.device.type == "cpu" and how.dropout == 0:
+        if how.gqa:  # the CPU kernel wants as many key/value heads as query heads
+            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+        return _PrefixThenCausal.apply(
+            q, k[:, :, :offset], v[:, :, :offset], k[:, :, offset:], v[:, :, offset:], how.scale
+        )
     blocks = []
     for start in range(0, lq, QUERY_BLOCK):
         end = min(start + QUERY_BLOCK, lq)
