@@ -10,7 +10,7 @@ mark is reset (``/proc/self/clear_refs``, as benchmarks/logprob_memory.py, after
 freed heap pages back; ru_maxrss where clear_refs is not writable), measured after a warm-up update on the same row (AdamW state and the first gradients exist).
 Activations, gathered keys and values, the head's chunks and the parameters' gradients all count. Time:
 the learner's ``time_update`` (one forward, backward and step) and the process CPU seconds of the
-update on each rank, medians of ``--repeats``; on a machine with fewer cores than ranks, the wall-clock
+update on each rank, medians of ``--repeats`` (memory: their largest); on a machine with fewer cores than ranks, the wall-clock
 time cannot shrink with N, the CPU seconds per rank show the work each rank does.
 
     HF_HUB_OFFLINE=1 python benchmarks/sequence_parallel.py --tokens 8192 --ranks 1,2,4 --repeats 3
