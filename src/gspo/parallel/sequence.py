@@ -17,7 +17,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.nn.functional import all_reduce
 
 from gspo.config import ConfigError
 from gspo.core.layout import SequenceSplit
@@ -47,7 +46,7 @@ class SequenceGroup:
     @property
     def segment_sum_reduce(self) -> Callable[[Tensor], Tensor]:
         """compute_loss's differentiable all-reduce of the per-sequence sums, over this group."""
-        return functools.partial(all_reduce, op=dist.ReduceOp.SUM, group=self.group)
+        return functools.partial(all_reduce_sum, group=self.group)
 
     def all_gather_objects(self, obj: Any) -> list[Any]:
         """Every rank's object of this group, in group order."""
@@ -100,6 +99,29 @@ class _GatherSequence(torch.autograd.Function):
         total = grad.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(total, group=ctx.group)
         return total.chunk(size, dim=2)[index].contiguous(), None
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """The sum over the group's ranks; its gradient is the sum of the ranks' gradients (each rank's loss
+    depends on every rank's input through the sum). torch.distributed.nn's all_reduce, which is deprecated."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: Any) -> Tensor:
+        ctx.group = group
+        total = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        total = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(total, group=ctx.group)
+        return total, None
+
+
+def all_reduce_sum(x: Tensor, *, group: Any) -> Tensor:
+    """The sum of ``x`` over the group's ranks, differentiably."""
+    return _AllReduceSum.apply(x, group)
 
 
 def gather_sequence(x: Tensor, *, group: Any) -> Tensor:
