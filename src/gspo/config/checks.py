@@ -43,6 +43,7 @@ def validate(config: Config) -> None:
         )
     _check_corrections(config)
     _check_serve(config)
+    _check_sequence_parallel(config)
     if config.train.skip_zero_advantage is True and config.train.beta > 0:
         raise ConfigError(
             f"train.skip_zero_advantage=true with train.beta={config.train.beta}: the KL term depends on every "
@@ -137,6 +138,32 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
 """Host names that only this machine reaches: `gspo serve` may listen there without an API key."""
 
 
+def _check_sequence_parallel(config: Config) -> None:
+    """What a row split across ranks supports: packed rows, and losses whose per-sequence sums are all-reduced
+    (gspo.core.objectives' segment_sum_reduce)."""
+    size, train = config.distributed.sequence_parallel, config.train
+    if size == 1:
+        return
+    key = f"distributed.sequence_parallel={size}"
+    if train.layout not in ("auto", "packed"):
+        raise ConfigError(f"{key} splits packed rows: set train.layout=packed (or auto), not {train.layout}")
+    if train.objective == "gmpo":
+        raise ConfigError(
+            f"{key} does not support train.objective=gmpo (its per-sequence mean of clipped token log-ratios "
+            "is not a sum over the ranks): use gspo or gspo_token, or set distributed.sequence_parallel=1"
+        )
+    if train.sampler_correction != "none" or train.opsm_delta is not None:
+        raise ConfigError(
+            f"{key} does not support the mismatch corrections (train.sampler_correction, train.opsm_delta): "
+            "set them off, or set distributed.sequence_parallel=1"
+        )
+    if train.routing_replay:
+        raise ConfigError(
+            f"{key} does not support train.routing_replay (the old policy's expert choices are recorded per "
+            "whole row): set train.routing_replay=false, or distributed.sequence_parallel=1"
+        )
+
+
 def _check_serve(config: Config) -> None:
     """A reachable address has a key (the ranges of `serve.*`: gspo.config.rules)."""
     serve = config.serve
@@ -153,6 +180,12 @@ def validate_setup(config: Config, *, num_processes: int, is_moe: bool) -> None:
         raise ConfigError(
             "train.routing_replay needs a Mixture-of-Experts model with top-k routers (e.g. Qwen3-MoE); "
             "this model has none"
+        )
+    size = config.distributed.sequence_parallel
+    if num_processes % size:
+        raise ConfigError(
+            f"distributed.sequence_parallel={size} does not divide the {num_processes} processes: launch a "
+            f"multiple of {size} processes, or set distributed.sequence_parallel to a divisor of {num_processes}"
         )
     if num_processes <= 1:
         return

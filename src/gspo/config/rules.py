@@ -215,6 +215,9 @@ RULES: dict[str, Rule] = {
     ),
     "checkpoint.keep": at_least(1).upto(10**6, "checkpoints on disk"),
     "distributed.timeout_minutes": above(0).upto(SECONDS_MAX // 60, "minutes"),
+    "distributed.sequence_parallel": at_least(1, "1: every row whole on one rank").upto(
+        BATCH_MAX, "ranks sharing a row"
+    ),
     "serve.host": non_empty('the address to listen on, e.g. "127.0.0.1"'),
     "serve.port": between(0, 65535, why="0: any free port"),
     "serve.api_key_env": Rule(

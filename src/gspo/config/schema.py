@@ -292,6 +292,11 @@ class DistributedConfig:
     DDP's find_unused_parameters, FSDP2's zero gradients for unused parameters. Costs a little per step."""
     timeout_minutes: float = 30.0
     """How long a collective waits for the other ranks before failing (a crashed or hung rank)."""
+    sequence_parallel: int = 1
+    """Sequence data parallelism: this many consecutive ranks train on the same packed rows, each computing
+    one contiguous slice of every row (attention over the others' keys and values), so a sequence longer
+    than one rank's memory can train. Must divide the number of processes; needs train.layout=packed
+    (or auto). Rollouts are not split. See docs/distributed.md."""
 
 
 @dataclass

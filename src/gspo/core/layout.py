@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 LAYOUTS = ("shared_prefix", "packed", "padded")
 
@@ -34,6 +35,25 @@ class TokenSequence:
         return len(self.prompt_ids) + len(self.completion_ids)
 
 
+@dataclass(frozen=True)
+class SequenceSplit:
+    """This rank's slice of a micro-batch's rows under sequence data parallelism: the rows' columns are
+    cut into ``size`` contiguous slices of equal width and this rank computes slice ``index`` (gspo.core.
+    sequence_parallel). ``gather``: (B, h, T / size, D) -> (B, h, T, D), every rank's slice concatenated
+    along dim 2 in slice order, differentiable (the caller's all-gather over the group)."""
+
+    index: int
+    size: int
+    gather: Callable[[Tensor], Tensor]
+
+    def bounds(self, width: int) -> tuple[int, int]:
+        """The columns [lo, hi) of rows ``width`` wide whose hidden states this rank computes."""
+        if width % self.size:
+            raise ValueError(f"rows of {width} columns do not split into {self.size} equal slices")
+        part = width // self.size
+        return self.index * part, (self.index + 1) * part
+
+
 @dataclass
 class MicroBatch:
     """Model inputs for a group of rows, and where each sequence's completion tokens landed.
@@ -42,7 +62,8 @@ class MicroBatch:
     logprob_mask: (R, L) bool, True on every completion token;
     segment_ids: (R*L,) long, the index of the sequence (in `indices` order) on trained completion
     tokens, -1 elsewhere; indices: which sequences of the caller's list this micro-batch holds;
-    prefix_tree: the rows are prefix trees in depth-first order, position_ids the depth (shared_prefix).
+    prefix_tree: the rows are prefix trees in depth-first order, position_ids the depth (shared_prefix);
+    split: the slice of the rows this rank computes (sequence data parallelism), None: whole rows.
     """
 
     input_ids: torch.Tensor
@@ -52,6 +73,7 @@ class MicroBatch:
     segment_ids: torch.Tensor
     indices: list[int]
     prefix_tree: bool = False
+    split: SequenceSplit | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -25,6 +25,7 @@ import torch
 from gspo.core.layout import MicroBatch, TokenSequence, make_micro_batches
 from gspo.core.mismatch import mismatch_metrics, sampler_log_ratios
 from gspo.core.objectives import LossInputs, compute_loss, loss_normalizer
+from gspo.core.sequence_parallel import split_micro_batch
 from gspo.learning.batch import Batch
 from gspo.learning.policy import Policy, UpdateSpec, score
 from gspo.learning.reduction import reduce_metrics
@@ -38,6 +39,7 @@ from gspo.parallel.collectives import (
     all_reduce_sums,
 )
 from gspo.parallel.group import rank
+from gspo.parallel.sequence import SequenceGroup, sequence_group
 from gspo.parallel.wrap import full_parameters, pad_micro_batches, set_gradient_sync
 
 Advantages = torch.Tensor | list[list[float]]
@@ -72,6 +74,7 @@ def minibatches(
     device: torch.device,
     groups: list[int] | None = None,
     computed: list[bool] | None = None,
+    sequence: SequenceGroup | None = None,
 ) -> list[Split]:
     """Shuffle (seeded) and split into minibatches, each laid out in micro-batches on ``device``.
 
@@ -79,6 +82,9 @@ def minibatches(
     ``spec.minibatch_split == "group"`` of its groups, ``groups`` giving each sequence's global group):
     minibatch k holds the same sequences however many ranks share the batch, each rank its own of them.
     ``computed``: which sequences the updates compute (None: all); the split is the same either way.
+    ``sequence``: this rank's sequence-parallel group, whose ranks all hold the group's sequences: each
+    micro-batch is cut to this rank's slice of its rows (gspo.core.sequence_parallel), and the group's
+    first rank alone counts the minibatch's sequences and tokens for the normaliser.
     """
     generator = torch.Generator().manual_seed(seed)
     if spec.minibatch_split == "group" and groups is not None:
@@ -91,8 +97,10 @@ def minibatches(
             for chunk in _split(order, spec.minibatches)
         ]
     else:
-        counts = all_gather_objects(len(sequences))
-        offset = sum(counts[: rank()])
+        # one count per data-parallel group: the ranks of a sequence-parallel group hold the same ones
+        data_rank, stride = (rank(), 1) if sequence is None else (sequence.data_rank, sequence.size)
+        counts = all_gather_objects(len(sequences))[::stride]
+        offset = sum(counts[:data_rank])
         order = torch.randperm(sum(counts), generator=generator).tolist()
         chunks = [
             [g - offset for g in c.tolist() if offset <= g < offset + len(sequences)]
@@ -108,9 +116,12 @@ def minibatches(
             micro_batch_tokens=spec.micro_batch_tokens,
             pad_id=spec.pad_id,
         )
-        out.append(Split(ids, micro, len(chunk), sum(sum(sequences[i].train_mask) for i in chunk)))
+        counted = chunk if sequence is None or sequence.leads else []
+        out.append(Split(ids, micro, len(counted), sum(sum(sequences[i].train_mask) for i in counted)))
     # every rank runs as many micro-batches per minibatch (under FSDP2 each pass is a collective)
     padded = pad_micro_batches([split.micro for split in out], spec.pad_id)
+    if sequence is not None:
+        padded = [[split_micro_batch(mb, sequence.split, spec.pad_id) for mb in micro] for micro in padded]
     return [
         split._replace(micro=[mb.to(device) for mb in micro])
         for split, micro in zip(out, padded, strict=True)
@@ -206,7 +217,7 @@ def old_policy(
             if recompute:
                 old, routes = _recompute(policy, spec, micro, sampled, mismatch)
             else:  # the sampler's log-probs are the old ones
-                old, routes = sampled, _expert_choices(policy, micro)
+                old, routes = sampled, _expert_choices(policy, spec, micro)
             ref = [policy.reference_logprobs(mb, spec) for mb in micro] if spec.loss.beta > 0 else None
             parts.append(
                 UpdateBatch(
@@ -239,7 +250,8 @@ def _recompute(
 ) -> tuple[list[torch.Tensor], list[moe.Routing] | None]:
     """The trainer's old-policy log-probs of a minibatch (the sampler's where ``spec.old_logprobs`` is
     "sampler" and it gave one) and the expert choices of those passes (MoE models)."""
-    with moe.record_passes(policy.model, enabled=policy.moe) as passes:
+    # a sliced row's expert choices are not compared with the whole row's (sequence parallelism)
+    with moe.record_passes(policy.model, enabled=policy.moe and spec.sequence_parallel == 1) as passes:
         recomputed = [score(policy.scorer, mb, spec) for mb in micro]
     for mb, r, s in zip(micro, recomputed, sampled, strict=True):
         mismatch.add(r, s, mb)
@@ -251,9 +263,9 @@ def _recompute(
     ], passes or None
 
 
-def _expert_choices(policy: Policy, micro: list[MicroBatch]) -> list[moe.Routing] | None:
-    """The old policy's expert choices of each micro-batch (MoE models) without log-probs."""
-    if not policy.moe:
+def _expert_choices(policy: Policy, spec: UpdateSpec, micro: list[MicroBatch]) -> list[moe.Routing] | None:
+    """The old policy's expert choices of each micro-batch (MoE models, whole rows) without log-probs."""
+    if not policy.moe or spec.sequence_parallel > 1:
         return None
     with policy.autocast():
         return [moe.expert_choices(policy.model, mb) for mb in micro]
@@ -279,6 +291,8 @@ def update(
                 stacklevel=2,
             )
     routing = moe.UpdateRouting(policy.model, minibatch.routes, replay=spec.routing_replay)
+    sequence = sequence_group(spec.sequence_parallel)
+    reduce = sequence.segment_sum_reduce if sequence is not None else None
     mismatch = MismatchMeter() if minibatch.measures_mismatch else None
     policy.optimizer.zero_grad(set_to_none=True)
     metrics, losses = [], []
@@ -286,10 +300,14 @@ def update(
         set_gradient_sync(policy.scorer, j == len(minibatch.micro) - 1)  # DDP: sum once, at the end
         with routing.forward(j, mb.logprob_mask):
             logp = score(policy.scorer, mb, spec)
-        loss, m = compute_loss(loss_spec, _loss_inputs(spec, minibatch, j, logp, advantages))
+        loss, m = compute_loss(
+            loss_spec, _loss_inputs(spec, minibatch, j, logp, advantages), segment_sum_reduce=reduce
+        )
         loss.backward()
         losses.append(loss.detach())  # read back once, after the loop
         if mb.indices:  # not an idle micro-batch (distributed padding)
+            if sequence is not None and not sequence.leads:  # each sequence counted once in its group
+                m |= {key: torch.zeros(()) for key in ("num_sequences", "num_seq_nonzero_adv")}
             metrics.append(m)
             if mismatch is not None:
                 mismatch.add(logp.detach(), minibatch.old[j], mb)
@@ -375,21 +393,32 @@ def learn(
     With ``spec.skip_zero_advantage`` the passes leave out the sequences that move nothing (`Batch.moving`);
     the split, each minibatch's normaliser and its optimizer step are those of the whole batch.
     """
+    sequence = sequence_group(spec.sequence_parallel)
+    if sequence is not None:  # the group trains on all its ranks' samples, each rank a slice of every row
+        batch = _pooled(batch, sequence)
     computed = batch.moving() if spec.skip_zero_advantage else None
     layout = minibatches(
-        spec, batch.sequences, seed=seed, device=policy.device, groups=batch.groups, computed=computed
+        spec,
+        batch.sequences,
+        seed=seed,
+        device=policy.device,
+        groups=batch.groups,
+        computed=computed,
+        sequence=sequence,
     )
     t0 = time.perf_counter()
     parts, out = old_policy(policy, spec, batch, layout)
     out["time_old_logprobs"] = time.perf_counter() - t0
-    out |= _token_counts(batch, parts)
+    out |= _token_counts(batch, parts, counts=sequence is None or sequence.leads)
     t0 = time.perf_counter()
     updates = []
     for minibatch in parts:
         with around_update() if around_update is not None else contextlib.nullcontext():
             updates.append(update(policy, spec, minibatch, batch.advantages))
     out["time_update"] = time.perf_counter() - t0
-    if policy.moe:  # this rank's batch routed again after all this step's updates (FSDP2: gathered once)
+    if (
+        policy.moe and sequence is None
+    ):  # this rank's batch routed again after all this step's updates (FSDP2: gathered once)
         t0 = time.perf_counter()
         micro, routes = [mb for m in parts for mb in m.micro], [r for m in parts for r in m.routes]
         with full_parameters(policy.scorer), policy.autocast():
@@ -398,17 +427,17 @@ def learn(
     return {**reduce_metrics(updates), **out}
 
 
-def _token_counts(batch: Batch, parts: list[UpdateBatch]) -> dict[str, float]:
+def _token_counts(batch: Batch, parts: list[UpdateBatch], *, counts: bool = True) -> dict[str, float]:
     """What the updates compute vs what is there, over all ranks: real tokens (each sequence whole), unique
     tokens (a group's prompt once); the layout's padding and prompt repeats make the difference; and the
-    share of the samples, and of their real tokens, left out as moving nothing."""
+    share of the samples, and of their real tokens, left out as moving nothing. ``counts``: whether this
+    rank's batch counts (False on the ranks of a sequence-parallel group but its first)."""
     computed = [i for m in parts for i in m.ids]
     laid_out = sum(mb.num_tokens for m in parts for mb in m.micro if mb.indices)
     real = sum(len(seq) for seq in batch.sequences)
     skipped_real = real - sum(len(batch.sequences[i]) for i in computed)
-    totals = all_reduce_sums(
-        [laid_out, real, unique_tokens(batch), len(batch.sequences), len(computed), skipped_real]
-    )
+    mine = [laid_out, real, unique_tokens(batch), len(batch.sequences), len(computed), skipped_real]
+    totals = all_reduce_sums([x if counts else 0 for x in mine])
     return {
         "update_tokens": totals[0],
         "real_tokens": totals[1],
@@ -416,3 +445,19 @@ def _token_counts(batch: Batch, parts: list[UpdateBatch]) -> dict[str, float]:
         "skipped_samples_frac": 1.0 - totals[4] / max(totals[3], 1.0),
         "skipped_tokens_frac": totals[5] / max(totals[1], 1.0),
     }
+
+
+def _pooled(batch: Batch, sequence: SequenceGroup) -> Batch:
+    """The samples of every rank of a sequence-parallel group, in group order (the same on each)."""
+    parts = sequence.all_gather_objects(batch)
+    advantages: Advantages
+    if isinstance(batch.advantages, torch.Tensor):
+        advantages = torch.cat([part.advantages for part in parts])
+    else:
+        advantages = [a for part in parts for a in part.advantages]
+    return Batch(
+        [s for part in parts for s in part.sequences],
+        advantages,
+        [lp for part in parts for lp in part.sampler_logprobs],
+        [g for part in parts for g in part.groups],
+    )

@@ -12,8 +12,8 @@ from torch import nn
 
 from gspo.config import Config
 from gspo.core.layout import MicroBatch
-from gspo.core.logprobs import causal_lm_logprobs
 from gspo.core.objectives import LossSpec
+from gspo.core.sequence_parallel import lm_logprobs
 from gspo.models.moe import is_moe
 from gspo.parallel.wrap import is_scorer
 
@@ -52,6 +52,8 @@ class UpdateSpec:
     old_logprobs: Literal["recompute", "sampler"] = "recompute"
     """"recompute" (a forward pass before the updates) or "sampler" (the sampler's own log-probs)."""
     routing_replay: bool = False
+    sequence_parallel: int = 1
+    """distributed.sequence_parallel: ranks that share each row, one slice of it each."""
 
     @classmethod
     def from_config(
@@ -60,6 +62,7 @@ class UpdateSpec:
         """The spec of a run: the same-named fields of ``config.rollout`` and ``config.train``, with train.layout
         and train.old_logprobs as resolved at start-up ("auto" is neither) and the tokenizer's pad_id."""
         fields = _same_named(cls, config.rollout) | _same_named(cls, config.train)
+        fields["sequence_parallel"] = config.distributed.sequence_parallel
         fields |= {
             "layout": layout,
             "pad_id": pad_id,
@@ -127,7 +130,8 @@ def score(model: nn.Module, mb: MicroBatch, spec: UpdateSpec) -> torch.Tensor:
 
     `model`: a causal LM, or the data-parallel scorer wrapping it (gspo.parallel.wrap.wrap_model).
     """
-    scorer = model if is_scorer(model) else functools.partial(causal_lm_logprobs, model)
+    scorer = model if is_scorer(model) else functools.partial(lm_logprobs, model)
+    split = {"split": mb.split} if mb.split is not None else {}  # this rank's slice of the rows
     logp = scorer(
         mb.input_ids,
         attention_mask=mb.attention_mask,
@@ -137,5 +141,6 @@ def score(model: nn.Module, mb: MicroBatch, spec: UpdateSpec) -> torch.Tensor:
         chunk_size=spec.logprob_chunk_size,
         kernel=spec.logprob_kernel,
         prefix_tree=mb.prefix_tree,
+        **split,
     )
     return logp.reshape(-1)

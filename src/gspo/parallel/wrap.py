@@ -17,13 +17,14 @@ from torch import Tensor, nn
 
 from gspo.config import ConfigError, DistributedConfig
 from gspo.core.layout import MicroBatch
-from gspo.core.logprobs import causal_lm_logprobs
+from gspo.core.sequence_parallel import lm_logprobs
 from gspo.parallel.collectives import all_reduce_max
 from gspo.parallel.group import world_size
 
 
 class LogprobScorer(nn.Module):
-    """``forward(input_ids, **kw) = causal_lm_logprobs(model, input_ids, **kw)``: the module that DDP or
+    """``forward(input_ids, **kw) = lm_logprobs(model, input_ids, **kw)`` (causal_lm_logprobs, or a slice of
+    it under sequence parallelism): the module that DDP or
     FSDP2 wraps, so that the whole log-prob computation (decoder and LM head) runs inside its hooks.
 
     ``autocast_dtype``: mixed precision for DDP or one process (FSDP2 casts parameters through its own
@@ -40,7 +41,7 @@ class LogprobScorer(nn.Module):
             input_ids.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
         ):
             # a fresh tensor, not a view: FSDP2 hooks its backward on the output (see its warning)
-            return causal_lm_logprobs(self.model, input_ids, **kwargs).clone()
+            return lm_logprobs(self.model, input_ids, **kwargs).clone()
 
 
 def is_scorer(module: Any) -> bool:

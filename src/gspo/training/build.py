@@ -20,6 +20,7 @@ from gspo.config import Config, ConfigError, ModelConfig
 from gspo.core.attention import supports_segments
 from gspo.core.layout import TokenSequence, layout_is_exact, make_micro_batches
 from gspo.core.objectives import LossSpec
+from gspo.core.sequence_parallel import supports_split
 from gspo.core.surrogates import register_objective
 from gspo.learning.learner import place
 from gspo.learning.policy import Policy, UpdateSpec, score
@@ -334,8 +335,19 @@ def source_gguf(config: ModelConfig) -> Path | None:
 
 def choose_layout(config: Config, model: torch.nn.Module, pad_id: int) -> str:
     """train.layout, with "auto" resolved: the first of shared_prefix, packed, padded that a probe shows
-    exact for this model (its log-probs equal to the padded layout's), with a one-line notice on fallback."""
+    exact for this model (its log-probs equal to the padded layout's), with a one-line notice on fallback;
+    under distributed.sequence_parallel > 1, packed (a model whose attention cannot be split is an error)."""
     mode = config.train.layout
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if config.distributed.sequence_parallel > 1:  # packed rows, the one layout a split row supports
+        if not supports_split(base.get_decoder()):
+            raise ConfigError(
+                f"distributed.sequence_parallel={config.distributed.sequence_parallel}: {type(base).__name__}'s "
+                "attention cannot be split along the sequence (it needs sdpa or eager attention through "
+                "transformers' AttentionInterface, without soft-capping or gradient checkpointing): set "
+                "distributed.sequence_parallel=1"
+            )
+        return "packed"
     if mode != "auto":
         return mode
     vocab = model.get_input_embeddings().num_embeddings
@@ -345,7 +357,6 @@ def choose_layout(config: Config, model: torch.nn.Module, pad_id: int) -> str:
         logprob_chunk_size=config.train.logprob_chunk_size,
         logprob_kernel=config.train.logprob_kernel,
     )
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     candidates = ["shared_prefix", "packed"] if supports_segments(base.get_decoder()) else ["packed"]
     for layout in candidates:
         with torch.no_grad():
