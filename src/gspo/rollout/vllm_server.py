@@ -61,6 +61,7 @@ class VLLMServer:
             *("--kv-cache-memory-bytes", str(int(kv_cache_gib * 2**30))),
             *("--logprobs-mode", "processed_logprobs", "--return-tokens-as-token-ids"),
             "--enable-prefix-caching",
+            "--no-enable-chunked-prefill",  # as in gspo.rollout.vllm_engine: it crashes seeded requests
         ]
         # dev mode: the /collective_rpc and /reset_prefix_cache routes the weight sync calls
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "OMP_NUM_THREADS": str(torch.get_num_threads())}
