@@ -13,23 +13,19 @@ import dataclasses
 import functools
 import io
 import os
-import socket
 import subprocess
 import sys
-import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.nn.functional import all_reduce
 from transformers import AutoModelForCausalLM
 
 from conftest import tiny_config
+from gloo_ranks import result, run_ranks
 from gspo.config import ConfigError, load_config, validate_setup
 from gspo.core.layout import TokenSequence
 from gspo.core.objectives import LossInputs, LossSpec, compute_loss
@@ -269,54 +265,17 @@ SCENARIOS = {
 }
 
 
-def _worker(rank: int, port: int, out: Path) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
-    results: dict[str, Any] = {}
-    for name, scenario in SCENARIOS.items():
-        start = time.perf_counter()
-        try:
-            results[name] = scenario(rank, out)
-        except Exception:
-            results[name] = {"traceback": traceback.format_exc()}
-        results[name]["seconds"] = time.perf_counter() - start
-        torch.save(results, out / f"rank{rank}.pt")  # what is done survives a later hang
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def distributed_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     out = tmp_path_factory.mktemp("distributed")
-    context = mp.start_processes(
-        _worker, args=(_free_port(), out), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + DEADLINE_S
-    while not context.join(timeout=max(1.0, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the {WORLD} workers did not finish within {DEADLINE_S} s")
-    return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-
-
-def _result(runs: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
-    for rank, result in enumerate(runs):
-        assert "traceback" not in result[name], f"rank {rank}, {name}:\n{result[name]['traceback']}"
-    return [result[name] for result in runs]
+    return out, run_ranks(__name__, WORLD, out, DEADLINE_S)
 
 
 # ---- the tests ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", CASES, ids=[f"{o}-{a}-beta{b}" for o, a, b in CASES])
 def test_a_sequence_split_across_two_ranks_gives_the_unsplit_loss_and_gradients(distributed_runs, case):
     """Sequence parallelism at the loss: segment_sum_reduce = torch.distributed.nn's all_reduce."""
-    per_rank = [r[case] for r in _result(distributed_runs[1], "split")]
+    per_rank = [r[case] for r in result(distributed_runs[1], "split")]
     loss, metrics, grad_logp, grad_weight = _split_loss(_split_inputs(), *case, part=None)
     assert 0 < metrics["clip_frac_token"] < 1  # clipping is exercised
     torch.testing.assert_close(sum(r[0] for r in per_rank), loss, rtol=1e-6, atol=1e-7)
@@ -338,7 +297,7 @@ LAYOUT_FREE = ("loss", "grad_norm", "num_sequences", "num_tokens", "ratio_token_
 def test_two_ranks_make_the_one_process_updates(distributed_runs, tmp_path, wrapper):
     from gspo.training.trainer import Trainer
 
-    ranks = _result(distributed_runs[1], f"learn_{wrapper}")
+    ranks = result(distributed_runs[1], f"learn_{wrapper}")
     assert sum(r["idle"] for r in ranks) > 0  # the ranks' micro-batch counts differed: padding was used
     single = Trainer(_learn_config(tmp_path / "single", wrapper))
     history = _learn(single, *_fixed_batch(), GROUPS)
@@ -360,7 +319,7 @@ def test_a_rank_that_keeps_no_sample_stays_in_lockstep_and_skipping_changes_noth
     every sample: the same weights after two steps of six minibatches, three of them empty everywhere."""
     from gspo.training.trainer import Trainer
 
-    ranks = _result(distributed_runs[1], f"skip_{wrapper}")
+    ranks = result(distributed_runs[1], f"skip_{wrapper}")
     config = _learn_config(
         tmp_path / "full", wrapper, "none", *SKIP_OVERRIDES, "train.skip_zero_advantage=false"
     )
@@ -384,11 +343,11 @@ def test_bf16_mixed_precision_under_two_ranks_matches_one_process(distributed_ru
     to bf16 precision, not exact; the fp32 run shows the bf16 one did not silently compute in fp32."""
     from gspo.training.trainer import Trainer
 
-    ranks = _result(distributed_runs[1], f"learn_{wrapper}_bf16")
+    ranks = result(distributed_runs[1], f"learn_{wrapper}_bf16")
     single = Trainer(_learn_config(tmp_path / "single", wrapper, "bf16"))
     history = _learn(single, *_fixed_batch(), GROUPS)
     expected = _full_parameters(single.policy.model)
-    fp32 = _result(distributed_runs[1], f"learn_{wrapper}")[0]["params"]
+    fp32 = result(distributed_runs[1], f"learn_{wrapper}")[0]["params"]
     start = Trainer(_learn_config(tmp_path / "start", wrapper)).policy.model.state_dict()
     moved = sum(float((expected[k] - start[k]).abs().sum()) for k in expected)
     for r in ranks:
@@ -407,7 +366,7 @@ def _train_lines(run_dir: Path) -> list[dict]:
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
 def test_resume_under_distribution_reproduces_the_uninterrupted_run(distributed_runs, wrapper):
     out, runs = distributed_runs
-    _result(runs, f"resume_{wrapper}")
+    result(runs, f"resume_{wrapper}")
     full, resumed = out / f"full_{wrapper}", out / f"stopped_{wrapper}"
     lines = _train_lines(full)
     assert [r["step"] for r in lines if r["kind"] == "train"] == [1, 2, 3]  # rank 0 alone wrote them
@@ -429,7 +388,7 @@ def test_resuming_on_another_number_of_processes_names_the_fix(distributed_runs)
 
 
 def test_a_reward_failing_on_one_rank_stops_every_rank_at_a_checkpoint(distributed_runs):
-    ranks = _result(distributed_runs[1], "reward_failure")
+    ranks = result(distributed_runs[1], "reward_failure")
     assert "flaky" in ranks[1]["error"] and "boom" in ranks[1]["error"]
     assert "on rank 1" in ranks[0]["error"]
     assert ranks[0]["step"] == ranks[1]["step"] == 1  # the start of the failing step 2
@@ -469,8 +428,8 @@ def test_torchrun_runs_the_cli_on_two_processes(tmp_path):
         "report_to=[]",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stderr[-4000:]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-4000:]
     lines = read_metrics(run)
     assert [r["step"] for r in lines if r["kind"] == "train"] == [1, 2]  # one writer: rank 0
     assert [r["step"] for r in lines if r["kind"] == "eval"] == [0, 2]

@@ -8,20 +8,14 @@ rtol 1e-5 and atol 5e-6 (float summation order is the only difference).
 
 from __future__ import annotations
 
-import os
-import socket
-import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from conftest import tiny_config
+from gloo_ranks import result, run_ranks
 from gspo.config import ConfigError, validate_setup
 from gspo.core.layout import MicroBatch, TokenSequence, make_micro_batches
 from gspo.core.seeds import step_seed
@@ -183,47 +177,9 @@ SCENARIOS = {"logprobs": _scenario_logprobs} | {
 }
 
 
-def _worker(rank: int, port: int, out: Path) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
-    results: dict[str, Any] = {}
-    for name, scenario in SCENARIOS.items():
-        start = time.perf_counter()
-        try:
-            results[name] = {"value": scenario(rank, out)}
-        except Exception:
-            results[name] = {"traceback": traceback.format_exc()}
-        results[name]["seconds"] = time.perf_counter() - start
-        torch.save(results, out / f"rank{rank}.pt")  # what is done survives a later hang
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("sequence_parallel")
-    context = mp.start_processes(
-        _worker, args=(_free_port(), out), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + DEADLINE_S
-    while not context.join(timeout=max(1.0, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the {WORLD} workers did not finish within {DEADLINE_S} s")
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-
-
-def _result(runs: list[dict[str, Any]], name: str) -> list[Any]:
-    for rank, result in enumerate(runs):
-        assert "traceback" not in result[name], f"rank {rank}, {name}:\n{result[name]['traceback']}"
-    return [result[name]["value"] for result in runs]
+    return run_ranks(__name__, WORLD, tmp_path_factory.mktemp("sequence_parallel"), DEADLINE_S)
 
 
 # ---- the tests --------------------------------------------------------------------------------------
@@ -232,7 +188,7 @@ def _result(runs: list[dict[str, Any]], name: str) -> list[Any]:
 def test_split_rows_give_the_one_process_logprobs_and_gradients(runs, family, size):
     """Each group's ranks together: every token's log-prob once (its owner's), and gradients summing to
     one process's, for GQA models (Llama, Qwen3-MoE) and a sliding window (Qwen2)."""
-    per_rank = [r[(size, family)] for r in _result(runs, "logprobs")]
+    per_rank = [r[(size, family)] for r in result(runs, "logprobs")]
     mb = _rows()
     want_logp, want_grads = _logprobs_and_grads(_model(family), mb)
     assert bool((want_logp[mb.logprob_mask] != 0).all())
@@ -266,7 +222,7 @@ def test_sequence_parallel_learn_makes_the_one_process_updates(runs, tmp_path, n
     process's."""
     from gspo.training.trainer import Trainer
 
-    ranks = _result(runs, name)
+    ranks = result(runs, name)
     want = _learn(Trainer(_learn_config(tmp_path, name, 1)), _learn_batch())
     assert want["metrics"]["clip_frac_token_high" if "token" in name else "clip_frac_seq_high"] > 0
     for got in ranks:

@@ -416,9 +416,8 @@ def learn(
         with around_update() if around_update is not None else contextlib.nullcontext():
             updates.append(update(policy, spec, minibatch, batch.advantages))
     out["time_update"] = time.perf_counter() - t0
-    if (
-        policy.moe and sequence is None
-    ):  # this rank's batch routed again after all this step's updates (FSDP2: gathered once)
+    # this rank's batch routed again after all this step's updates (FSDP2: gathered once)
+    if policy.moe and sequence is None:
         t0 = time.perf_counter()
         micro, routes = [mb for m in parts for mb in m.micro], [r for m in parts for r in m.routes]
         with full_parameters(policy.scorer), policy.autocast():
