@@ -165,6 +165,30 @@ def test_tokens_of_partial_characters_are_resolved_from_their_text_or_refused(st
     assert rollouts.completions == ["ok"] and resampling.resampled == 1
 
 
+def test_a_character_cut_short_at_the_end_may_be_missing_from_the_servers_text(stub) -> None:
+    """A byte-level tokenizer: the completion's last token is the first byte of "é". vLLM's detokenizer
+    holds such bytes back, so its text ends before them; the trainer decodes them to U+FFFD. The tokens
+    are trained as sampled; a text that differs elsewhere is still refused."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    backend = Tokenizer(models.BPE({c: i for i, c in enumerate(sorted(byte_chars))}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>")
+    ids = tokenizer.encode("aé", add_special_tokens=False)  # "a", then the 2 bytes of "é"
+    assert len(ids) == 3 and tokenizer.decode(ids[:2]) == "a\ufffd"
+    url, _, replies = stub
+    pieces = [f"token_id:{i}" for i in ids[:2]]
+    replies.append(_ok(_choice("a", finish="length", pieces=pieces), prompt_tokens=1))
+    rollouts = OpenAIBackend(url, tokenizer, timeout=10).generate(["x"], group_size=1, max_new_tokens=2)
+    assert rollouts.completion_ids == [ids[:2]] and rollouts.completions == ["a"]
+    replies[0] = _ok(_choice("b", finish="length", pieces=pieces), prompt_tokens=1)
+    with pytest.raises(AlignmentError, match="the two tokenizers differ"):
+        OpenAIBackend(url, tokenizer, timeout=10).generate(["x"], group_size=1, max_new_tokens=2)
+
+
 # ---- the real engine -------------------------------------------------------------------------------------
 def _smollm2_gguf():
     from gspo.models import default_model_file
