@@ -221,6 +221,24 @@ def test_log_probs_outside_the_tolerance_are_recomputed_with_a_warning(
 
 
 @needs_vllm
+def test_vllm_in_bf16_beside_an_fp32_trainer_is_measured_and_recomputed(tiny_folder, tmp_path) -> None:
+    """rollout.vllm.dtype=bfloat16: vLLM computes in bf16 on the fp32 policy's weights (cast at start and
+    at every sync), so the start-up probe finds its log-probs beyond the tolerance and the old pass
+    recomputes; the logged mismatch is bf16's, far above fp32's ~5e-7."""
+    from gspo.training.trainer import Trainer
+
+    with pytest.warns(UserWarning, match="recomputed"):
+        trainer = Trainer(vllm_config(tmp_path, tiny_folder, "rollout.vllm.dtype=bfloat16"))
+    assert (
+        trainer.sampler.dtype == torch.bfloat16
+        and next(trainer.policy.model.parameters()).dtype == torch.float32
+    )
+    assert trainer.spec.old_logprobs == "recompute" and trainer.sampler.logprob_gap > 1e-3
+    metrics = trainer.train_step()
+    assert 1e-4 < metrics["sampler_logprob_abs_diff"] < 0.1
+
+
+@needs_vllm
 def test_vllm_server_trains_on_its_samples_syncs_by_files_and_a_dead_server_is_a_server_error(
     tiny_folder, tmp_path, monkeypatch, rollout_logprobs
 ) -> None:

@@ -115,6 +115,10 @@ class VLLMConfig:
     """Memory for vLLM's keys and values, in GiB (on a CPU, taken from RAM)."""
     timeout: float = 300.0
     """Seconds the vLLM server (rollout.engine=vllm_server) may take to start, and a request to complete."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """vLLM's compute dtype: "auto", the policy's (fp32 by default, whose log-probs can serve as the old
+    policy's); "bfloat16", as vLLM runs on GPUs beside an fp32 trainer: each sync casts the weights, and
+    its log-probs are then far outside GSPO's clip band (docs/vllm.md, the mismatch study)."""
 
 
 @dataclass

@@ -100,7 +100,7 @@ class VLLMSampler:
     (module docstring).
 
     max_num_seqs: sequences vLLM decodes at once; kv_cache_gib: the memory its keys and values may take
-    (on a CPU, taken from RAM); seed: vLLM's own. It computes in the policy's dtype.
+    (on a CPU, taken from RAM); seed: vLLM's own; dtype: its compute dtype (None: the policy's).
     current: whether its log-probs may serve as the old policy's (set by the start-up check in
     gspo.training.build, which measures them against the trainer's; False until then).
     """
@@ -110,6 +110,7 @@ class VLLMSampler:
     max_num_seqs: int = 64
     kv_cache_gib: float = 1.0
     seed: int = 0
+    dtype: torch.dtype | None = None
     current: bool = False
     logprob_gap: float | None = None
     """The largest difference of its log-probs from the trainer's on the start-up check (None: not run)."""
@@ -127,13 +128,13 @@ class VLLMSampler:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         from vllm import LLM
 
-        dtype = next(self.model.parameters()).dtype
+        self.dtype = self.dtype or next(self.model.parameters()).dtype
         with _kept_process_state(), tempfile.TemporaryDirectory(prefix="gspo-vllm-") as folder:
             write_model_folder(self.model, Path(folder))
             self.llm = LLM(
                 model=folder,
                 skip_tokenizer_init=True,
-                dtype=str(dtype).removeprefix("torch."),
+                dtype=str(self.dtype).removeprefix("torch."),
                 enforce_eager=True,  # torch.compile's warm-up takes minutes on a CPU, for ~10% speed
                 kv_cache_memory_bytes=int(self.kv_cache_gib * 2**30),
                 max_num_seqs=self.max_num_seqs,
@@ -193,5 +194,6 @@ class VLLMSampler:
     def sync_weights(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, step: int) -> None:
         """vLLM takes the trainer's current weights (LoRA merged) in place, and forgets the prompts it
         computed with the old ones."""
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(model)})
+        weights = ((name, tensor.to(self.dtype)) for name, tensor in policy_weights(model))
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()

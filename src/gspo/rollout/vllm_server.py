@@ -30,7 +30,7 @@ from gspo.rollout.vllm_engine import require_vllm, write_model_folder
 
 class VLLMServer:
     """`vllm serve` of the policy written to `directory` (config, weights, tokenizer), on a free port of
-    127.0.0.1, in fp32 (the policy's dtype), eager, with processed (tempered) log-probs and token ids in its
+    127.0.0.1, in `dtype` (None: the policy's; the weights files stay the policy's, vLLM casts them), eager, with processed (tempered) log-probs and token ids in its
     answers. `url` is the API root. A ServerError with the end of its log (directory/server.log) when it
     does not answer within `startup_timeout` seconds or has exited. Stopped by `close()` or at exit."""
 
@@ -42,6 +42,7 @@ class VLLMServer:
         *,
         kv_cache_gib: float = 1.0,
         seed: int = 0,
+        dtype: torch.dtype | None = None,
         startup_timeout: float = 300.0,
     ) -> None:
         require_vllm()
@@ -53,7 +54,7 @@ class VLLMServer:
             self.port = probe.getsockname()[1]
         self.root = f"http://127.0.0.1:{self.port}"
         self.url = f"{self.root}/v1"
-        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        dtype = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
         command = [
             *(sys.executable, "-m", "vllm.entrypoints.openai.api_server"),
             *("--model", str(self.directory), "--host", "127.0.0.1", "--port", str(self.port)),

@@ -527,6 +527,7 @@ def setup_vllm(config: Config, policy: Policy, tokenizer: Any, run_dir: Path) ->
             f"rollout.engine={config.rollout.engine} runs in one process: use rollout.engine=hf under torchrun"
         )
     settings = config.rollout.vllm
+    dtype = None if settings.dtype == "auto" else getattr(torch, settings.dtype)
     if config.rollout.engine == "vllm":
         return VLLMSampler(
             policy.model,
@@ -534,6 +535,7 @@ def setup_vllm(config: Config, policy: Policy, tokenizer: Any, run_dir: Path) ->
             max_num_seqs=config.rollout.generation_batch_size,
             kv_cache_gib=settings.kv_cache_gib,
             seed=config.seed,
+            dtype=dtype,
         )
     server = VLLMServer(
         policy.model,
@@ -541,6 +543,7 @@ def setup_vllm(config: Config, policy: Policy, tokenizer: Any, run_dir: Path) ->
         run_dir / "vllm_server",
         kv_cache_gib=settings.kv_cache_gib,
         seed=config.seed,
+        dtype=dtype,
         startup_timeout=settings.timeout,
     )
     return server_sampler(server, tokenizer, settings.timeout)
