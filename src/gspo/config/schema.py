@@ -115,6 +115,17 @@ class VLLMConfig:
     """Memory for vLLM's keys and values, in GiB (on a CPU, taken from RAM)."""
     timeout: float = 300.0
     """Seconds the vLLM server (rollout.engine=vllm_server) may take to start, and a request to complete."""
+    url: str | None = None
+    """rollout.engine=vllm_server on a `vllm serve` you started, by its API root (e.g.
+    "http://10.0.0.2:8000/v1"), instead of one gspo starts; gspo never stops it. It must run with
+    VLLM_SERVER_DEV_MODE=1, --logprobs-mode processed_logprobs and --return-tokens-as-token-ids (checked at
+    start-up); kv_cache_gib and the dtype are then its own (docs/vllm.md)."""
+    weights_dir: str | None = None
+    """With `url`: the folder gspo writes the policy's weights into after every step, for the server to
+    reload; a folder of its own, which the server's machine sees too (a shared disk)."""
+    server_weights_dir: str | None = None
+    """With `url`: the same folder as the server sees it, if its path differs there (another machine's
+    mount, a container's volume); None: the path of `weights_dir`."""
 
 
 @dataclass
@@ -127,8 +138,8 @@ class RolloutConfig:
     llama-cpp-python server that gspo starts on the policy exported as GGUF and restarts on a fresh export
     every `rollout.llama_cpp.sync_every` steps (slower than "hf" on CPUs: docs/llama_cpp_sync.md); "vllm", a
     vLLM engine in this process (`rollout.vllm`), given the trainer's weights after every step; "vllm_server",
-    a `vllm serve` process that gspo starts, given them through files after every step: both need vLLM
-    (docs/vllm.md)."""
+    a `vllm serve` process that gspo starts (or yours, `rollout.vllm.url`), given them through files after
+    every step: both need vLLM (docs/vllm.md)."""
     openai: OpenAIConfig = field(default_factory=OpenAIConfig)
     """The server of rollout.engine=openai."""
     llama_cpp: LlamaCppConfig = field(default_factory=LlamaCppConfig)

@@ -43,7 +43,7 @@ from gspo.rollout.rewards import RewardFunction, resolve_reward, with_timeout
 from gspo.rollout.samplers import HFSampler, Sampler, tokenize_prompts
 from gspo.rollout.user_code import CodeFileError, load_function
 from gspo.rollout.vllm_engine import VLLMSampler, require_vllm
-from gspo.rollout.vllm_server import VLLMServer, server_sampler
+from gspo.rollout.vllm_server import ExternalVLLMServer, VLLMServer, server_sampler
 from gspo.training.checkpoint import verify_checkpoint
 from gspo.training.run_paths import run_path
 
@@ -520,7 +520,8 @@ def setup_sampler(config: Config, policy: Policy, tokenizer: Any, run_dir: Path)
 
 
 def setup_vllm(config: Config, policy: Policy, tokenizer: Any, run_dir: Path) -> Sampler:
-    """rollout.engine=vllm (in this process) or vllm_server (a `vllm serve` process, synced by files)."""
+    """rollout.engine=vllm (in this process) or vllm_server (a `vllm serve` process, gspo's or the user's at
+    rollout.vllm.url, synced by files)."""
     require_vllm()
     if world_size() > 1:
         raise ConfigError(
@@ -535,14 +536,24 @@ def setup_vllm(config: Config, policy: Policy, tokenizer: Any, run_dir: Path) ->
             kv_cache_gib=settings.kv_cache_gib,
             seed=config.seed,
         )
-    server = VLLMServer(
-        policy.model,
-        tokenizer,
-        run_dir / "vllm_server",
-        kv_cache_gib=settings.kv_cache_gib,
-        seed=config.seed,
-        startup_timeout=settings.timeout,
-    )
+    if settings.url is not None:  # the user's server: gspo writes where it reads, and never stops it
+        server: VLLMServer | ExternalVLLMServer = ExternalVLLMServer(
+            settings.url,
+            policy.model,
+            tokenizer,
+            Path(settings.weights_dir),
+            settings.server_weights_dir,
+            timeout=settings.timeout,
+        )
+    else:
+        server = VLLMServer(
+            policy.model,
+            tokenizer,
+            run_dir / "vllm_server",
+            kv_cache_gib=settings.kv_cache_gib,
+            seed=config.seed,
+            startup_timeout=settings.timeout,
+        )
     return server_sampler(server, tokenizer, settings.timeout)
 
 
