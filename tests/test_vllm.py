@@ -396,13 +396,16 @@ def test_a_server_given_by_url_samples_the_trainers_weights_after_each_sync(
 ) -> None:
     """gspo writes the weights into its folder, the server reloads them from its own path to that folder (a
     link here, as a container's volume would be), and its greedy tokens and log-probs are the trainer's."""
-    from gspo.rollout.vllm_server import ExternalVLLMServer, server_sampler
+    from gspo.rollout.vllm_server import ExternalVLLMServer, FileReload, server_sampler
 
     model, tokenizer = tiny_model(), tiny_tokenizer()
     perturb(model, seed=1)  # not the weights the server started on: the start-up sync sends these
     (tmp_path / "weights").mkdir()
     (tmp_path / "seen").symlink_to(tmp_path / "weights")
-    server = ExternalVLLMServer(user_server, model, tokenizer, tmp_path / "weights", str(tmp_path / "seen"))
+    server = ExternalVLLMServer(
+        user_server, directory=tmp_path / "weights", weights_path=str(tmp_path / "seen")
+    )
+    server.first_sync(FileReload(server), model, tokenizer)
     sampler = server_sampler(server, tokenizer, timeout=60)
 
     def agrees() -> list[list[int]]:
@@ -456,7 +459,7 @@ def test_the_trainer_trains_on_a_url_servers_samples_and_leaves_it_running(
 @needs_vllm
 def test_a_url_servers_settings_and_folder_are_checked_at_start_up(user_server, tmp_path) -> None:
     from gspo.rollout.openai import ServerError
-    from gspo.rollout.vllm_server import ExternalVLLMServer
+    from gspo.rollout.vllm_server import ExternalVLLMServer, FileReload
 
     model, tokenizer = tiny_model(), tiny_tokenizer()
     info = json.loads(
@@ -475,10 +478,11 @@ def test_a_url_servers_settings_and_folder_are_checked_at_start_up(user_server, 
         ServerError,
         match=r"could not take the policy's weights from /nowhere \(rollout.vllm.server_weights_dir",
     ):
-        ExternalVLLMServer(user_server, model, tokenizer, tmp_path / "weights", "/nowhere", timeout=60)
+        server = ExternalVLLMServer(user_server, directory=tmp_path / "weights", weights_path="/nowhere")
+        server.first_sync(FileReload(server), model, tokenizer)
     (tmp_path / "weights" / "model-00001-of-00002.safetensors").touch()
     with pytest.raises(ServerError, match=r"holds other weights \(model-00001-of-00002.safetensors\)"):
-        ExternalVLLMServer(user_server, model, tokenizer, tmp_path / "weights", timeout=60)
+        ExternalVLLMServer(user_server, directory=tmp_path / "weights")
     assert answers(user_server)
 
 
@@ -544,6 +548,17 @@ def test_a_url_server_without_dev_mode_or_not_there_stops_the_run_with_one_line(
         (
             ["rollout.engine=vllm_server", "rollout.vllm.weights_dir=w"],
             r"rollout.vllm.weights_dir is for a server of yours",
+        ),
+        (
+            ["rollout.engine=vllm_server", "rollout.vllm.weight_sync=nccl"],
+            r"weight_sync=nccl needs a server of yours on other GPUs \(rollout.vllm.url\)",
+        ),
+        (
+            [
+                *("rollout.engine=vllm_server", "rollout.vllm.weight_sync=nccl"),
+                *("rollout.vllm.url=http://h:8000/v1", "rollout.vllm.weights_dir=w"),
+            ],
+            r"rollout.vllm.weights_dir is for rollout.vllm.weight_sync=files",
         ),
     ],
 )

