@@ -1,7 +1,8 @@
 """rollout.vllm.weight_sync=nccl (gspo.rollout.vllm_nccl) checked on a CPU. NCCL needs GPUs, so its
 rendezvous and broadcast are replaced by recorders; what runs for real is vLLM's own trainer-side engine and
 HTTP client, gspo's weight source and start-up checks, and their HTTP exchange with a stand-in for the
-server's routes that records each request. scripts/test-vllm.sh runs it with tests/test_vllm.py."""
+server's routes that records each request; the same stand-in then stops answering, as a server of yours
+might mid-run. scripts/test-vllm.sh runs it with tests/test_vllm.py."""
 
 from __future__ import annotations
 
@@ -130,3 +131,24 @@ def test_nccl_on_a_trainer_without_cuda_is_refused_before_the_server_is_asked(tm
         ConfigError, match=r"weight_sync=nccl broadcasts from the trainer's GPU, and the policy is on cpu"
     ):
         Trainer(config)
+
+
+def test_a_url_server_that_stops_answering_fails_the_next_sync_naming_it(tmp_path, monkeypatch) -> None:
+    """The stand-in (its routes' answers as a GPU server's) goes away after the start-up checks: the next
+    sync is a ServerError naming rollout.vllm.url (exit code 8), and the weights were written first."""
+    import pytest
+
+    from gspo.models import tiny_tokenizer
+    from gspo.rollout.openai import ServerError
+    from gspo.rollout.vllm_server import ExternalVLLMServer, FileReload
+
+    monkeypatch.setattr(Recorder, "seen", [])
+    stand_in = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    threading.Thread(target=stand_in.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{stand_in.server_port}/v1"
+    server = ExternalVLLMServer(url, directory=tmp_path / "weights", timeout=30)
+    stand_in.shutdown()
+    stand_in.server_close()
+    with pytest.raises(ServerError, match=rf"the vLLM server at {url} \(rollout.vllm.url\) does not answer"):
+        FileReload(server)(tiny_model(), tiny_tokenizer(), step=1)
+    assert (tmp_path / "weights" / "model.safetensors").exists()
