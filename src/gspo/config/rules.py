@@ -169,6 +169,10 @@ RULES: dict[str, Rule] = {
     "rollout.llama_cpp.timeout": above(0, "seconds the server may take").upto(SECONDS_MAX, "seconds"),
     "rollout.vllm.kv_cache_gib": above(0, "GiB for vLLM's keys and values"),
     "rollout.vllm.timeout": above(0, "seconds the vLLM server may take").upto(SECONDS_MAX, "seconds"),
+    "rollout.vllm.url": Rule(_url, 'an http:// or https:// address, e.g. "http://127.0.0.1:8000/v1"'),
+    "rollout.vllm.weights_dir": non_empty("a folder both gspo and the vLLM server see"),
+    "rollout.vllm.server_weights_dir": non_empty("the weights folder's path on the server's machine"),
+    "rollout.vllm.nccl_address": non_empty("this machine's address, as the vLLM server reaches it"),
     "rollout.prompts_per_step": at_least(1).upto(BATCH_MAX, "prompts of one step, generated together"),
     "rollout.group_size": at_least(
         2,

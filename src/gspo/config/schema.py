@@ -119,6 +119,25 @@ class VLLMConfig:
     """vLLM's compute dtype: "auto", the policy's (fp32 by default, whose log-probs can serve as the old
     policy's); "bfloat16", as vLLM runs on GPUs beside an fp32 trainer: each sync casts the weights, and
     its log-probs are then far outside GSPO's clip band (docs/vllm.md, the mismatch study)."""
+    url: str | None = None
+    """rollout.engine=vllm_server on a `vllm serve` you started, by its API root (e.g.
+    "http://10.0.0.2:8000/v1"), instead of one gspo starts; gspo never stops it. It must run with
+    VLLM_SERVER_DEV_MODE=1, --logprobs-mode processed_logprobs and --return-tokens-as-token-ids (checked at
+    start-up); kv_cache_gib and the dtype are then its own (docs/vllm.md)."""
+    weights_dir: str | None = None
+    """With `url`: the folder gspo writes the policy's weights into after every step, for the server to
+    reload; a folder of its own, which the server's machine sees too (a shared disk)."""
+    server_weights_dir: str | None = None
+    """With `url`: the same folder as the server sees it, if its path differs there (another machine's
+    mount, a container's volume); None: the path of `weights_dir`."""
+    weight_sync: Literal["files", "nccl"] = "files"
+    """How the trainer's weights reach the server after every step: "files", written into its weights
+    folder and reloaded (any device); "nccl", broadcast from the trainer's GPU to a server of yours on
+    other GPUs (`url`, started with --weight-transfer-config '{"backend": "nccl"}'), through vLLM's
+    weight-transfer API: needs CUDA, not run on a GPU yet (docs/gpu.md)."""
+    nccl_address: str = "127.0.0.1"
+    """With weight_sync=nccl: this machine's address as the server's workers reach it; they join the NCCL
+    group the trainer opens there, on a free port (127.0.0.1: the server on this machine's other GPUs)."""
 
 
 @dataclass
@@ -131,8 +150,8 @@ class RolloutConfig:
     llama-cpp-python server that gspo starts on the policy exported as GGUF and restarts on a fresh export
     every `rollout.llama_cpp.sync_every` steps (slower than "hf" on CPUs: docs/llama_cpp_sync.md); "vllm", a
     vLLM engine in this process (`rollout.vllm`), given the trainer's weights after every step; "vllm_server",
-    a `vllm serve` process that gspo starts, given them through files after every step: both need vLLM
-    (docs/vllm.md)."""
+    a `vllm serve` process that gspo starts (or yours, `rollout.vllm.url`), given them through files after
+    every step: both need vLLM (docs/vllm.md)."""
     openai: OpenAIConfig = field(default_factory=OpenAIConfig)
     """The server of rollout.engine=openai."""
     llama_cpp: LlamaCppConfig = field(default_factory=LlamaCppConfig)

@@ -37,13 +37,13 @@ from gspo.rollout.data import (
     split_eval,
 )
 from gspo.rollout.llama_cpp import GGUFReload, LlamaCppServer, export_policy, require_llama_cpp
-from gspo.rollout.openai import OpenAIBackend, api_key_problem
+from gspo.rollout.openai import OpenAIBackend, WeightSync, api_key_problem
 from gspo.rollout.reasoning_gym import reasoning_gym_task
 from gspo.rollout.rewards import RewardFunction, resolve_reward, with_timeout
 from gspo.rollout.samplers import HFSampler, Sampler, tokenize_prompts
 from gspo.rollout.user_code import CodeFileError, load_function
 from gspo.rollout.vllm_engine import VLLMSampler, require_vllm
-from gspo.rollout.vllm_server import VLLMServer, server_sampler
+from gspo.rollout.vllm_server import ExternalVLLMServer, FileReload, VLLMServer, server_sampler
 from gspo.training.checkpoint import verify_checkpoint
 from gspo.training.run_paths import run_path
 
@@ -519,15 +519,20 @@ def setup_sampler(config: Config, policy: Policy, tokenizer: Any, run_dir: Path)
     )
 
 
+def vllm_dtype(config: Config) -> torch.dtype | None:
+    """rollout.vllm.dtype as vLLM's compute dtype; None ("auto"): the policy's."""
+    dtype = config.rollout.vllm.dtype
+    return None if dtype == "auto" else getattr(torch, dtype)
+
+
 def setup_vllm(config: Config, policy: Policy, tokenizer: Any, run_dir: Path) -> Sampler:
-    """rollout.engine=vllm (in this process) or vllm_server (a `vllm serve` process, synced by files)."""
+    """rollout.engine=vllm (in this process) or vllm_server (a `vllm serve` process: `setup_vllm_server`)."""
     require_vllm()
     if world_size() > 1:
         raise ConfigError(
             f"rollout.engine={config.rollout.engine} runs in one process: use rollout.engine=hf under torchrun"
         )
     settings = config.rollout.vllm
-    dtype = None if settings.dtype == "auto" else getattr(torch, settings.dtype)
     if config.rollout.engine == "vllm":
         return VLLMSampler(
             policy.model,
@@ -535,18 +540,48 @@ def setup_vllm(config: Config, policy: Policy, tokenizer: Any, run_dir: Path) ->
             max_num_seqs=config.rollout.generation_batch_size,
             kv_cache_gib=settings.kv_cache_gib,
             seed=config.seed,
-            dtype=dtype,
+            dtype=vllm_dtype(config),
         )
-    server = VLLMServer(
-        policy.model,
-        tokenizer,
-        run_dir / "vllm_server",
-        kv_cache_gib=settings.kv_cache_gib,
-        seed=config.seed,
-        dtype=dtype,
-        startup_timeout=settings.timeout,
+    return setup_vllm_server(config, policy, tokenizer, run_dir)
+
+
+def setup_vllm_server(config: Config, policy: Policy, tokenizer: Any, run_dir: Path) -> Sampler:
+    """gspo's own `vllm serve` (RUN/vllm_server), or the user's at rollout.vllm.url, synced by files or NCCL
+    (rollout.vllm.weight_sync), and given the policy's weights before the first rollout."""
+    settings = config.rollout.vllm
+    if settings.url is None:
+        server = VLLMServer(
+            policy.model,
+            tokenizer,
+            run_dir / "vllm_server",
+            kv_cache_gib=settings.kv_cache_gib,
+            seed=config.seed,
+            dtype=vllm_dtype(config),
+            startup_timeout=settings.timeout,
+        )
+        return server_sampler(server, tokenizer, settings.timeout)
+    # the user's server: gspo writes where it reads (or broadcasts to it), and never stops it
+    device = next(policy.model.parameters()).device
+    if settings.weight_sync == "nccl" and device.type != "cuda":
+        raise ConfigError(
+            f"rollout.vllm.weight_sync=nccl broadcasts from the trainer's GPU, and the policy is on {device}: "
+            "train on a CUDA device (device=auto or cuda), or set rollout.vllm.weight_sync=files"
+        )
+    external = ExternalVLLMServer(
+        settings.url,
+        directory=None if settings.weights_dir is None else Path(settings.weights_dir),
+        weights_path=settings.server_weights_dir,
+        weight_sync=settings.weight_sync,
+        timeout=settings.timeout,
     )
-    return server_sampler(server, tokenizer, settings.timeout)
+    if settings.weight_sync == "nccl":
+        from gspo.rollout.vllm_nccl import NCCLBroadcast  # vLLM's NCCL engine: imported only when used
+
+        sync: WeightSync = NCCLBroadcast(external, policy.model, settings.nccl_address)
+    else:
+        sync = FileReload(external)
+    external.first_sync(sync, policy.model, tokenizer)
+    return server_sampler(external, tokenizer, settings.timeout, sync)
 
 
 @contextlib.contextmanager
