@@ -268,8 +268,9 @@ def test_a_group_size_that_does_not_divide_the_processes_names_the_fix(tmp_path)
 )
 def test_a_continuing_piece_attends_to_its_segment_s_earlier_keys(monkeypatch, path, window):
     """Queries 13..32 of a segment against its keys 0..32 (GQA) equal sdpa with the dense mask, values and
-    gradients: on CPU the flash kernel's two parts merged by log-sum-exp; with a sliding window masked,
-    checkpointed blocks (3 of 8 queries); torch's lower-right CausalBias (the CUDA path, run on CPU)."""
+    gradients: on CPU the flash kernel's parts (prefix blocks of 5, 5 and 3 keys, then the queries' own)
+    merged by log-sum-exp; with a sliding window masked, checkpointed blocks (3 of 8 queries); torch's
+    lower-right CausalBias (the CUDA path, run on CPU)."""
     from gspo.core import sequence_parallel
 
     monkeypatch.setattr(sequence_parallel, "QUERY_BLOCK", 8)
@@ -285,8 +286,10 @@ def test_a_continuing_piece_attends_to_its_segment_s_earlier_keys(monkeypatch, p
     upstream = torch.randn(want.shape, generator=g)
     if path == "lse":  # the forward and backward that _GatheredAttention calls on CPU
         with torch.no_grad():
-            got, lse = sequence_parallel._prefix_then_causal(q, k, v, 13, None)
-            got_grads = sequence_parallel._prefix_then_causal_backward(upstream, q, k, v, got, lse, 13, None)
+            got, lse = sequence_parallel._prefix_then_causal(q, k, v, 13, None, block=5)
+            got_grads = sequence_parallel._prefix_then_causal_backward(
+                upstream, q, k, v, got, lse, 13, None, block=5
+            )
     else:
         got = sequence_parallel._attend(q, k, v, 13, sequence_parallel._Attend(None, True, window))
         got_grads = torch.autograd.grad((got * upstream).sum(), (q, k, v))

@@ -55,7 +55,8 @@ class _Continuing:
     gathered keys [cs, qe), the first lo - cs of them (``offset``) from earlier slices."""
 
     queries: Tensor  # (Lq,) local flat index b * P + (t - lo)
-    keys: Tensor  # (Lk,) gathered flat index b * T + t
+    row: int  # b
+    keys: slice  # columns cs .. qe
     offset: int
 
 
@@ -111,8 +112,7 @@ def slice_layout(
     continuing_pieces, starting_pieces, chosen = [], [], []
     for b, cs, qe in continuing:
         queries = b * part + torch.arange(qe - lo)
-        keys = b * width + torch.arange(cs, qe)
-        continuing_pieces.append(_Continuing(queries.to(device), keys.to(device), lo - cs))
+        continuing_pieces.append(_Continuing(queries.to(device), b, slice(cs, qe), lo - cs))
         chosen.append(queries)
     order = sorted(starting, key=lambda piece: -piece[2])
     i = 0
@@ -176,43 +176,59 @@ def _expand_heads(x: Tensor, heads: int) -> Tensor:
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
+def _key_blocks(offset: int, queries: int, block: int) -> list[tuple[int, int, bool]]:
+    """(first key, last key + 1, causal) of `_prefix_then_causal`'s kernel calls: the prefix's ``offset``
+    keys in blocks of at most ``block``, then the queries' own."""
+    prefix = [(start, min(start + block, offset), False) for start in range(0, offset, block)]
+    return [*prefix, (offset, offset + queries, True)]
+
+
 def _prefix_then_causal(
-    q: Tensor, k: Tensor, v: Tensor, offset: int, scale: float | None
+    q: Tensor, k: Tensor, v: Tensor, offset: int, scale: float | None, block: int
 ) -> tuple[Tensor, Tensor]:
     """CPU flash attention of queries (S, H, Lq, D) against keys (S, Hkv, offset + Lq, D), the first
-    ``offset`` all visible (a prefix), the rest causal (the queries' own): two kernel calls merged by their
-    log-sum-exps, no mask. Returns the output (S, H, Lq, Dv) and its log-sum-exp (S, H, Lq)."""
+    ``offset`` all visible (a prefix), the rest causal (the queries' own): kernel calls on blocks of at most
+    ``block`` keys merged by their log-sum-exps, no mask, so no copy of the keys per query head is longer
+    than a block. Returns the output (S, H, Lq, Dv) and its log-sum-exp (S, H, Lq)."""
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    k, v = (_expand_heads(x, q.shape[1]) for x in (k, v))
-    out_prefix, lse_prefix = flash(q, k[:, :, :offset], v[:, :, :offset], 0.0, False, scale=scale)
-    out_own, lse_own = flash(q, k[:, :, offset:], v[:, :, offset:], 0.0, True, scale=scale)
-    lse = torch.logaddexp(lse_prefix, lse_own)  # (S, H, Lq)
-    # out = sum_parts exp(lse_part - lse) out_part
-    out = out_prefix * (lse_prefix - lse).exp().unsqueeze(-1) + out_own * (lse_own - lse).exp().unsqueeze(-1)
+    out, lse = None, None
+    for first, last, causal in _key_blocks(offset, q.shape[2], block):
+        k_block, v_block = (_expand_heads(x[:, :, first:last], q.shape[1]) for x in (k, v))
+        out_block, lse_block = flash(q, k_block, v_block, 0.0, causal, scale=scale)
+        if out is None:
+            out, lse = out_block.float(), lse_block
+            continue
+        # out = sum_blocks exp(lse_block - lse) out_block
+        merged = torch.logaddexp(lse, lse_block)  # (S, H, Lq)
+        out = out * (lse - merged).exp().unsqueeze(-1) + out_block * (lse_block - merged).exp().unsqueeze(-1)
+        lse = merged
     return out.to(q.dtype), lse
 
 
 def _prefix_then_causal_backward(
-    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, offset: int, scale: float | None
+    grad: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    offset: int,
+    scale: float | None,
+    block: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The gradients of `_prefix_then_causal`'s output for q, k, v: the kernel's own backward on each part
+    """The gradients of `_prefix_then_causal`'s output for q, k, v: the kernel's own backward on each block
     with the merged output and log-sum-exp, as ring attention does (each key block's gradient needs only
     those); the repeated heads' key and value gradients summed back to their group's head."""
     backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-    kv_heads = k.shape[1]
-    k, v = (_expand_heads(x, q.shape[1]) for x in (k, v))
     grad = grad.contiguous()
-    dq_prefix, dk_prefix, dv_prefix = backward(
-        grad, q, k[:, :, :offset], v[:, :, :offset], out, lse, 0.0, False, scale=scale
-    )
-    dq_own, dk_own, dv_own = backward(
-        grad, q, k[:, :, offset:], v[:, :, offset:], out, lse, 0.0, True, scale=scale
-    )
-    dk, dv = (
-        torch.cat(parts, dim=2).unflatten(1, (kv_heads, -1)).sum(2)
-        for parts in ((dk_prefix, dk_own), (dv_prefix, dv_own))
-    )
-    return dq_prefix + dq_own, dk, dv
+    dq, dk, dv = torch.zeros_like(q), torch.empty_like(k), torch.empty_like(v)
+    for first, last, causal in _key_blocks(offset, q.shape[2], block):
+        k_block, v_block = (_expand_heads(x[:, :, first:last], q.shape[1]) for x in (k, v))
+        dq_block, dk_block, dv_block = backward(grad, q, k_block, v_block, out, lse, 0.0, causal, scale=scale)
+        dq += dq_block
+        dk[:, :, first:last] = dk_block.unflatten(1, (k.shape[1], -1)).sum(2)
+        dv[:, :, first:last] = dv_block.unflatten(1, (v.shape[1], -1)).sum(2)
+    return dq, dk, dv
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, offset: int, how: _Attend) -> Tensor:
@@ -248,15 +264,10 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, offset: int, how: _Attend) -> Tenso
     return torch.cat(blocks, dim=2)
 
 
-def _flat_keys_values(gathered: Tensor, key_dim: int) -> tuple[Tensor, Tensor]:
-    """(B, Hkv, T, D + Dv) -> keys (B * T, Hkv, D) and values (B * T, Hkv, Dv), indexed b * T + t."""
-    flat = gathered.transpose(1, 2).flatten(0, 1)
-    return flat[..., :key_dim], flat[..., key_dim:]
-
-
-def _piece(x: Tensor, index: Tensor) -> Tensor:
-    """Rows ``index`` of flat (n, h, D) as one sdpa batch (1, h, len(index), D)."""
-    return x.index_select(0, index).unsqueeze(0).transpose(1, 2)
+def _piece(x: Tensor, piece: _Continuing) -> Tensor:
+    """The keys (or values, or their gradients) of a continuing piece in ``x`` (B, Hkv, T, D): a view
+    (1, Hkv, Lk, D)."""
+    return x[piece.row : piece.row + 1, :, piece.keys]
 
 
 class _GatheredAttention(torch.autograd.Function):
@@ -265,21 +276,21 @@ class _GatheredAttention(torch.autograd.Function):
 
     The gathered (B, Hkv, T, .) tensor lives only during the forward: the backward gathers it again (one
     more all-gather per layer) and reduce-scatters its gradient through the gather's own backward. So the
-    backward keeps only this rank's queries and ``kv``, and per piece on CPU (`_prefix_then_causal`) its
-    output and log-sum-exp; elsewhere it recomputes the piece's attention. Every rank of the group calls it
-    in every layer, the first one with no piece, so the collectives pair up (autograd runs the backward
-    of an output with no rows too)."""
+    backward keeps only this rank's queries and ``kv``, and per piece on CPU (`_prefix_then_causal`, key
+    blocks one slice wide) its output and log-sum-exp; elsewhere it recomputes the piece's attention.
+    Every rank of the group calls it in every layer, the first one with no piece, so the collectives pair
+    up (autograd runs the backward of an output with no rows too)."""
 
     @staticmethod
     def forward(ctx, q: Tensor, kv: Tensor, layout: SliceLayout, how: _Attend, key_dim: int) -> Tensor:
         ctx.layout, ctx.how, ctx.key_dim = layout, how, key_dim
         ctx.sizes = [len(piece.queries) for piece in layout.continuing]
-        keys, values = _flat_keys_values(layout.split.gather(kv), key_dim)
+        keys, values = layout.split.gather(kv).split([key_dim, kv.shape[-1] - key_dim], dim=-1)
         outputs, stats = [q.new_empty(0, q.shape[1], values.shape[-1])], []
         for piece, query in zip(layout.continuing, q.split(ctx.sizes), strict=True):
-            args = (query.unsqueeze(0).transpose(1, 2), _piece(keys, piece.keys), _piece(values, piece.keys))
+            args = (query.unsqueeze(0).transpose(1, 2), _piece(keys, piece), _piece(values, piece))
             if how.merges_log_sum_exps(q.device):
-                out, lse = _prefix_then_causal(*args, piece.offset, how.scale)
+                out, lse = _prefix_then_causal(*args, piece.offset, how.scale, block=kv.shape[2])
                 stats += [out, lse]
             else:
                 out = _attend(*args, piece.offset, how)
@@ -294,16 +305,18 @@ class _GatheredAttention(torch.autograd.Function):
         own = kv.detach().requires_grad_()
         with torch.enable_grad():
             gathered = ctx.layout.split.gather(own)  # the forward's keys and values, gathered again
-        keys, values = _flat_keys_values(gathered.detach(), ctx.key_dim)
-        d_keys, d_values = torch.zeros_like(keys), torch.zeros_like(values)
+        d_gathered = torch.zeros_like(gathered)
+        dims = [ctx.key_dim, kv.shape[-1] - ctx.key_dim]
+        (keys, values), (d_keys, d_values) = (x.split(dims, dim=-1) for x in (gathered.detach(), d_gathered))
         d_queries = [torch.zeros_like(q[:0])]
         pieces = zip(ctx.layout.continuing, q.split(ctx.sizes), grad.split(ctx.sizes), strict=True)
         for piece, query, upstream in pieces:
-            args = (query.unsqueeze(0).transpose(1, 2), _piece(keys, piece.keys), _piece(values, piece.keys))
+            args = (query.unsqueeze(0).transpose(1, 2), _piece(keys, piece), _piece(values, piece))
             upstream = upstream.unsqueeze(0).transpose(1, 2)
             if ctx.how.merges_log_sum_exps(q.device):
+                out, lse = next(stats), next(stats)
                 dq, dk, dv = _prefix_then_causal_backward(
-                    upstream, *args, next(stats), next(stats), piece.offset, ctx.how.scale
+                    upstream, *args, out, lse, piece.offset, ctx.how.scale, block=kv.shape[2]
                 )
             else:
                 with torch.enable_grad():
@@ -311,11 +324,10 @@ class _GatheredAttention(torch.autograd.Function):
                     out = _attend(*leaves, piece.offset, ctx.how)
                     dq, dk, dv = torch.autograd.grad(out, leaves, upstream)
             d_queries.append(dq.squeeze(0).transpose(0, 1))
-            d_keys.index_add_(0, piece.keys, dk.squeeze(0).transpose(0, 1))
-            d_values.index_add_(0, piece.keys, dv.squeeze(0).transpose(0, 1))
-        d_gathered = torch.cat([d_keys, d_values], dim=-1).unflatten(0, (gathered.shape[0], -1))
+            _piece(d_keys, piece).add_(dk)
+            _piece(d_values, piece).add_(dv)
         # the gather's backward: each slice's gradient summed over the ranks (a reduce-scatter)
-        (d_own,) = torch.autograd.grad(gathered, own, d_gathered.transpose(1, 2))
+        (d_own,) = torch.autograd.grad(gathered, own, d_gathered)
         return torch.cat(d_queries), d_own, None, None, None
 
 
