@@ -1,19 +1,15 @@
 """Sequence data parallelism (as in Fast-LLM): each rank of a group computes one slice of packed rows.
 
 The rows' columns are cut into N contiguous slices of equal width (`split_micro_batch`); a rank runs the
-decoder on its own slice. Inside `split_attention`, a supported model's attention gives each local query
-the earlier tokens of its own segment, as in the unsplit row. A segment starting inside the slice needs
-only the slice's own keys and values: plainly causal, it shares a padded batch with segments of similar
-length (as gspo.core.attention). The one segment per row continuing from an earlier slice also attends to
-that segment's earlier keys: `_GatheredAttention` all-gathers every slice's keys and values (the caller's
-``SequenceSplit.gather``), and keeps for the backward only this rank's own, gathering them again there,
-so no rank holds the gathered keys of every layer (lower-right aligned causal: on CUDA torch's CausalBias;
-on CPU the flash kernel on the earlier keys and on the slice's own, merged by their log-sum-exps; with
-sliding windows, masked blocks of queries). RoPE needs nothing more: each slice passes its own
-position_ids. Grouped-query heads are read as sdpa's ``enable_gqa``. The rank scores the tokens its hidden
-states predict (columns lo+1..hi of its slice [lo, hi)), through the chunked LM head. The loss then
-all-reduces each sequence's sums over the group (gspo.core.objectives' ``segment_sum_reduce``). Only
-packed rows (position_ids restarting at 0 for each sequence) are supported.
+decoder on its own slice. Inside `split_attention`, each local query attends to the earlier tokens of its
+segment, as in the unsplit row. Segments starting in the slice need only its own keys and values (plainly
+causal, batched by length as in gspo.core.attention). The one segment per row continuing from an earlier
+slice also sees that segment's earlier keys (lower-right causal): `_GatheredAttention` all-gathers every
+slice's keys and values (the caller's ``SequenceSplit.gather``) and keeps only this rank's own for the
+backward, which gathers them again. RoPE needs nothing more: each slice passes its own position_ids.
+The rank scores the tokens its hidden states predict (columns lo+1..hi of its slice [lo, hi)), through
+the chunked LM head; the loss all-reduces each sequence's sums over the group (gspo.core.objectives'
+``segment_sum_reduce``). Only packed rows (position_ids restarting at 0 per sequence) are supported.
 """
 
 from __future__ import annotations
