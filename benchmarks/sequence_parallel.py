@@ -5,13 +5,19 @@ One sequence of ``--tokens`` tokens (a 64-token prompt, the rest completion) is 
 ``distributed.sequence_parallel=N`` on N processes, the tiny Llama of configs/tiny.yaml (GSPO, fp32).
 Rank 0 holds the sequence, as its rollouts would; the group pools it and each rank computes 1/N of the row.
 
-Memory, per rank: every page the pass and the update touched, VmHWM - VmRSS after the kernel's peak-RSS
-mark is reset (``/proc/self/clear_refs``, as benchmarks/logprob_memory.py, after glibc's malloc_trim hands
-freed heap pages back; ru_maxrss where clear_refs is not writable), measured after a warm-up update on the same row (AdamW state and the first gradients exist).
-Activations, gathered keys and values, the head's chunks and the parameters' gradients all count. Time:
-the learner's ``time_update`` (one forward, backward and step) and the process CPU seconds of the
-update on each rank, medians of ``--repeats`` (memory: their largest); on a machine with fewer cores than ranks, the wall-clock
-time cannot shrink with N, the CPU seconds per rank show the work each rank does.
+Memory, per rank, two measures. Peak: every page the pass and the update touched, VmHWM - VmRSS after
+the kernel's peak-RSS mark is reset (``/proc/self/clear_refs``, as benchmarks/logprob_memory.py, after
+glibc's malloc_trim hands freed heap pages back; ru_maxrss where clear_refs is not writable), measured
+after a warm-up update on the same row (AdamW state and the first gradients exist). Activations,
+gathered keys and values, the head's chunks, the parameters' gradients, and heap pages glibc keeps after
+a free all count. Saved: the peak bytes of the distinct storages autograd holds for the backward during
+the update (`SavedForBackward`: the activations, parameters left out). glibc's own choices move the
+peak: with ``MALLOC_MMAP_THRESHOLD_=131072`` in the environment (the workers inherit it) large blocks
+are always mapped and returned on free, as they are by default until a free raises the threshold.
+Time: the learner's ``time_update`` (one forward, backward and step) and the process CPU seconds of the
+update on each rank, medians of ``--repeats`` (memory: their largest); on a machine with fewer cores
+than ranks, the wall-clock time cannot shrink with N, the CPU seconds per rank show the work each rank
+does.
 
     HF_HUB_OFFLINE=1 python benchmarks/sequence_parallel.py --tokens 8192 --ranks 1,2,4 --repeats 3
 """
@@ -29,12 +35,14 @@ import socket
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.reductions import StorageWeakRef
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = 64
@@ -57,6 +65,29 @@ def _reset_peak() -> bool:
         return True
     except OSError:
         return False
+
+
+class SavedForBackward:
+    """The peak bytes of the distinct storages that autograd holds for the backward (activations; the
+    parameters left out), entered around each optimizer update (`learn`'s ``around_update``)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        self.live = {ptr: ref for ptr, ref in self.live.items() if not ref[0].expired()}
+        if storage.data_ptr() not in self.parameters:
+            self.live.setdefault(storage.data_ptr(), (StorageWeakRef(storage), storage.nbytes()))
+        self.peak = max(self.peak, sum(nbytes for _, nbytes in self.live.values()))
+        return tensor
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor):
+            yield
 
 
 def _trainer(run_dir: Path, tokens: int, ranks: int):
@@ -107,13 +138,16 @@ def _worker(rank: int, ranks: int, port: int, tokens: int, repeats: int, out: Pa
     trainer = _trainer(out / "run", tokens, ranks)
     batch = _batch(tokens, rank == 0)
     learn(trainer.policy, trainer.spec, batch, seed=0)  # warm-up: optimizer state, first gradients
-    peaks, walls, cpus = [], [], []
+    peaks, saved, walls, cpus = [], [], [], []
     for repeat in range(repeats):
         dist.barrier()
         how = "VmHWM - VmRSS" if _reset_peak() else "ru_maxrss - VmRSS"
         before = _proc_bytes("VmRSS")
         cpu = time.process_time()
-        metrics = learn(trainer.policy, trainer.spec, batch, seed=1 + repeat)
+        saved_for_backward = SavedForBackward(trainer.policy.model)
+        metrics = learn(
+            trainer.policy, trainer.spec, batch, seed=1 + repeat, around_update=saved_for_backward
+        )
         cpus.append(time.process_time() - cpu)
         hwm = (
             _proc_bytes("VmHWM")
@@ -121,9 +155,11 @@ def _worker(rank: int, ranks: int, port: int, tokens: int, repeats: int, out: Pa
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         )
         peaks.append(hwm - before)
+        saved.append(saved_for_backward.peak)
         walls.append(metrics["time_update"])
     result = {
         "peak_mib": max(peaks) / 2**20,
+        "saved_mib": max(saved) / 2**20,
         "update_s": statistics.median(walls),
         "cpu_s": statistics.median(cpus),
     }
@@ -161,22 +197,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     print(
-        f"{args.tokens}-token row, tiny Llama, fp32; CPU: {_cpu_name()}, {os.cpu_count()} cores, load {os.getloadavg()}"
+        f"{args.tokens}-token row, tiny Llama, fp32; CPU: {_cpu_name()}, {os.cpu_count()} cores, load "
+        f"{os.getloadavg()}; MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}"
     )
     base = None
     print(
-        f"{'ranks':>5} {'peak MiB/rank (max)':>20} {'ratio':>6} {'update s (rank 0)':>18} {'CPU s/rank (max)':>17} {'ratio':>6}"
+        f"{'ranks':>5} {'peak MiB/rank (max)':>20} {'ratio':>6} {'saved MiB/rank (max)':>21} {'ratio':>6} "
+        f"{'update s (rank 0)':>18} {'CPU s/rank (max)':>17} {'ratio':>6}"
     )
     for ranks in (int(r) for r in args.ranks.split(",")):
         per_rank = measure(ranks, args.tokens, args.repeats)
-        peak = max(r["peak_mib"] for r in per_rank)
-        cpu = max(r["cpu_s"] for r in per_rank)
-        base = base or (peak, cpu)
+        peak, saved, cpu = (max(r[key] for r in per_rank) for key in ("peak_mib", "saved_mib", "cpu_s"))
+        base = base or (peak, saved, cpu)
         print(
-            f"{ranks:>5} {peak:>20.1f} {peak / base[0]:>6.2f} {per_rank[0]['update_s']:>18.2f} {cpu:>17.2f} "
-            f"{cpu / base[1]:>6.2f}   per rank MiB: {[round(r['peak_mib'], 1) for r in per_rank]} ({per_rank[0]['how']})"
+            f"{ranks:>5} {peak:>20.1f} {peak / base[0]:>6.2f} {saved:>21.1f} {saved / base[1]:>6.2f} "
+            f"{per_rank[0]['update_s']:>18.2f} {cpu:>17.2f} {cpu / base[2]:>6.2f}"
         )
-    print(f"load after: {os.getloadavg()}")
+        for key in ("peak_mib", "saved_mib"):
+            print(f"      {key} per rank: {[round(r[key], 1) for r in per_rank]}")
+    print(f"peak measured as {per_rank[0]['how']}; load after: {os.getloadavg()}")
 
 
 if __name__ == "__main__":

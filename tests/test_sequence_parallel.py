@@ -268,8 +268,9 @@ def test_a_group_size_that_does_not_divide_the_processes_names_the_fix(tmp_path)
 )
 def test_a_continuing_piece_attends_to_its_segment_s_earlier_keys(monkeypatch, path, window):
     """Queries 13..32 of a segment against its keys 0..32 (GQA) equal sdpa with the dense mask, values and
-    gradients: on CPU the flash kernel's two parts merged by log-sum-exp; with a sliding window masked,
-    checkpointed blocks (3 of 8 queries); torch's lower-right CausalBias (the CUDA path, run on CPU)."""
+    gradients: on CPU the flash kernel's parts (prefix blocks of 5, 5 and 3 keys, then the queries' own)
+    merged by log-sum-exp; with a sliding window masked, checkpointed blocks (3 of 8 queries); torch's
+    lower-right CausalBias (the CUDA path, run on CPU)."""
     from gspo.core import sequence_parallel
 
     monkeypatch.setattr(sequence_parallel, "QUERY_BLOCK", 8)
@@ -279,13 +280,20 @@ def test_a_continuing_piece_attends_to_its_segment_s_earlier_keys(monkeypatch, p
     q, k, v = (
         torch.randn(1, h, n, 8, generator=g, requires_grad=True) for h, n in ((4, 20), (2, 33), (2, 33))
     )
-    how = sequence_parallel._Attend(0.0, None, True, window)
-    got = sequence_parallel._attend(q, k, v, 13, how)
     distance = torch.arange(20)[:, None] + 13 - torch.arange(33)[None, :]
     mask = (distance >= 0) & (distance < (window or 10**9))
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     upstream = torch.randn(want.shape, generator=g)
-    grads = [torch.autograd.grad((x * upstream).sum(), (q, k, v)) for x in (got, want)]
+    if path == "lse":  # the forward and backward that _GatheredAttention calls on CPU
+        with torch.no_grad():
+            got, lse = sequence_parallel._prefix_then_causal(q, k, v, 13, None, block=5)
+            got_grads = sequence_parallel._prefix_then_causal_backward(
+                upstream, q, k, v, got, lse, 13, None, block=5
+            )
+    else:
+        got = sequence_parallel._attend(q, k, v, 13, sequence_parallel._Attend(None, True, window))
+        got_grads = torch.autograd.grad((got * upstream).sum(), (q, k, v))
+    grads = [got_grads, torch.autograd.grad((want * upstream).sum(), (q, k, v))]
     torch.testing.assert_close(got, want, **TOLERANCE)
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, **TOLERANCE)

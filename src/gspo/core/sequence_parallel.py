@@ -1,21 +1,15 @@
 """Sequence data parallelism (as in Fast-LLM): each rank of a group computes one slice of packed rows.
 
 The rows' columns are cut into N contiguous slices of equal width (`split_micro_batch`); a rank runs the
-decoder on its own slice. Inside `split_attention`, a supported model's attention all-gathers the keys and
-values of every slice along the sequence (the caller's ``SequenceSplit.gather``, whose backward reduce-
-scatters their gradients), so each local query sees every earlier token of its own segment, as in the
-unsplit row. RoPE needs nothing more: each slice passes its own position_ids. Grouped-query heads are read
-as sdpa's ``enable_gqa``; a layer's sliding window narrows the mask. The rank scores the tokens its hidden
-states predict (columns lo+1..hi of its slice [lo, hi)), through the chunked LM head. The loss then
-all-reduces each sequence's sums over the group (gspo.core.objectives' ``segment_sum_reduce``).
-
-A slice's queries go in pieces, one per segment it holds: a segment starting inside the slice is plainly
-causal and shares a padded batch with pieces of similar length (as gspo.core.attention); the one segment
-per row continuing from an earlier slice also attends to that segment's earlier keys (lower-right aligned
-causal: on CUDA torch's CausalBias, no mask; on CPU the flash kernel on the earlier keys and on the slice's
-own, merged by their log-sum-exps; with sliding windows, masked blocks of queries recomputed in the
-backward, so no (queries, keys) mask outlives its block). Only packed rows (position_ids
-restarting at 0 for each sequence) are supported.
+decoder on its own slice. Inside `split_attention`, each local query attends to the earlier tokens of its
+segment, as in the unsplit row. Segments starting in the slice need only its own keys and values (plainly
+causal, batched by length as in gspo.core.attention). The one segment per row continuing from an earlier
+slice also sees that segment's earlier keys (lower-right causal): `_GatheredAttention` all-gathers every
+slice's keys and values (the caller's ``SequenceSplit.gather``) and keeps only this rank's own for the
+backward, which gathers them again. RoPE needs nothing more: each slice passes its own position_ids.
+The rank scores the tokens its hidden states predict (columns lo+1..hi of its slice [lo, hi)), through
+the chunked LM head; the loss all-reduces each sequence's sums over the group (gspo.core.objectives'
+``segment_sum_reduce``). Only packed rows (position_ids restarting at 0 per sequence) are supported.
 """
 
 from __future__ import annotations
@@ -44,22 +38,38 @@ NAME = "gspo_sequence_split"
 
 @dataclass(frozen=True)
 class _Pieces:
-    """Query pieces of one sdpa call: S pieces padded to Lq queries and Lk keys."""
+    """Segments starting in the slice, in one causal sdpa call: S pieces padded to L tokens."""
 
-    queries: Tensor  # (S * Lq,) local flat index b * P + (t - lo) of each query slot (padding repeats one)
-    keys: Tensor  # (S * Lk,) gathered flat index b * T + t of each key slot
-    keep: Tensor  # (n,) the query slots holding real tokens
-    shape: tuple[int, int, int]  # (S, Lq, Lk)
-    offset: int  # the pieces' first query minus their first key, in columns (0: plainly causal)
+    tokens: Tensor  # (S * L,) local flat index b * P + (t - lo) of each slot (padding repeats one)
+    keep: Tensor  # (n,) the slots holding real tokens
+    shape: tuple[int, int]  # (S, L)
+
+
+@dataclass(frozen=True)
+class _Continuing:
+    """A segment continuing from an earlier slice: the slice's queries [lo, qe) of one row against the
+    gathered keys [cs, qe), the first lo - cs of them (``offset``) from earlier slices."""
+
+    queries: Tensor  # (Lq,) local flat index b * P + (t - lo)
+    row: int  # b
+    keys: slice  # columns cs .. qe
+    offset: int
 
 
 @dataclass(frozen=True)
 class SliceLayout:
     """The pieces of a slice [lo, hi) of packed rows of width T, and where the local tokens land."""
 
-    pieces: list[_Pieces]
-    inverse: Tensor  # (B * P,) position of local token b * P + p among the pieces' kept slots
+    continuing: list[_Continuing]
+    starting: list[_Pieces]
+    inverse: Tensor  # (B * P,) position of local token b * P + p among the continuing queries, then the
+    # starting pieces' kept slots
     split: SequenceSplit
+
+    @functools.cached_property
+    def continuing_queries(self) -> Tensor:
+        """(n,) the continuing pieces' queries, in order."""
+        return torch.cat([piece.queries for piece in self.continuing] or [self.inverse[:0]])
 
 
 _LAYOUT: contextvars.ContextVar[SliceLayout | None] = contextvars.ContextVar(NAME, default=None)
@@ -95,22 +105,11 @@ def slice_layout(
     part = hi - lo
     starting, continuing = _segment_pieces(position_ids, lo, hi)
     device = position_ids.device
-    pieces, chosen = [], []
-
-    def add(queries: Tensor, keys: Tensor, valid: Tensor, shape: tuple[int, int, int], offset: int) -> None:
-        where = (queries.to(device), keys.to(device), valid.nonzero().squeeze(1).to(device))
-        pieces.append(_Pieces(*where, shape, offset))
-        chosen.append(queries[valid])
-
-    for b, cs, qe in continuing:  # queries [lo, qe) against keys [cs, qe)
-        every = torch.ones(qe - lo, dtype=torch.bool)
-        add(
-            b * part + torch.arange(qe - lo),
-            b * width + torch.arange(cs, qe),
-            every,
-            (1, qe - lo, qe - cs),
-            lo - cs,
-        )
+    continuing_pieces, starting_pieces, chosen = [], [], []
+    for b, cs, qe in continuing:
+        queries = b * part + torch.arange(qe - lo)
+        continuing_pieces.append(_Continuing(queries.to(device), b, slice(cs, qe), lo - cs))
+        chosen.append(queries)
     order = sorted(starting, key=lambda piece: -piece[2])
     i = 0
     while i < len(order):  # causal pieces in buckets of similar lengths, right-padded
@@ -121,10 +120,13 @@ def slice_layout(
         row, col, length = (torch.tensor(x)[:, None] for x in zip(*order[i:j], strict=True))
         slot = torch.arange(longest)[None, :]
         column = col + torch.minimum(slot, length - 1)  # (S, L): a padded slot repeats the last token
-        queries, keys = (row * part + column - lo).reshape(-1), (row * width + column).reshape(-1)
-        add(queries, keys, (slot < length).reshape(-1), (j - i, longest, longest), 0)
+        tokens, valid = (row * part + column - lo).reshape(-1), (slot < length).reshape(-1)
+        keep = valid.nonzero().squeeze(1)
+        starting_pieces.append(_Pieces(tokens.to(device), keep.to(device), (j - i, longest)))
+        chosen.append(tokens[keep])
         i = j
-    return SliceLayout(pieces, torch.argsort(torch.cat(chosen)).to(device), split)
+    inverse = torch.argsort(torch.cat(chosen)).to(device)
+    return SliceLayout(continuing_pieces, starting_pieces, inverse, split)
 
 
 QUERY_BLOCK = 32
@@ -141,10 +143,13 @@ LOWER_RIGHT_DEVICES = ("cuda",)
 class _Attend:
     """What every sdpa call of one layer shares."""
 
-    dropout: float
     scale: float | None
     gqa: bool
     window: int | None  # transformers' sliding window: keys fewer than `window` columns back
+
+    def merges_log_sum_exps(self, device: torch.device) -> bool:
+        """Whether a continuing piece runs as `_prefix_then_causal` (CPU flash attention, no window)."""
+        return device.type == "cpu" and self.window is None
 
 
 def _block_attention(q: Tensor, k: Tensor, v: Tensor, offset: int, how: _Attend) -> Tensor:
@@ -157,65 +162,85 @@ def _block_attention(q: Tensor, k: Tensor, v: Tensor, offset: int, how: _Attend)
     if how.window is not None:
         visible &= distance < how.window
     return torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=visible, dropout_p=how.dropout, scale=how.scale, enable_gqa=how.gqa
+        q, k, v, attn_mask=visible, scale=how.scale, enable_gqa=how.gqa
     )
 
 
-class _PrefixThenCausal(torch.autograd.Function):
-    """CPU flash attention of queries (S, H, Lq, D) against keys that are all visible (a prefix, Lp) then
-    causal (Lq, the queries' own): two kernel calls merged by their log-sum-exps, no mask. The backward
-    calls the kernel's own backward on each part with the merged output and log-sum-exp, as ring attention
-    does: each key block's gradient needs only those."""
+def _expand_heads(x: Tensor, heads: int) -> Tensor:
+    """(S, Hkv, L, D) -> (S, H, L, D): each key/value head repeated for its query heads (the CPU flash
+    kernel wants as many of them as query heads)."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
-    @staticmethod
-    def forward(ctx, q: Tensor, k_prefix: Tensor, v_prefix: Tensor, k_own: Tensor, v_own: Tensor, scale):
-        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        out_prefix, lse_prefix = flash(q, k_prefix, v_prefix, 0.0, False, scale=scale)
-        out_own, lse_own = flash(q, k_own, v_own, 0.0, True, scale=scale)
-        lse = torch.logaddexp(lse_prefix, lse_own)  # (S, H, Lq)
-        # out = sum_parts exp(lse_part - lse) out_part
-        out = out_prefix * (lse_prefix - lse).exp().unsqueeze(-1) + out_own * (lse_own - lse).exp().unsqueeze(
-            -1
-        )
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k_prefix, v_prefix, k_own, v_own, out, lse)
-        ctx.scale = scale
-        return out
 
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        q, k_prefix, v_prefix, k_own, v_own, out, lse = ctx.saved_tensors
-        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-        grad = grad.contiguous()
-        dq_prefix, dk_prefix, dv_prefix = backward(
-            grad, q, k_prefix, v_prefix, out, lse, 0.0, False, scale=ctx.scale
-        )
-        dq_own, dk_own, dv_own = backward(grad, q, k_own, v_own, out, lse, 0.0, True, scale=ctx.scale)
-        return dq_prefix + dq_own, dk_prefix, dv_prefix, dk_own, dv_own, None
+def _key_blocks(offset: int, queries: int, block: int) -> list[tuple[int, int, bool]]:
+    """(first key, last key + 1, causal) of `_prefix_then_causal`'s kernel calls: the prefix's ``offset``
+    keys in blocks of at most ``block``, then the queries' own."""
+    prefix = [(start, min(start + block, offset), False) for start in range(0, offset, block)]
+    return [*prefix, (offset, offset + queries, True)]
+
+
+def _prefix_then_causal(
+    q: Tensor, k: Tensor, v: Tensor, offset: int, scale: float | None, block: int
+) -> tuple[Tensor, Tensor]:
+    """CPU flash attention of queries (S, H, Lq, D) against keys (S, Hkv, offset + Lq, D), the first
+    ``offset`` all visible (a prefix), the rest causal (the queries' own): kernel calls on blocks of at most
+    ``block`` keys merged by their log-sum-exps, no mask, so no copy of the keys per query head is longer
+    than a block. Returns the output (S, H, Lq, Dv) and its log-sum-exp (S, H, Lq)."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out, lse = None, None
+    for first, last, causal in _key_blocks(offset, q.shape[2], block):
+        k_block, v_block = (_expand_heads(x[:, :, first:last], q.shape[1]) for x in (k, v))
+        out_block, lse_block = flash(q, k_block, v_block, 0.0, causal, scale=scale)
+        if out is None:
+            out, lse = out_block.float(), lse_block
+            continue
+        # out = sum_blocks exp(lse_block - lse) out_block
+        merged = torch.logaddexp(lse, lse_block)  # (S, H, Lq)
+        out = out * (lse - merged).exp().unsqueeze(-1) + out_block * (lse_block - merged).exp().unsqueeze(-1)
+        lse = merged
+    return out.to(q.dtype), lse
+
+
+def _prefix_then_causal_backward(
+    grad: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    offset: int,
+    scale: float | None,
+    block: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of `_prefix_then_causal`'s output for q, k, v: the kernel's own backward on each block
+    with the merged output and log-sum-exp, as ring attention does (each key block's gradient needs only
+    those); the repeated heads' key and value gradients summed back to their group's head."""
+    backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    grad = grad.contiguous()
+    dq, dk, dv = torch.zeros_like(q), torch.empty_like(k), torch.empty_like(v)
+    for first, last, causal in _key_blocks(offset, q.shape[2], block):
+        k_block, v_block = (_expand_heads(x[:, :, first:last], q.shape[1]) for x in (k, v))
+        dq_block, dk_block, dv_block = backward(grad, q, k_block, v_block, out, lse, 0.0, causal, scale=scale)
+        dq += dq_block
+        dk[:, :, first:last] = dk_block.unflatten(1, (k.shape[1], -1)).sum(2)
+        dv[:, :, first:last] = dv_block.unflatten(1, (v.shape[1], -1)).sum(2)
+    return dq, dk, dv
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, offset: int, how: _Attend) -> Tensor:
     """(S, H, Lq, Dv): query i sees key j where j <= i + offset (and within the window). Plainly causal:
-    sdpa's is_causal. A lower-right causal piece (the keys before the queries, then the queries' own): on
-    CUDA torch's CausalBias, which flash attention runs without a mask; on CPU `_PrefixThenCausal`.
-    Otherwise (a sliding window, dropout elsewhere) masked blocks of queries, checkpointed (QUERY_BLOCK)."""
+    sdpa's is_causal. A lower-right causal piece (the keys before the queries, then the queries' own) on
+    CUDA: torch's CausalBias, which flash attention runs without a mask. Otherwise (a sliding window; on
+    CPU without one, `_prefix_then_causal` takes continuing pieces) masked blocks of queries, checkpointed
+    (QUERY_BLOCK)."""
     lq, lk = q.shape[2], k.shape[2]
     sdpa = functools.partial(
-        torch.nn.functional.scaled_dot_product_attention,
-        dropout_p=how.dropout,
-        scale=how.scale,
-        enable_gqa=how.gqa,
+        torch.nn.functional.scaled_dot_product_attention, scale=how.scale, enable_gqa=how.gqa
     )
     if how.window is None and offset == 0:
         return sdpa(q, k, v, is_causal=True)
     if how.window is None and offset == lk - lq and q.device.type in LOWER_RIGHT_DEVICES:
         return sdpa(q, k, v, attn_mask=causal_lower_right(lq, lk))
-    if how.window is None and offset == lk - lq and q.device.type == "cpu" and how.dropout == 0:
-        if how.gqa:  # the CPU kernel wants as many key/value heads as query heads
-            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
-        return _PrefixThenCausal.apply(
-            q, k[:, :, :offset], v[:, :, :offset], k[:, :, offset:], v[:, :, offset:], how.scale
-        )
     blocks = []
     for start in range(0, lq, QUERY_BLOCK):
         end = min(start + QUERY_BLOCK, lq)
@@ -233,6 +258,73 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, offset: int, how: _Attend) -> Tenso
             )
         )
     return torch.cat(blocks, dim=2)
+
+
+def _piece(x: Tensor, piece: _Continuing) -> Tensor:
+    """The keys (or values, or their gradients) of a continuing piece in ``x`` (B, Hkv, T, D): a view
+    (1, Hkv, Lk, D)."""
+    return x[piece.row : piece.row + 1, :, piece.keys]
+
+
+class _GatheredAttention(torch.autograd.Function):
+    """One layer's continuing pieces: their queries (n, H, D), in order, against the keys and values
+    all-gathered from every slice's ``kv`` (B, Hkv, P, D + Dv) -> (n, H, Dv).
+
+    The gathered (B, Hkv, T, .) tensor lives only during the forward: the backward gathers it again (one
+    more all-gather per layer) and reduce-scatters its gradient through the gather's own backward. So the
+    backward keeps only this rank's queries and ``kv``, and per piece on CPU (`_prefix_then_causal`, key
+    blocks one slice wide) its output and log-sum-exp; elsewhere it recomputes the piece's attention.
+    Every rank of the group calls it in every layer, the first one with no piece, so the collectives pair
+    up (autograd runs the backward of an output with no rows too)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, kv: Tensor, layout: SliceLayout, how: _Attend, key_dim: int) -> Tensor:
+        ctx.layout, ctx.how, ctx.key_dim = layout, how, key_dim
+        ctx.sizes = [len(piece.queries) for piece in layout.continuing]
+        keys, values = layout.split.gather(kv).split([key_dim, kv.shape[-1] - key_dim], dim=-1)
+        outputs, stats = [q.new_empty(0, q.shape[1], values.shape[-1])], []
+        for piece, query in zip(layout.continuing, q.split(ctx.sizes), strict=True):
+            args = (query.unsqueeze(0).transpose(1, 2), _piece(keys, piece), _piece(values, piece))
+            if how.merges_log_sum_exps(q.device):
+                out, lse = _prefix_then_causal(*args, piece.offset, how.scale, block=kv.shape[2])
+                stats += [out, lse]
+            else:
+                out = _attend(*args, piece.offset, how)
+            outputs.append(out.squeeze(0).transpose(0, 1))
+        ctx.save_for_backward(q, kv, *stats)
+        return torch.cat(outputs)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        q, kv, *saved = ctx.saved_tensors
+        stats = iter(saved)
+        own = kv.detach().requires_grad_()
+        with torch.enable_grad():
+            gathered = ctx.layout.split.gather(own)  # the forward's keys and values, gathered again
+        d_gathered = torch.zeros_like(gathered)
+        dims = [ctx.key_dim, kv.shape[-1] - ctx.key_dim]
+        (keys, values), (d_keys, d_values) = (x.split(dims, dim=-1) for x in (gathered.detach(), d_gathered))
+        d_queries = [torch.zeros_like(q[:0])]
+        pieces = zip(ctx.layout.continuing, q.split(ctx.sizes), grad.split(ctx.sizes), strict=True)
+        for piece, query, upstream in pieces:
+            args = (query.unsqueeze(0).transpose(1, 2), _piece(keys, piece), _piece(values, piece))
+            upstream = upstream.unsqueeze(0).transpose(1, 2)
+            if ctx.how.merges_log_sum_exps(q.device):
+                out, lse = next(stats), next(stats)
+                dq, dk, dv = _prefix_then_causal_backward(
+                    upstream, *args, out, lse, piece.offset, ctx.how.scale, block=kv.shape[2]
+                )
+            else:
+                with torch.enable_grad():
+                    leaves = [x.detach().requires_grad_() for x in args]
+                    out = _attend(*leaves, piece.offset, ctx.how)
+                    dq, dk, dv = torch.autograd.grad(out, leaves, upstream)
+            d_queries.append(dq.squeeze(0).transpose(0, 1))
+            _piece(d_keys, piece).add_(dk)
+            _piece(d_values, piece).add_(dv)
+        # the gather's backward: each slice's gradient summed over the ranks (a reduce-scatter)
+        (d_own,) = torch.autograd.grad(gathered, own, d_gathered)
+        return torch.cat(d_queries), d_own, None, None, None
 
 
 def _split_attention_forward(
@@ -254,25 +346,29 @@ def _split_attention_forward(
         )
     if kwargs.get("softcap") is not None:
         raise NotImplementedError(f"{NAME!r}: attention soft-capping is not supported")
+    if dropout:
+        raise NotImplementedError(
+            f"{NAME!r}: attention dropout ({dropout}) is not supported: set the model's attention_dropout=0, "
+            "or distributed.sequence_parallel=1"
+        )
     batch, heads, part, _ = query.shape
     kv_heads, key_dim, value_dim = key.shape[1], key.shape[-1], value.shape[-1]
-    # one collective for both: (B, Hkv, T, D + Dv), every slice in order
-    key, value = layout.split.gather(torch.cat([key, value], dim=-1)).split([key_dim, value_dim], dim=-1)
-    width = key.shape[2]
+    kv = torch.cat([key, value], dim=-1)  # (B, Hkv, P, D + Dv): one collective gathers both
     q = query.transpose(1, 2).reshape(batch * part, heads, -1)
-    k = key.transpose(1, 2).reshape(batch * width, kv_heads, key_dim)
-    v = value.transpose(1, 2).reshape(batch * width, kv_heads, value_dim)
-    how = _Attend(dropout, scaling, kv_heads != heads, kwargs.get("sliding_window"))
-    outputs = []
-    for pieces in layout.pieces:
-        count, lq, lk = pieces.shape
-        out = _attend(
-            q.index_select(0, pieces.queries).view(count, lq, heads, -1).transpose(1, 2),
-            k.index_select(0, pieces.keys).view(count, lk, kv_heads, -1).transpose(1, 2),
-            v.index_select(0, pieces.keys).view(count, lk, kv_heads, -1).transpose(1, 2),
-            pieces.offset,
-            how,
-        )  # (S, H, Lq, Dv)
+    local = kv.transpose(1, 2).reshape(batch * part, kv_heads, -1)
+    how = _Attend(scaling, kv_heads != heads, kwargs.get("sliding_window"))
+    continuing = q.index_select(0, layout.continuing_queries)
+    outputs = [_GatheredAttention.apply(continuing, kv, layout, how, key_dim)]
+    for pieces in layout.starting:  # their keys are the slice's own
+        count, length = pieces.shape
+        k, v = (
+            local.index_select(0, pieces.tokens)
+            .view(count, length, kv_heads, -1)
+            .transpose(1, 2)
+            .split([key_dim, value_dim], dim=-1)
+        )
+        query_slots = q.index_select(0, pieces.tokens).view(count, length, heads, -1).transpose(1, 2)
+        out = _attend(query_slots, k, v, 0, how)  # (S, H, L, Dv)
         outputs.append(out.transpose(1, 2).reshape(-1, heads, value_dim).index_select(0, pieces.keep))
     merged = torch.cat(outputs).index_select(0, layout.inverse)  # (B*P, H, Dv) in local token order
     return merged.view(batch, part, heads, value_dim), None
