@@ -141,6 +141,9 @@ def test_the_tic_tac_toe_example_judges_games_and_has_a_smoke_mode(tmp_path):
     boards = {"x": "xo_xo_x__", "o": "xxo_o_o__", "draw": "xoxxoooxx", None: "xo_______"}
     for expected, cells in boards.items():
         assert example.winner([list(cells[r * 3 : r * 3 + 3]) for r in range(3)]) == expected, cells
+    tag, coordinate = example.MOVE_FORMATS["tag"], example.MOVE_FORMATS["coordinate"]
+    assert tag.search("<move> C3 </move>").groups() == ("C", "3") and tag.search("I play B2.") is None
+    assert coordinate.search("I play B2.").groups() == ("B", "2") and coordinate.search("B22, D1") is None
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(
         [sys.executable, str(script), "--smoke", "--out", str(tmp_path)],

@@ -35,7 +35,12 @@ import art  # noqa: E402
 from gspo.integrations.art import GspoBackend  # noqa: E402
 
 EMPTY = "_"
-MOVE = re.compile(r"<move>\s*([ABC])([123])\s*</move>")
+MOVE_FORMATS = {
+    "tag": re.compile(r"<move>\s*([ABC])([123])\s*</move>"),
+    "coordinate": re.compile(r"\b([ABC])([123])\b"),
+}
+"""How an answer's move is read: "tag", ART's example (`<move>B2</move>`); "coordinate", also the first bare
+coordinate (B2), for a model too small to write the tags (SmolLM2-135M: docs/agents.md)."""
 
 
 def winner(board: list[list[str]]) -> str | None:
@@ -59,7 +64,7 @@ def opponent_move(board: list[list[str]], symbol: str, rng: random.Random) -> No
     board[r][c] = symbol
 
 
-async def rollout(model: art.TrainableModel, seed: int, max_tokens: int) -> art.Trajectory:
+async def rollout(model: art.TrainableModel, seed: int, max_tokens: int, move: re.Pattern) -> art.Trajectory:
     """One game, as ART's example plays it."""
     rng = random.Random(seed)
     board = [[EMPTY] * 3 for _ in range(3)]
@@ -81,7 +86,7 @@ async def rollout(model: art.TrainableModel, seed: int, max_tokens: int) -> art.
         )
         choice = chat.choices[0]
         trajectory.messages_and_choices.append(choice)
-        found = MOVE.search(choice.message.content or "")
+        found = move.search(choice.message.content or "")
         row, col = ("ABC".index(found[1]), int(found[2]) - 1) if found else (0, 0)
         if not found or board[row][col] != EMPTY:
             trajectory.reward = -1 + math.log(moves + 1) / math.log(100)
@@ -119,7 +124,8 @@ async def run(args: argparse.Namespace) -> dict:
             groups = await art.gather_trajectory_groups(
                 (
                     art.TrajectoryGroup(
-                        rollout(model, seed * 100 + i, args.max_tokens) for i in range(args.group_size)
+                        rollout(model, seed * 100 + i, args.max_tokens, MOVE_FORMATS[args.move_format])
+                        for i in range(args.group_size)
                     )
                     for seed in seeds
                 ),
@@ -157,6 +163,9 @@ def main() -> None:
     parser.add_argument("--games", type=int, default=4, help="games (scenarios) per step")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument(
+        "--move-format", choices=list(MOVE_FORMATS), default="tag", help="tag: ART's; coordinate: also B2"
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--smoke", action="store_true", help="the tiny random model, 1 step of 2 games")
     args = parser.parse_args()
