@@ -418,3 +418,26 @@ def test_dr_grpo_normaliser_is_the_sequences_times_the_longest_completion():
         learn(policy, spec, _batch(), seed=2)
         updates[aggregation] = _params(policy) - before
     torch.testing.assert_close(updates["seq-mean-token-sum-norm"] * 8, updates["seq-mean-token-sum"])
+
+
+def test_extremes_leave_out_the_micro_batches_that_measured_nothing() -> None:
+    """A micro-batch (or rank) with no trained token reports the extremes' identities, not 0: the
+    minimum over it and a measured 0.9 is 0.9; with nothing measured anywhere the extreme is 0."""
+    from gspo.core.objectives import _stats
+
+    empty = _stats(torch.tensor([0.5, 2.0]), torch.tensor([False, False]), "ratio_token")
+    measured = _stats(torch.tensor([0.9, 1.2, 7.0]), torch.tensor([True, True, False]), "ratio_token")
+    assert {k: v.item() for k, v in empty.items()} == {
+        "ratio_token_mean": 0.0,
+        "ratio_token_min": math.inf,
+        "ratio_token_max": -math.inf,
+    }
+    reduced = reduce_metrics([empty, measured])
+    assert reduced["ratio_token_min"] == pytest.approx(0.9) and reduced["ratio_token_max"] == pytest.approx(
+        1.2
+    )
+    assert reduce_metrics([empty]) == {
+        "ratio_token_mean": 0.0,
+        "ratio_token_min": 0.0,
+        "ratio_token_max": 0.0,
+    }

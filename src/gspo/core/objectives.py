@@ -510,14 +510,14 @@ def _kl(ref_logp: Tensor, s: Stream, token_weight: Tensor) -> Tensor:
 
 
 def _stats(x: Tensor, mask: Tensor, prefix: str) -> dict[str, Tensor]:
-    """{prefix}_mean, _min, _max of x where mask, detached; zeros when the mask is empty."""
+    """{prefix}_mean, _min, _max of x where mask, detached. An empty mask gives a mean of 0 and the
+    extremes' identities, +inf and -inf, which reduce_metrics leaves out: a micro-batch or rank that
+    trained no token (all its samples skipped, or a sequence-parallel slice of prompt tokens) does not
+    pull a minimum to 0."""
     x, n = x.detach(), mask.sum()
     mean = torch.where(mask, x, 0.0).sum() / n.clamp_min(1)
-    if x.numel() == 0:
-        lo = hi = x.new_zeros(())
-    else:
-        lo = torch.where(n > 0, torch.where(mask, x, float("inf")).amin(), 0.0)
-        hi = torch.where(n > 0, torch.where(mask, x, float("-inf")).amax(), 0.0)
+    lo = torch.where(mask, x, float("inf")).amin() if x.numel() else x.new_tensor(float("inf"))
+    hi = torch.where(mask, x, float("-inf")).amax() if x.numel() else x.new_tensor(float("-inf"))
     return {f"{prefix}_mean": mean, f"{prefix}_min": lo, f"{prefix}_max": hi}
 
 

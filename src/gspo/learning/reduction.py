@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,11 +26,13 @@ def tensors_to_floats(tensors: Sequence[torch.Tensor]) -> list[float]:
 
 
 def reduce_metrics(items: list[Mapping[str, Any]]) -> dict[str, float]:
-    """Each key over the items that have it: the mean, except extremes (min of *_min, max of *_max) and
-    counts (sum of num_*). Tensors are read back together, with one device sync.
+    """Each key over the items that have it: the mean, except extremes (min of *_min, max of *_max, over
+    the finite ones; 0 when none is) and counts (sum of num_*). Tensors are read back together, with one device sync.
 
     >>> reduce_metrics([{"loss": torch.tensor(1.0), "ratio_max": 2.0}, {"loss": 3.0, "ratio_max": 5.0}])
     {'loss': 2.0, 'ratio_max': 5.0}
+    >>> reduce_metrics([{"ratio_min": float("inf")}, {"ratio_min": 0.9}, {"ratio_max": float("-inf")}])
+    {'ratio_min': 0.9, 'ratio_max': 0.0}
     """
     tensors = [
         (i, key, v) for i, m in enumerate(items) for key, v in m.items() if isinstance(v, torch.Tensor)
@@ -40,10 +43,9 @@ def reduce_metrics(items: list[Mapping[str, Any]]) -> dict[str, float]:
     out: dict[str, float] = {}
     for key in dict.fromkeys(key for m in items for key in m):
         values = [float(m[key]) for m in floats if key in m]
-        if key.endswith("_min"):
-            out[key] = min(values)
-        elif key.endswith("_max"):
-            out[key] = max(values)
+        if key.endswith(("_min", "_max")):
+            measured = [v for v in values if math.isfinite(v)]  # +-inf: an item that measured nothing
+            out[key] = (min if key.endswith("_min") else max)(measured, default=0.0)
         elif key.startswith("num_"):
             out[key] = sum(values)
         else:
