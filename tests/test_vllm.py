@@ -229,6 +229,34 @@ def test_log_probs_outside_the_tolerance_are_recomputed_with_a_warning(
     assert 0 < metrics["sampler_logprob_abs_diff"] < LOGPROB_ATOL  # measured by the recompute pass
 
 
+BF16_LOGPROB_ATOL = 0.03
+"""vLLM in bf16 against the trainer's fp32 forward, per token, greedy, on the tiny model (measured: 3e-3
+to 1e-2; 0.34 before a sync of weights moved by `perturb`)."""
+
+
+@needs_vllm
+def test_a_bf16_engine_takes_the_fp32_policys_weights_at_every_sync(rollout_logprobs) -> None:
+    from gspo.rollout.vllm_engine import VLLMSampler
+
+    model, tokenizer = tiny_model(), tiny_tokenizer()
+    sampler = VLLMSampler(model, tokenizer, kv_cache_gib=0.25, dtype=torch.bfloat16)
+
+    def gap() -> float:
+        rollouts = sampler.generate(prompts(tokenizer), group_size=1, max_new_tokens=8, greedy=True)
+        scored = rollout_logprobs(model, rollouts)
+        return max(
+            (torch.tensor(r) - m).abs().max().item()
+            for r, m in zip(rollouts.sampler_logprobs, scored, strict=True)
+        )
+
+    assert 1e-4 < gap() < BF16_LOGPROB_ATOL  # bf16's rounding, not fp32's
+    for seed in (1, 2):
+        perturb(model, seed)
+        assert gap() > 0.1  # the engine still holds the weights before the step
+        sampler.sync_weights(model, tokenizer, step=seed)
+        assert gap() < BF16_LOGPROB_ATOL
+
+
 @needs_vllm
 def test_vllm_in_bf16_beside_an_fp32_trainer_is_measured_and_recomputed(tiny_folder, tmp_path) -> None:
     """rollout.vllm.dtype=bfloat16: vLLM computes in bf16 on the fp32 policy's weights (cast at start and
