@@ -165,6 +165,25 @@ def tiny_folder(tmp_path: Path) -> Path:
     return folder
 
 
+def one_recorded_step(trainer, monkeypatch):
+    """(what the sampler drew, the samples trained, the metrics) of one `train_step`."""
+    from gspo.training import trainer as trainer_module
+
+    sampled, trained = [], []
+    generate, learn = trainer.sampler.generate, trainer_module.learn_from_samples
+    monkeypatch.setattr(
+        trainer.sampler, "generate", lambda *a, **k: sampled.append(generate(*a, **k)) or sampled[-1]
+    )
+    monkeypatch.setattr(
+        trainer_module,
+        "learn_from_samples",
+        lambda p, s, samples, **k: trained.extend(samples) or learn(p, s, samples, **k),
+    )
+    metrics = trainer.train_step()
+    (rollouts,) = sampled
+    return rollouts, trained, metrics
+
+
 def vllm_config(tmp_path: Path, tiny_folder: Path, *overrides: str):
     """configs/tiny.yaml on the vLLM-shaped tiny model, one step, sampled by vLLM."""
     return tiny_config(
@@ -192,18 +211,7 @@ def test_the_trainer_trains_on_the_tokens_vllm_sampled_with_its_logprobs_as_the_
     trainer = trainer_module.Trainer(vllm_config(tmp_path, tiny_folder))
     assert trainer.spec.old_logprobs == "sampler"
     assert 0 <= trainer.sampler.logprob_gap < LOGPROB_ATOL < build.VLLM_LOGPROB_TOLERANCE
-    sampled, trained = [], []
-    generate, learn = trainer.sampler.generate, trainer_module.learn_from_samples
-    monkeypatch.setattr(
-        trainer.sampler, "generate", lambda *a, **k: sampled.append(generate(*a, **k)) or sampled[-1]
-    )
-    monkeypatch.setattr(
-        trainer_module,
-        "learn_from_samples",
-        lambda p, s, samples, **k: trained.extend(samples) or learn(p, s, samples, **k),
-    )
-    metrics = trainer.train_step()
-    (rollouts,) = sampled
+    rollouts, trained, metrics = one_recorded_step(trainer, monkeypatch)
     assert [s.completion_ids for s in trained] == rollouts.completion_ids
     assert [s.prompt_ids for s in trained] == rollouts.prompt_ids
     assert [s.sampler_logprobs for s in trained] == rollouts.sampler_logprobs
@@ -288,18 +296,9 @@ def test_vllm_server_trains_on_its_samples_syncs_by_files_and_a_dead_server_is_a
     server = trainer.sampler.weight_sync.server
     try:
         assert trainer.spec.old_logprobs == "recompute"  # another process's numbers: not checked at start-up
-        sampled, trained = [], []
-        generate, learn = trainer.sampler.generate, trainer_module.learn_from_samples
-        monkeypatch.setattr(
-            trainer.sampler, "generate", lambda *a, **k: sampled.append(generate(*a, **k)) or sampled[-1]
-        )
-        monkeypatch.setattr(
-            trainer_module,
-            "learn_from_samples",
-            lambda p, s, samples, **k: trained.extend(samples) or learn(p, s, samples, **k),
-        )
-        metrics = trainer.train_step()  # then the weights go to the server through its folder
-        (rollouts,) = sampled
+        rollouts, trained, metrics = one_recorded_step(
+            trainer, monkeypatch
+        )  # then the weights go to the server through its folder
         assert [s.completion_ids for s in trained] == rollouts.completion_ids
         assert [s.sampler_logprobs for s in trained] == rollouts.sampler_logprobs
         assert metrics["sampler_logprob_abs_diff"] < LOGPROB_ATOL
@@ -483,18 +482,7 @@ def test_the_trainer_trains_on_a_url_servers_samples_and_leaves_it_running(
         vllm_config(tmp_path, tiny_folder, "rollout.engine=vllm_server", *overrides)
     )
     assert trainer.spec.old_logprobs == "recompute"  # another process's numbers
-    sampled, trained = [], []
-    generate, learn = trainer.sampler.generate, trainer_module.learn_from_samples
-    monkeypatch.setattr(
-        trainer.sampler, "generate", lambda *a, **k: sampled.append(generate(*a, **k)) or sampled[-1]
-    )
-    monkeypatch.setattr(
-        trainer_module,
-        "learn_from_samples",
-        lambda p, s, samples, **k: trained.extend(samples) or learn(p, s, samples, **k),
-    )
-    metrics = trainer.train_step()
-    (rollouts,) = sampled
+    rollouts, trained, metrics = one_recorded_step(trainer, monkeypatch)
     assert [s.completion_ids for s in trained] == rollouts.completion_ids
     assert [s.sampler_logprobs for s in trained] == rollouts.sampler_logprobs
     assert metrics["sampler_logprob_abs_diff"] < LOGPROB_ATOL  # the server held the trainer's weights
