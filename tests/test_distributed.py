@@ -491,6 +491,20 @@ def test_clipping_folded_into_the_fused_step_equals_clip_then_step(max_norm, dty
             torch.testing.assert_close(q, p, **tolerance)
 
 
+def test_total_norm_of_float32_cpu_gradients_is_the_float64_norm():
+    """The clipping norm of fp32 CPU gradients (BLAS dot products added in float64) against the float64
+    norm: a 4M-element tensor, a transposed (non-contiguous) one and small ones. Other dtypes: torch's."""
+    torch.manual_seed(0)
+    grads = [torch.randn(2**22) * 3, torch.randn(300, 200).t(), torch.randn(7), torch.zeros(5)]
+    exact = torch.stack([g.double().pow(2).sum() for g in grads]).sum().sqrt()
+    norm = clipping.total_norm(grads)
+    assert norm.dtype == torch.float32 and norm.shape == ()
+    torch.testing.assert_close(norm.double(), exact, rtol=2e-6, atol=0)
+    assert clipping.total_norm([torch.zeros(3)]) == 0
+    bf16 = [g.bfloat16() for g in grads[1:]]
+    assert torch.equal(clipping.total_norm(bf16), torch.nn.utils.get_total_norm(bf16))
+
+
 def test_optimizer_state_round_trip_changes_nothing_and_keeps_missing_state_missing():
     """Saving reads the state without initialising it; loading restores exactly what was saved, and a
     parameter that never had a gradient (an unused expert) still has no state, as in the run that saved."""

@@ -20,7 +20,7 @@ def clip_grad_norm(
         if optimizer is None or not optimizer.defaults.get("fused"):
             return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
         grads = [p.grad for p in parameters if p.grad is not None]
-        total = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        total = total_norm(grads) if grads else torch.zeros(())
         # clip_grad_norm_ multiplies by min(1, max_norm / (total + 1e-6)): divide by its inverse
         # (float32 whatever the gradients' dtype: the fused kernel reads it as such); the caller
         # removes it after the step (``release_grad_scale``), as GradScaler does
@@ -34,6 +34,20 @@ def clip_grad_norm(
         total = total.full_tensor()
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
     return total
+
+
+def total_norm(grads: list[Tensor]) -> Tensor:
+    """The 2-norm of all ``grads`` together, as ``torch.nn.utils.get_total_norm`` (float32, a 0-dim tensor).
+
+    Float32 CPU gradients: each tensor's sum of squares by BLAS (``torch.dot``), added in float64. Twice
+    as fast on 2 cores as torch's per-tensor ``vector_norm``, and closer to the float64 norm: on a
+    28M-element tensor (SmolLM2's embedding gradient) torch's is 1.6e-3 off, this 3e-5. Elsewhere (GPUs,
+    other dtypes) torch's own.
+    """
+    if any(g.device.type != "cpu" or g.dtype != torch.float32 or g.is_sparse for g in grads):
+        return torch.nn.utils.get_total_norm(grads)
+    squares = torch.stack([torch.dot(g.reshape(-1), g.reshape(-1)) for g in grads])
+    return squares.double().sum().sqrt().float()
 
 
 def release_grad_scale(optimizer: torch.optim.Optimizer) -> None:
