@@ -133,7 +133,10 @@ def classify(error: BaseException) -> tuple[str, str] | None:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from gspo.training.allocator import keep_freed_memory
     from gspo.training.trainer import train
+
+    keep_freed_memory()  # this process is the run's: no page faults on each update's fresh memory
 
     # `gspo train key=value` without a config file: the first argument is an override, not a path
     config = args.config
@@ -168,6 +171,9 @@ def _train(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from gspo.serve.server import serve
+    from gspo.training.allocator import keep_freed_memory
+
+    keep_freed_memory()  # as for gspo train: the server's train calls are its updates
 
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not os.path.exists(config):
