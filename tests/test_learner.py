@@ -441,3 +441,46 @@ def test_extremes_leave_out_the_micro_batches_that_measured_nothing() -> None:
         "ratio_token_min": 0.0,
         "ratio_token_max": 0.0,
     }
+
+
+@pytest.mark.parametrize("layout", ["shared_prefix", "padded"])
+def test_a_tied_embedding_s_rows_give_the_weight_autograd_s_own_gradient(layout):
+    """The tied input embedding's gradient added by rows (gspo.learning.embedding_rows) against autograd's
+    dense embedding backward: two SGD updates (parameter changes are the gradients, unclipped), several
+    micro-batches per minibatch. The embedding's padding_idx is a token the prompts hold: autograd gives its
+    row no gradient from the lookup, nor must the rows. Tolerance: fp32 sums in another order."""
+    results = {}
+    for rows in (True, False):
+        policy = _policy(sgd=True)
+        embedding = policy.model.get_input_embeddings()
+        embedding.padding_idx = _batch().sequences[0].prompt_ids[0]
+        assert policy.tied_rows.enabled
+        policy.tied_rows.enabled = rows
+        before = embedding.weight.detach().clone()
+        spec = UpdateSpec(
+            LossSpec("gspo", eps_low=0.2, eps_high=0.2),
+            minibatches=2,
+            layout=layout,
+            micro_batch_tokens=24,
+            pack_length=24,
+            max_grad_norm=0.0,
+        )
+        learn(policy, spec, _batch(), seed=5)
+        assert not embedding._forward_hooks and not policy.tied_rows.rows  # nothing left behind
+        results[rows] = (_params(policy), embedding.weight.detach() - before)
+    (by_rows, _), (dense, moved) = results[True], results[False]
+    assert moved.abs().max() > 1e-3  # the embedding trained
+    torch.testing.assert_close(by_rows, dense, rtol=1e-5, atol=1e-7)
+
+
+def test_rows_only_for_a_trainable_embedding_tied_to_the_head_in_one_process():
+    from gspo.learning.embedding_rows import TiedRows
+
+    model = tiny_model("llama", vocab_size=64, seed=0)
+    assert TiedRows(model, one_process=True).enabled
+    assert not TiedRows(model, one_process=False).enabled  # DDP/FSDP2 reduce inside the backward
+    model.get_input_embeddings().weight.requires_grad_(False)  # LoRA's frozen embedding
+    assert not TiedRows(model, one_process=True).enabled
+    untied = tiny_model("llama", vocab_size=64, seed=0)
+    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())
+    assert not TiedRows(untied, one_process=True).enabled

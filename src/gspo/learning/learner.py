@@ -298,12 +298,13 @@ def update(
     metrics, losses = [], []
     for j, mb in enumerate(minibatch.micro):
         set_gradient_sync(policy.scorer, j == len(minibatch.micro) - 1)  # DDP: sum once, at the end
-        with routing.forward(j, mb.logprob_mask):
+        with routing.forward(j, mb.logprob_mask), policy.tied_rows.recording():
             logp = score(policy.scorer, mb, spec)
         loss, m = compute_loss(
             loss_spec, _loss_inputs(spec, minibatch, j, logp, advantages), segment_sum_reduce=reduce
         )
         loss.backward()
+        policy.tied_rows.add_to_grad()
         losses.append(loss.detach())  # read back once, after the loop
         if mb.indices:  # not an idle micro-batch (distributed padding)
             if sequence is not None and not sequence.leads:  # each sequence counted once in its group

@@ -14,7 +14,9 @@ from gspo.config import Config
 from gspo.core.layout import MicroBatch
 from gspo.core.objectives import LossSpec
 from gspo.core.sequence_parallel import lm_logprobs
+from gspo.learning.embedding_rows import TiedRows
 from gspo.models.moe import is_moe
+from gspo.parallel.group import world_size
 from gspo.parallel.wrap import is_scorer
 
 
@@ -101,10 +103,13 @@ class Policy:
     reference: nn.Module | None = None
     compute_dtype: torch.dtype | None = None
     moe: bool = field(init=False)
+    tied_rows: TiedRows = field(init=False)
+    """A tied input embedding's gradient by rows (gspo.learning.embedding_rows), in the updates."""
 
     def __post_init__(self) -> None:
         self.scorer = self.model if self.scorer is None else self.scorer
         self.moe = is_moe(self.model)  # routing volatility is logged, Routing Replay possible
+        self.tied_rows = TiedRows(self.model, one_process=world_size() == 1)
 
     @property
     def device(self) -> torch.device:
