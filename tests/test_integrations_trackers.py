@@ -27,13 +27,20 @@ CONFIG = {"seed": 3, "train": {"lr": 0.001, "objective": "gspo"}}
 ROWS = [{"step": 2, "prompt": "1+1=", "completion": "2", "reward": 1.0}]
 
 
-def _log_run(run_dir: Path, tracker: str, *, resume_step: int | None = None, steps=(1, 2, 3)) -> None:
+def _log_run(
+    run_dir: Path,
+    tracker: str,
+    *,
+    resume_step: int | None = None,
+    steps=(1, 2, 3),
+    project: str = "gspo-tests",
+) -> None:
     """Steps 1.. with loss = step (x10 after a resume), an eval at step 2, a completions table, a summary."""
     scale = 1.0 if resume_step is None else 10.0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # the trackers' own dependencies
         logger = MetricsLogger(
-            run_dir, report_to=[tracker], config=CONFIG, project="gspo-tests", resume_step=resume_step
+            run_dir, report_to=[tracker], config=CONFIG, project=project, resume_step=resume_step
         )
         for step in steps:
             logger.log(step, {"loss": scale * step, "kl": None})
@@ -184,26 +191,38 @@ def test_mlflow_local_store_holds_metrics_params_table_and_summary_and_resume_co
 # ---- trackio: its local store (TRACKIO_DIR, read when trackio is first imported) -------------------------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def trackio_local(tmp_path_factory):
-    if "trackio" not in sys.modules:
-        import os
+    """trackio and a project of this test's own. trackio reads TRACKIO_DIR once, on import: set here when
+    this test imports it first; when an earlier test did, its store (by default under ~/.cache) gets
+    this project, removed after the test."""
+    import os
+    import uuid
 
+    if "trackio" not in sys.modules:
         os.environ["TRACKIO_DIR"] = str(tmp_path_factory.mktemp("trackio"))
-    return pytest.importorskip("trackio", reason="report_to=[trackio] needs pip install 'gspo[trackio]'")
+    trackio = pytest.importorskip("trackio", reason="report_to=[trackio] needs pip install 'gspo[trackio]'")
+    from trackio.sqlite_storage import SQLiteStorage
+
+    project = f"gspo-tests-{uuid.uuid4().hex[:8]}"
+    yield trackio, project
+    database = SQLiteStorage.get_project_db_path(project)
+    for path in database.parent.glob(f"{database.stem}.*"):
+        path.unlink()
 
 
 def test_trackio_local_store_holds_metrics_config_and_table_and_resume_continues_it(tmp_path, trackio_local):
     from trackio.sqlite_storage import SQLiteStorage
 
+    trackio, project = trackio_local
     run_dir = tmp_path / "run"
-    _log_run(run_dir, "trackio")
-    _log_run(run_dir, "trackio", resume_step=2, steps=(3, 4))
-    runs = list(trackio_local.Api().runs("gspo-tests"))
+    _log_run(run_dir, "trackio", project=project)
+    _log_run(run_dir, "trackio", resume_step=2, steps=(3, 4), project=project)
+    runs = list(trackio.Api().runs(project))
     assert [r.name for r in runs] == ["run"]  # one run: the resume continued it
     assert json.loads((run_dir / TRACKERS_FILE).read_text())["trackio"] == "run"
     assert runs[0].config["seed"] == 3 and runs[0].config["train"]["lr"] == 0.001
-    logs = SQLiteStorage.get_logs("gspo-tests", "run")
+    logs = SQLiteStorage.get_logs(project, "run")
     assert sorted((r["step"], r["train/loss"]) for r in logs if "train/loss" in r) == [
         (1, 1.0), (2, 2.0), (3, 3.0), (3, 30.0), (4, 40.0)
     ]  # fmt: skip
