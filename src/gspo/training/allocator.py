@@ -7,7 +7,7 @@ per 4 KB on first touch, every time. `keep_freed_memory` makes glibc serve every
 keep what is freed there, so an update reuses the pages of the one before: no page faults after the first
 step (benchmarks/page_faults.py: 360,000 a rollout batch of the default run before, 10 after, the update
 phase 1.05x on a 2-core Xeon). The memory stays with the process until it exits instead of going back
-to the system between steps; the peak is about the same.
+to the system between steps: a 10-batch default run peaked at 3.9 GiB instead of 3.6 GiB.
 """
 
 from __future__ import annotations
