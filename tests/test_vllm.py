@@ -335,6 +335,44 @@ def test_a_vllm_server_that_does_not_come_up_in_time_is_a_server_error_and_is_st
     assert str(tmp_path / "server" / "server.log") in str(error.value)
 
 
+KILLED_PARENT = """
+import sys
+sys.path.insert(0, sys.argv[2])
+from test_vllm import tiny_model
+from gspo.models import tiny_tokenizer
+from gspo.rollout.vllm_server import VLLMServer
+server = VLLMServer(tiny_model(), tiny_tokenizer(), sys.argv[1])
+print(server.process.pid, flush=True)
+input()  # until killed
+"""
+
+
+def test_a_killed_trainer_leaves_no_vllm_server_behind(tmp_path) -> None:
+    """The process that started the server dies by SIGKILL (no atexit, no close): the server gets SIGTERM
+    from the kernel (prctl PR_SET_PDEATHSIG) and exits, with its engine processes."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", KILLED_PARENT, str(tmp_path / "server"), str(Path(__file__).parent)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"},
+    )
+    try:
+        server = int(parent.stdout.readline())
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(server, 0)  # the server's process group: the server and its engine processes
+        except ProcessLookupError:
+            return
+        time.sleep(0.5)
+    os.killpg(server, signal.SIGKILL)
+    pytest.fail("the vLLM server outlived the process that started it by 60 s")
+
+
 def test_without_vllm_the_run_stops_with_one_line_and_the_package_code(tmp_path, monkeypatch, capsys) -> None:
     from gspo.cli import EXIT_CODES, main
 

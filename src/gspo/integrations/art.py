@@ -24,11 +24,9 @@ Deliberate choices:
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import importlib.metadata
 import re
 import shlex
-import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -38,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import openai
 
 from gspo.client import Client, Episode, EpisodeGroup, completion_id
+from gspo.rollout.processes import PREEXEC
 
 if TYPE_CHECKING:
     import art
@@ -187,7 +186,7 @@ def start_server(config: str | Path | None, overrides: Sequence[str]) -> tuple[s
         [*command, "serve.port=0"],
         stdout=subprocess.PIPE,
         text=True,
-        preexec_fn=_terminate_with_parent if sys.platform == "linux" else None,
+        preexec_fn=PREEXEC,
     )
     line = server.stdout.readline() if server.stdout else ""
     if not line.startswith("gspo serve: http://"):  # it failed: its error line is on stderr
@@ -195,11 +194,6 @@ def start_server(config: str | Path | None, overrides: Sequence[str]) -> tuple[s
         server.wait()
         raise RuntimeError(f"gspo serve did not start (exit code {server.returncode}): {shlex.join(command)}")
     return server, line.split()[2]
-
-
-def _terminate_with_parent() -> None:
-    """In the child before exec: prctl(PR_SET_PDEATHSIG, SIGTERM)."""
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
 
 
 def episodes(group: art.TrajectoryGroup, index: int = 0) -> list[Episode]:

@@ -23,6 +23,7 @@ from typing import Any
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gspo.rollout.openai import ServerError
+from gspo.rollout.processes import PREEXEC
 
 
 def require_llama_cpp() -> None:
@@ -101,7 +102,7 @@ class LlamaCppServer:
             stderr=subprocess.STDOUT,
             text=True,
             env=env,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=PREEXEC,
         )
         try:
             _wait_until_up(self.process, self._log, self.url, self.startup_timeout)
@@ -191,15 +192,6 @@ def export_policy(
     if is_lora(model):
         model = copy.deepcopy(model).merge_and_unload()
     return write_gguf(model, tokenizer, path, quant=quant, source=source)
-
-
-def _die_with_parent() -> None:
-    """In the server's process before exec (Linux): SIGTERM it when its parent dies, even by SIGKILL,
-    so that a killed run leaves no server behind (prctl PR_SET_PDEATHSIG)."""
-    import ctypes
-    import signal
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
 
 
 def _wait_until_up(process: subprocess.Popen, log: Any, url: str, timeout: float) -> None:

@@ -27,6 +27,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gspo.rollout.openai import OpenAIBackend, ServerError, WeightSync
+from gspo.rollout.processes import PREEXEC
 from gspo.rollout.vllm_engine import require_vllm, write_model_folder
 
 SERVE_FLAGS = "--logprobs-mode processed_logprobs --return-tokens-as-token-ids"
@@ -123,8 +124,13 @@ class VLLMServer(DevRoutes):
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "OMP_NUM_THREADS": str(torch.get_num_threads())}
         self.log = self.directory / "server.log"
         with self.log.open("w") as log:
-            self.process = subprocess.Popen(
-                command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            self.process = subprocess.Popen(  # its own group (close() stops it all), dies with this process
+                command,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=PREEXEC,
             )
         atexit.register(self.close)
         self._wait(startup_timeout)
