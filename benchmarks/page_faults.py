@@ -49,7 +49,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
     best: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         script = os.path.join(tmp, "child.py")

@@ -42,6 +42,7 @@ class TiedRows:
         if not self.enabled:
             yield
             return
+        self.rows = []  # a pass that failed before its backward left rows no gradient reached
         handle = self.embedding.register_forward_hook(self._leaf)
         try:
             yield
