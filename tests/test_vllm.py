@@ -347,6 +347,7 @@ input()  # until killed
 """
 
 
+@needs_vllm
 def test_a_killed_trainer_leaves_no_vllm_server_behind(tmp_path) -> None:
     """The process that started the server dies by SIGKILL (no atexit, no close): the server gets SIGTERM
     from the kernel (prctl PR_SET_PDEATHSIG) and exits, with its engine processes."""
