@@ -403,6 +403,16 @@ class OpenAIBackend:
             k = end
         return ids  # type: ignore[return-value]
 
+    def _held_back(self, ids: list[int]) -> str:
+        """The text of `ids` as an incremental detokenizer ends it (vLLM's, tokenizers' DecodeStream): the
+        tokens of a character the completion cut short decode to U+FFFD here, so it holds them back, from
+        the first token after which the text ends in U+FFFD; that token may carry whole characters too (a
+        byte-level " " plus the first byte of "é")."""
+        m = len(ids)
+        while m and self.tokenizer.decode(ids[:m]).endswith("\ufffd"):
+            m -= 1
+        return self.tokenizer.decode(ids[:m])
+
     def _align(self, j: int, choice: dict[str, Any]) -> tuple[list[int], list[float], bool, str]:
         """(token ids, log-probs, truncated, text) of one choice, checked against the trainer's tokenizer."""
         logprobs = choice.get("logprobs") or {}
@@ -419,9 +429,7 @@ class OpenAIBackend:
         # the text excludes a final EOS however the server lists it
         body = ids[:-1] if ids and ids[-1] == eos else ids
         decoded = self.tokenizer.decode(body)
-        # the bytes of a character the completion cut short decode to U+FFFD here; a server's incremental
-        # detokenizer holds them back instead (vLLM), so its text ends before them
-        if text not in (decoded, decoded.rstrip("\ufffd")):
+        if text != decoded and text != self._held_back(body):
             raise AlignmentError(
                 f"prompt {j}: the server's tokens decode to {decoded!r} with the trainer's "
                 f"tokenizer but its completion text is {text!r}: the two tokenizers differ"
