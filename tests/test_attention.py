@@ -12,6 +12,25 @@ from gspo.core.layout import TokenSequence, make_micro_batches
 from gspo.core.logprobs import causal_lm_logprobs
 from gspo.models import load_model
 
+# The tiny models' log-probs are about -log(99) = -4.6, so rtol 1e-5 allows ~5e-5 (~100 ulps). Two layouts run
+# the same fp32 ops on other shapes, so in other summation orders: a sum of n <= 128 terms is off by
+# ~sqrt(n)*u <= 7e-7 relative (u = 2^-24, independent rounding), ~3.5e-6 over the ~25 sums of 2 layers, and
+# log pi by at most |h| |w_t - w_mean| <= 8 * 0.19 = 1.5 times the final hidden state's relative error (a head
+# of 0.02-std weights): ~5e-6, 10x inside; atol is moot at |log pi| > 4. qwen3_moe's top-2 router logits are
+# >= 1.6e-5 apart on these tokens, above their rounding (<= 64u * 1.3 = 5e-6): no expert choice flips. A key
+# from another segment moves log pi by ~4e-2 (0.28 at most).
+LOGPROBS = {"rtol": 1e-5, "atol": 2e-6}
+# The gradients add the backward's sums, over up to ~500 tokens for a weight, in other orders too: ~sqrt(n)*u
+# ~ 1.3e-6 more; rtol 1e-4 is ~20x the estimate, atol 1e-5 covers entries whose O(1) terms cancel. A key from
+# another segment changes some gradients by ~100%.
+GRADIENTS = {"rtol": 1e-4, "atol": 1e-5}
+# The attention function against a naive fp32 softmax(0.3 q k^T) v on N(0, 1) inputs, bounded in any order:
+# a score (8 products, 0.3 sum|q_i k_i| <= 6.5 here) is off by <= 9u * 6.5 ~ 60u; a weight by <= 2 * 60u + the
+# exp (sdpa's exp_u20: 20 ulps = 40u) + a <= 10-term sum ~ 180u relative; an output (|v| <= 2.8) by
+# <= (180 + 10)u * 2.8 ~ 3.2e-5 per side, 6.4e-5 both. A key missed or seen, or another scale, moves outputs
+# by >= 0.1.
+NAIVE_ATTENTION = {"rtol": 0.0, "atol": 1e-4}
+
 
 def test_layout_of_packed_rows_by_hand() -> None:
     # row 0: segments of 3, 2, 1 tokens; row 1: 4, 2 (a row start always starts a segment)
@@ -79,14 +98,14 @@ def test_segment_attention_equals_the_block_diagonal_mask_and_the_padded_layout(
     monkeypatch.setattr(attention, "supports_segments", lambda model: False)
     mask = _logprobs_and_grads(model, packed, weights)  # transformers' block-diagonal mask
     assert len(calls) == model.config.num_hidden_layers
-    torch.testing.assert_close(segments[0], mask[0], rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(segments[0], mask[0], **LOGPROBS)  # LOGPROBS: see its definition
     assert segments[1].keys() == mask[1].keys()
     for name, grad in mask[1].items():
-        torch.testing.assert_close(segments[1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(segments[1][name], grad, **GRADIENTS, msg=name)  # see its definition
 
     # the padded layout (one sequence per row) scores the same tokens
     padded_logp, _ = _logprobs_and_grads(model, padded, torch.zeros(padded.input_ids.shape))
-    torch.testing.assert_close(segments[0], padded_logp, rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(segments[0], padded_logp, **LOGPROBS)  # LOGPROBS: see its definition
 
 
 def test_unsupported_models_keep_their_attention() -> None:
@@ -137,7 +156,8 @@ def test_attention_function_equals_causal_attention_per_segment_with_gqa_and_ano
             scores = (q @ k.transpose(-1, -2)) * 0.3
             scores = scores.masked_fill(torch.ones(end - start, end - start).triu(1).bool(), float("-inf"))
             expected = (scores.softmax(-1) @ v).transpose(0, 1)  # (L, H, Dv)
-            torch.testing.assert_close(out[row, start:end], expected, rtol=1e-5, atol=1e-6)
+            # NAIVE_ATTENTION: see its definition
+            torch.testing.assert_close(out[row, start:end], expected, **NAIVE_ATTENTION)
 
 
 def test_models_with_attention_code_of_their_own_keep_their_mask() -> None:
@@ -170,8 +190,10 @@ def test_tree_attention_equals_each_completion_attending_to_its_prompt_and_itsel
     cases = [(0, [0, 1, 2], [3, 4]), (0, [0, 1, 2], [5]), (0, [0, 1, 2], [6, 7, 8]), (0, [9], [10])]
     cases += [(1, [0, 1], [2, 3]), (1, [0, 1], [4, 5])]
     for row, prompt, completion in cases:
-        torch.testing.assert_close(out[row, completion], naive(row, prompt, completion), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(out[0, :3], naive(0, [], [0, 1, 2]), rtol=1e-5, atol=1e-6)  # the prompt itself
+        # NAIVE_ATTENTION: see its definition
+        torch.testing.assert_close(out[row, completion], naive(row, prompt, completion), **NAIVE_ATTENTION)
+    # the prompt itself; NAIVE_ATTENTION: see its definition
+    torch.testing.assert_close(out[0, :3], naive(0, [], [0, 1, 2]), **NAIVE_ATTENTION)
 
 
 def test_tree_attention_over_a_trie_sees_exactly_each_token_s_ancestors() -> None:
@@ -191,7 +213,8 @@ def test_tree_attention_over_a_trie_sees_exactly_each_token_s_ancestors() -> Non
         k = key[0][:, seen].repeat_interleave(2, dim=0)
         v = value[0][:, seen].repeat_interleave(2, dim=0)
         expected = ((query[0][:, [t]] @ k.transpose(-1, -2)) * 0.3).softmax(-1) @ v  # (H, 1, Dv)
-        torch.testing.assert_close(out[0, t], expected[:, 0], rtol=1e-5, atol=1e-6, msg=f"token {t}")
+        # NAIVE_ATTENTION: see its definition
+        torch.testing.assert_close(out[0, t], expected[:, 0], **NAIVE_ATTENTION, msg=f"token {t}")
     has_parent, flat = _tree_parents(position_ids)
     assert has_parent[0].tolist() == [p is not None for p in parents]
     assert [int(flat[0, t]) for t in range(12) if parents[t] is not None] == [
@@ -240,10 +263,9 @@ def _shared_logprobs_and_grads(model, mb):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe", "llama+lora"])
 def test_shared_prefix_rows_give_the_padded_layout_s_logprobs_and_gradients(family):
-    """One prefix-tree row against one padded row per sequence. Tolerance: fp32, the same math summed in
-    another order (the prompt's keys reached through a mask over the tree instead of one padded row per
-    sequence; a shared token's gradient summed over its sequences in one pass): values to 2e-6, gradients
-    to 1e-4 relative."""
+    """One prefix-tree row against one padded row per sequence: fp32, the same math summed in another order
+    (the prompt's keys reached through a mask over the tree instead of one padded row per sequence; a shared
+    token's gradient summed over its sequences in one pass): LOGPROBS and GRADIENTS."""
     model, _ = load_model(ModelConfig(tiny=family.split("+")[0]), seed=0)
     if family.endswith("lora"):
         from gspo.config import LoraConfig
@@ -261,10 +283,10 @@ def test_shared_prefix_rows_give_the_padded_layout_s_logprobs_and_gradients(fami
     trie = 30 + 2 + 9 + 2 + sum(len(s.completion_ids) for s in sequences)  # each distinct prompt prefix once
     assert shared.input_ids.shape[0] == 1 and int((shared.input_ids != 0).sum()) == trie
     got, want = _shared_logprobs_and_grads(model, shared), _shared_logprobs_and_grads(model, padded)
-    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(got[0], want[0], **LOGPROBS)  # LOGPROBS: see its definition
     assert got[1].keys() == want[1].keys() and got[1]
     for name, grad in want[1].items():
-        torch.testing.assert_close(got[1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(got[1][name], grad, **GRADIENTS, msg=name)  # see its definition
 
 
 def test_shared_prefix_rows_need_segment_attention() -> None:

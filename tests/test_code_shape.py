@@ -1,5 +1,6 @@
 """The code's shape (STYLE): no function over ~60 lines, no public function over ~8 parameters, in the
-library (src/gspo) and in the experiment scripts (scripts/, scripts/experiments/).
+library (src/gspo) and in the experiment scripts (scripts/, scripts/experiments/); and in the tests, no
+tolerance tighter than the dtype's default without a comment that says where it comes from.
 
 Counted with `ast`: a function's lines without its docstring; parameters without self / cls. Past these
 limits a function wants splitting and a call wants a record (a dataclass). `python tests/test_code_shape.py`
@@ -9,9 +10,12 @@ prints every function over the limits, the known ones included.
 from __future__ import annotations
 
 import ast
+import io
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests"
 SRC = ROOT / "src" / "gspo"
 SCRIPTS = ROOT / "scripts"
 MAX_LINES = 60
@@ -78,6 +82,99 @@ def test_the_counting_sees_a_long_function_and_a_wide_signature(tmp_path: Path) 
         "m.py:long": f"{MAX_LINES + 1} lines, 0 parameters",
         "m.py:wide": f"2 lines, {MAX_PUBLIC_PARAMETERS + 1} parameters",
     }
+
+
+# the comparisons and their default tolerances: (relative name, absolute name, relative, absolute); for
+# assert_close those of float32, the loosest dtype most tests compare (bf16's are looser and say so)
+DEFAULT_TOLERANCES = {
+    "assert_close": ("rtol", "atol", 1.3e-6, 1e-5),
+    "allclose": ("rtol", "atol", 1e-5, 1e-8),
+    "isclose": ("rtol", "atol", 1e-5, 1e-8),
+    "approx": ("rel", "abs", 1e-6, 1e-12),
+}
+
+
+def _constant(node: ast.expr) -> float | None:
+    """The value of a number written as a constant expression (``1e-5``, ``2**-7``); None otherwise."""
+    allowed = (ast.Constant, ast.BinOp, ast.UnaryOp, ast.operator, ast.unaryop)
+    if not all(isinstance(n, allowed) for n in ast.walk(node)):
+        return None
+    value = eval(compile(ast.Expression(node), "<tolerance>", "eval"), {"__builtins__": {}})
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def _tight(call: ast.Call) -> bool:
+    """Whether a comparison is given a tolerance tighter than its default, or one written as a name."""
+    name = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", "")
+    rel_name, abs_name, rel_default, abs_default = DEFAULT_TOLERANCES[name]
+    defaults = {rel_name: rel_default, abs_name: abs_default}
+    for keyword in call.keywords:
+        if keyword.arg is None:  # **tolerance: a dict defined elsewhere
+            return True
+        if keyword.arg in defaults:
+            value = _constant(keyword.value)
+            if value is None or value < defaults[keyword.arg]:
+                return True
+    return False
+
+
+def uncommented_tolerances(root: Path = TESTS) -> list[str]:
+    """``path:line`` of every comparison with a tolerance tighter than the default and no comment saying
+    why: on the statement's own lines, or in the comment lines right above it."""
+    found = []
+    for path in sorted(root.glob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        comments = {
+            tok.start[0]
+            for tok in tokenize.generate_tokens(io.StringIO(text).readline)
+            if tok.type == tokenize.COMMENT
+        }
+        lines = text.splitlines()
+        tree = ast.parse(text)
+        for statement in ast.walk(tree):
+            if not isinstance(statement, ast.stmt) or isinstance(
+                statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.For, ast.With, ast.If)
+            ):
+                continue
+            calls = [
+                n
+                for n in ast.walk(statement)
+                if isinstance(n, ast.Call)
+                and (getattr(n.func, "attr", None) or getattr(n.func, "id", None)) in DEFAULT_TOLERANCES
+            ]
+            if not any(_tight(call) for call in calls):
+                continue
+            own = set(range(statement.lineno, statement.end_lineno + 1))
+            above, line = set(), statement.lineno - 1
+            while line >= 1 and lines[line - 1].lstrip().startswith("#"):
+                above.add(line)
+                line -= 1
+            if not (own | above) & comments:
+                found.append(f"{path.name}:{statement.lineno}")
+    return found
+
+
+def test_every_tight_tolerance_says_where_it_comes_from() -> None:
+    """A tolerance is a claim about every CPU: an error bound or an exact-by-design argument, in a comment."""
+    found = uncommented_tolerances()
+    assert not found, (
+        f"say where these tolerances come from (an error bound, or why exact), in a comment: {found}"
+    )
+
+
+def test_the_tolerance_walk_sees_a_bare_tight_tolerance(tmp_path: Path) -> None:
+    (tmp_path / "t.py").write_text(
+        "import torch\n"
+        "torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)\n"
+        "torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)\n"
+        "# exact: the same reduction order\n"
+        "torch.testing.assert_close(a, b, rtol=0, atol=0)\n"
+        "assert torch.allclose(a, b, atol=2**-30)  # bound: ...\n"
+        "torch.testing.assert_close(a, b, **TOLERANCE)\n"
+        "assert x == pytest.approx(y, rel=1e-4)\n",
+        encoding="utf-8",
+    )
+    assert uncommented_tolerances(tmp_path) == ["t.py:2", "t.py:7"]
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.nn.functional import all_reduce
 from transformers import AutoModelForCausalLM
 
+from bounds import U32, assert_adam_close, sum_rtol, tiny_gradient_rtol
 from conftest import tiny_config
 from gloo_ranks import result, run_ranks
 from gspo.config import ConfigError, load_config, validate_setup
@@ -278,19 +279,31 @@ def test_a_sequence_split_across_two_ranks_gives_the_unsplit_loss_and_gradients(
     per_rank = [r[case] for r in result(distributed_runs[1], "split")]
     loss, metrics, grad_logp, grad_weight = _split_loss(_split_inputs(), *case, part=None)
     assert 0 < metrics["clip_frac_token"] < 1  # clipping is exercised
-    torch.testing.assert_close(sum(r[0] for r in per_rank), loss, rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(torch.cat([r[2] for r in per_rank]), grad_logp, rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(sum(r[3] for r in per_rank), grad_weight, rtol=1e-5, atol=1e-7)
+    # Bound: the split adds each segment's (at most 10) token terms in two parts, then the 5 segments' and
+    # the two ranks' parts: sums of at most 40 terms, (n - 1) u = 2.3e-6 of their magnitudes (bounds.py);
+    # the loss terms are O(1), the gradients' O(0.1), hence the absolute parts. A segment whose ratio left
+    # out a rank's tokens would be off by a few percent.
+    torch.testing.assert_close(sum(r[0] for r in per_rank), loss, rtol=sum_rtol(40), atol=1e-7)
+    # each gradient passes the segment's ratio (an exp of a sum) and one more product: 4x the sum bound
+    torch.testing.assert_close(
+        torch.cat([r[2] for r in per_rank]), grad_logp, rtol=4 * sum_rtol(40), atol=1e-7
+    )
+    # the weight's gradient: those 40 tokens' terms again, summed per rank, then the ranks' parts
+    torch.testing.assert_close(sum(r[3] for r in per_rank), grad_weight, rtol=4 * sum_rtol(40), atol=1e-7)
     torch.testing.assert_close(sum(r[1]["num_tokens"] for r in per_rank), metrics["num_tokens"])
     global_keys = ["ratio_seq_mean", "ratio_seq_min", "ratio_seq_max", "num_sequences"]
     global_keys += ["clip_frac_seq"] if case[0] == "gspo" else []  # built from the reduced sums
     for _, rank_metrics, _, _ in per_rank:
         for key in global_keys:
-            torch.testing.assert_close(rank_metrics[key], metrics[key], rtol=1e-5, atol=1e-6, msg=key)
+            # ratios: exp of a 10-term mean, the same bound; counts and fractions: exact
+            torch.testing.assert_close(
+                rank_metrics[key], metrics[key], rtol=4 * sum_rtol(40), atol=1e-7, msg=key
+            )
 
 
 # metrics of an update that do not depend on how a minibatch is cut into micro-batches
 LAYOUT_FREE = ("loss", "grad_norm", "num_sequences", "num_tokens", "ratio_token_min", "ratio_token_max")
+LR = 1e-3  # conftest.TINY_NUMERICS
 
 
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
@@ -302,13 +315,19 @@ def test_two_ranks_make_the_one_process_updates(distributed_runs, tmp_path, wrap
     single = Trainer(_learn_config(tmp_path / "single", wrapper))
     history = _learn(single, *_fixed_batch(), GROUPS)
     expected = _full_parameters(single.policy.model)
+    # Bound: the ranks lay their sequences out in other micro-batches than one process, so every sum runs in
+    # another order: gradients within rho = tiny_gradient_rtol() (1.2e-4), and AdamW turns that into at most
+    # adam_drift (1e-6 here, 2 steps of 2 updates at lr 1e-3) on a weight whose gradient is not itself at
+    # rounding level (bounds.assert_adam_close). A sequence trained twice or not at all moves weights by ~lr.
+    rho = tiny_gradient_rtol()
     for r in ranks:  # both ranks hold the same (full) parameters, equal to one process's
         assert set(r["params"]) == set(expected)
         for key, value in expected.items():
-            torch.testing.assert_close(r["params"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+            assert_adam_close(r["params"][key], value, lr=LR, updates=4, rho=rho, msg=key)
         for got, want in zip(r["history"], history, strict=True):
             for key in LAYOUT_FREE:
-                torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
+                # sums of per-token terms over the minibatch (each within rho) and counts (exact)
+                torch.testing.assert_close(got[key], want[key], rtol=rho, atol=1e-7, msg=key)
 
 
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
@@ -326,13 +345,17 @@ def test_a_rank_that_keeps_no_sample_stays_in_lockstep_and_skipping_changes_noth
     single = Trainer(config)
     history = _learn(single, *_skip_batch(), GROUPS)
     expected = _full_parameters(single.policy.model)
+    rho = tiny_gradient_rtol()
     for r in ranks:
+        # Bound: the one process lays out every sample, the ranks only those that move: other micro-batches,
+        # so sums in another order, as in test_two_ranks_make_the_one_process_updates (12 updates here)
         for key, value in expected.items():
-            torch.testing.assert_close(r["params"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+            assert_adam_close(r["params"][key], value, lr=LR, updates=12, rho=rho, msg=key)
         for got, want in zip(r["history"], history, strict=True):
             assert got["skipped_samples_frac"] == pytest.approx(10 / 16)  # groups 0, 4, 5 and sample 5
             assert want["skipped_samples_frac"] == 0.0
-            torch.testing.assert_close(got["loss"], want["loss"], rtol=1e-5, atol=1e-6)
+            # a sum of per-token terms, each within rho (bounds.py); a wrong normaliser is off by 16/6
+            torch.testing.assert_close(got["loss"], want["loss"], rtol=rho, atol=1e-7)
 
 
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
@@ -476,30 +499,45 @@ def test_clipping_folded_into_the_fused_step_equals_clip_then_step(max_norm, dty
         grads = [10 * torch.randn(40, 30, dtype=dtype) for _ in params]
         for p, q, g in zip(params, copies, grads, strict=True):
             p.grad, q.grad = g.clone(), g.clone()
-        expected_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        # the reference clips by the same norm (gspo's), so the two differ only in how the factor is applied
+        expected_norm = clipping.total_norm([p.grad for p in params])
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, expected_norm)
         reference.step()
         norm = clipping.clip_grad_norm(copies, max_norm, folded)
         assert all(torch.equal(q.grad, g) for q, g in zip(copies, grads, strict=True))  # not rescaled here
         folded.step()
         clipping.release_grad_scale(folded)
         assert not hasattr(folded, "grad_scale")  # a later step of the user's is not rescaled
-        torch.testing.assert_close(norm, expected_norm)
+        assert torch.equal(norm, expected_norm)
+        # torch's own norm (what clip_grad_norm_ takes) sums the 3600 squares in fp32: (n - 1) u of the sum
+        torch.testing.assert_close(norm, torch.nn.utils.get_total_norm(grads), rtol=sum_rtol(3600), atol=0)
+        # fp32: the gradient multiplied by the factor, then read by AdamW, against divided inside the fused
+        # kernel: 2 roundings apart, and each weight a few ulps (u |w|, |w| < 5) per step: 3 steps, 16u.
         # bf16: the reference rounds the rescaled gradient to bf16, the fused kernel divides in fp32,
-        # so after 3 steps they may differ by a few bf16 ulps
-        tolerance = {"rtol": 1e-6, "atol": 1e-7} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 2**-9}
+        # so after 3 steps they may differ by a few bf16 ulps (2^-8 each)
+        tolerance = (
+            {"rtol": 16 * U32, "atol": 1e-7} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 2**-9}
+        )
         for p, q in zip(params, copies, strict=True):
-            torch.testing.assert_close(q, p, **tolerance)
+            torch.testing.assert_close(q, p, **tolerance)  # the bounds above
 
 
 def test_total_norm_of_float32_cpu_gradients_is_the_float64_norm():
-    """The clipping norm of fp32 CPU gradients (BLAS dot products added in float64) against the float64
-    norm: a 4M-element tensor, a transposed (non-contiguous) one and small ones. Other dtypes: torch's."""
+    """The clipping norm of fp32 CPU gradients (float32 sums of 1024-value blocks, added in float64) against
+    the float64 norm: a 4M-element tensor, a transposed (non-contiguous) one and small ones. Other dtypes:
+    torch's."""
     torch.manual_seed(0)
     grads = [torch.randn(2**22) * 3, torch.randn(300, 200).t(), torch.randn(7), torch.zeros(5)]
     exact = torch.stack([g.double().pow(2).sum() for g in grads]).sum().sqrt()
     norm = clipping.total_norm(grads)
     assert norm.dtype == torch.float32 and norm.shape == ()
-    torch.testing.assert_close(norm.double(), exact, rtol=2e-6, atol=0)
+    # Bound, for any summation order inside a block: with independent rounding errors (|d| <= u = 2^-24),
+    # the sum of squares is off by at most lam * u * sqrt(sum_b K * S_b^2) with probability 1 - 2 exp(-lam^2
+    # / 2) (Azuma; K = 1024 values per block, S_b a block's sum); for the 4096 near-equal blocks here that is
+    # lam * u * sqrt(K / 4096) = 0.5 * lam * u relative: 3u at lam = 6 (p > 1 - 3e-8); half of it on the
+    # norm, plus the norm's own float32 rounding (u). 3e-7 > 2.5u. One BLAS dot over the 4M values
+    # (sqrt(K) = 2048): up to 6e3 u = 3.7e-4, seen 1.2e-5 on an AVX2-only EPYC and 1 thread here.
+    torch.testing.assert_close(norm.double(), exact, rtol=3e-7, atol=0)
     assert clipping.total_norm([torch.zeros(3)]) == 0
     bf16 = [g.bfloat16() for g in grads[1:]]
     assert torch.equal(clipping.total_norm(bf16), torch.nn.utils.get_total_norm(bf16))

@@ -14,6 +14,12 @@ from hypothesis import strategies as st
 from gspo.core.logprobs import causal_lm_logprobs, token_logprobs
 
 N, H, V = 48, 24, 300
+# FP32: both sides fp32, the same sums in other orders (chunked GEMMs of other row counts, 1/T folded into h,
+# the [j = t] gradient term added apart; in the model tests the decoder on another batch shape). A sum of n
+# terms is off by ~sqrt(n)*u times their magnitudes (u = 2^-24, independent rounding): a logit by
+# ~sqrt(H)*u*sum|h_i w_i|/T <= 1e-5 here, and log pi by <= 2 |log pi| max|dz| (as 1 - pi_t <= -log pi_t):
+# rtol 1e-4. A gradient entry sums <= 300 terms of size <= ~5: ~sqrt(300)*u*5 = 5e-6 where they cancel to ~0:
+# atol 2e-5. A real bug (a wrong target, chunk or temperature) moves values by >= 1e-2.
 FP32 = {"atol": 2e-5, "rtol": 1e-4}
 
 
@@ -50,12 +56,12 @@ def test_token_logprobs_values_and_grads_equal_naive(chunk_size, temperature, wi
     )
     ref = naive_logprobs(hidden, weight, targets, temperature, bias)
     assert logp.dtype == torch.float32 and logp.shape == (N,)
-    torch.testing.assert_close(logp, ref, **FP32)
+    torch.testing.assert_close(logp, ref, **FP32)  # FP32: see its definition
     inputs = (hidden, weight, bias)
     for got, want in zip(
         grads_of((logp * upstream).sum(), inputs), grads_of((ref * upstream).sum(), inputs), strict=True
     ):
-        torch.testing.assert_close(got, want, **FP32)
+        torch.testing.assert_close(got, want, **FP32)  # FP32: see its definition
 
 
 @pytest.mark.parametrize("chunk_size", [7, 100])  # several chunks, one chunk
@@ -67,10 +73,12 @@ def test_second_backward_with_retain_graph_is_exact(chunk_size):
     first = torch.autograd.grad(loss, (hidden, weight, bias), retain_graph=True)
     second = torch.autograd.grad(loss, (hidden, weight, bias))
     for a, b in zip(first, second, strict=True):
+        # the first exponentiates the forward's log pi of the last chunk, the second recomputes its softmax:
+        # pi differs by ~u*|log pi| relative, the gradients within FP32 (see its definition)
         torch.testing.assert_close(a, b, **FP32)
     ref_loss = (naive_logprobs(hidden, weight, targets, bias=bias) * upstream).sum()
     for a, b in zip(second, grads_of(ref_loss, (hidden, weight, bias)), strict=True):
-        torch.testing.assert_close(a, b, **FP32)
+        torch.testing.assert_close(a, b, **FP32)  # FP32: see its definition
 
 
 def test_tied_embedding_grads_accumulate_like_naive():
@@ -87,6 +95,7 @@ def test_tied_embedding_grads_accumulate_like_naive():
 
     (got,) = torch.autograd.grad(loss(lambda h, w, t: token_logprobs(h, w, t, chunk_size=10)), [embedding])
     (want,) = torch.autograd.grad(loss(lambda h, w, t: naive_logprobs(h, w, t)), [embedding])
+    # FP32 (see its definition): the head's gradient, and the same toy decoder's backward on top
     torch.testing.assert_close(got, want, **FP32)
 
 
@@ -103,7 +112,8 @@ def test_low_precision_inputs_computed_in_fp32(dtype):
     want = grads_of((ref_logp * upstream).sum(), up)
     for g, w in zip(got, want, strict=True):
         assert g.dtype == dtype
-        # the only rounding left is the final cast of the fp32 gradient to the input dtype
+        # the only rounding left is the final cast of the fp32 gradient to the input dtype: <= 2^-8 relative
+        # in bf16, 2^-11 in fp16
         torch.testing.assert_close(g.float(), w, atol=1e-2, rtol=1e-2)
 
 
@@ -112,6 +122,7 @@ def test_no_grad_path_builds_no_graph_and_matches():
     with torch.no_grad():
         logp = token_logprobs(hidden, weight, targets, chunk_size=9, lm_head_bias=bias)
     assert not logp.requires_grad
+    # FP32: see its definition
     torch.testing.assert_close(logp, naive_logprobs(hidden, weight, targets, bias=bias), **FP32)
 
 
@@ -140,6 +151,7 @@ def test_in_place_softmax_is_exact(fn, shape):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(8)) * 5
     want = fn(x, dim=-1)
     fn(x, dim=-1, out=x)
+    # exact by design: the same kernel on the same rows, only the output buffer aliases the input
     torch.testing.assert_close(x, want, rtol=0, atol=0)
 
 
@@ -158,11 +170,12 @@ def test_token_logprobs_property(n, vocab, chunk_size, temperature, seed):
     targets = torch.randint(0, vocab, (n,), generator=gen)
     logp = token_logprobs(hidden, weight, targets, chunk_size=chunk_size, temperature=temperature)
     ref = naive_logprobs(hidden, weight, targets, temperature)
+    # FP32 (see its definition): |h_i w_i| sums to <= ~50 at T = 0.3, a logit's error to ~sqrt(8)*u*50 = 8e-6
     torch.testing.assert_close(logp, ref, **FP32)
     for g, w in zip(
         grads_of(logp.sum(), (hidden, weight)), grads_of(ref.sum(), (hidden, weight)), strict=True
     ):
-        torch.testing.assert_close(g, w, **FP32)
+        torch.testing.assert_close(g, w, **FP32)  # FP32: see its definition
 
 
 # ---------------------------------------------------------------- transformers models (tiny, random, offline)
@@ -241,6 +254,9 @@ def test_llama_padded_and_packed_equal_logits_path(attn_implementation):
             logp = causal_lm_logprobs(model, ids, attention_mask=mask, temperature=temperature, chunk_size=4)
             assert logp.shape == ids.shape and logp.dtype == torch.float32
             for got, ref in zip(unpad(logp, mask), want, strict=True):
+                # FP32 (see its definition): the decoder on a padded batch against each sequence alone; log pi
+                # (~ -4.8) moves by <= |h| |w_t - w_mean| / T = 5.7 * 0.14 / 0.8 = 1 times the hidden state's
+                # relative error
                 torch.testing.assert_close(got, ref, **FP32)
             # exactly 0 on padding and on each sequence's first token
             first_real = mask.float().argmax(1)
@@ -250,6 +266,7 @@ def test_llama_padded_and_packed_equal_logits_path(attn_implementation):
             logits = model(ids, attention_mask=mask, position_ids=position_ids).logits.float() / temperature
             naive = torch.log_softmax(logits[:, :-1], -1).gather(2, ids[:, 1:, None]).squeeze(2)
             scored = mask[:, 1:].bool() & mask[:, :-1].bool()
+            # FP32 (see its definition): the same decoder pass; the head in chunks of 4 rows, 1/T on h
             torch.testing.assert_close(logp[:, 1:][scored], naive[scored], **FP32)
 
         ids, position_ids = packed_row()
@@ -257,7 +274,7 @@ def test_llama_padded_and_packed_equal_logits_path(attn_implementation):
             model, ids, position_ids=position_ids, temperature=temperature, chunk_size=4
         )
         for got, ref in zip(unpack(logp), want, strict=True):
-            torch.testing.assert_close(got, ref, **FP32)
+            torch.testing.assert_close(got, ref, **FP32)  # FP32: see its definition (a packed row)
         starts = torch.tensor([0, *torch.tensor(list(map(len, SEQUENCES))).cumsum(0)[:-1].tolist()])
         assert (logp[0, starts] == 0).all()
 
@@ -273,7 +290,7 @@ def test_llama_padded_and_packed_equal_logits_path(attn_implementation):
         logp = causal_lm_logprobs(model, ids, position_ids=position_ids, temperature=temperature)
         n0, n2 = len(SEQUENCES[0]), len(SEQUENCES[2])
         for got, ref in zip((logp[0, 1:n0], logp[0, n0 + 1 :], logp[1, 1:n2]), want, strict=True):
-            torch.testing.assert_close(got, ref, **FP32)
+            torch.testing.assert_close(got, ref, **FP32)  # FP32: see its definition (two packed rows)
 
 
 @pytest.mark.parametrize("tie", [False, True])
@@ -314,13 +331,17 @@ def test_logprob_mask_scores_only_the_positions_asked_for():
     completion = torch.zeros_like(mask, dtype=torch.bool)
     completion[:, 2:] = True  # e.g. the first two tokens are the prompt
     with torch.no_grad():
-        logp = causal_lm_logprobs(model, ids, attention_mask=mask, logprob_mask=completion)
-        full_logp = causal_lm_logprobs(model, ids, attention_mask=mask)
+        # chunk_size=1: each scored row's head GEMM is the same (1, 32) x (32, 128) one in both calls (in one
+        # GEMM of 9 or 12 rows a BLAS may round a row differently: MKL's AVX2 kernels do)
+        logp = causal_lm_logprobs(model, ids, attention_mask=mask, logprob_mask=completion, chunk_size=1)
+        full_logp = causal_lm_logprobs(model, ids, attention_mask=mask, chunk_size=1)
         logits = model(ids, attention_mask=mask).logits
     scored = completion & mask.bool()
     assert (logp[~scored] == 0).all()
+    # exact by design: the same decoder pass on the same batch, then the same kernels on the same rows
     torch.testing.assert_close(logp[scored], full_logp[scored], rtol=0, atol=0)
     log_pi = torch.log_softmax(logits[:, :-1], -1).gather(2, ids[:, 1:, None]).squeeze(2)
+    # FP32 (see its definition): the same decoder pass; the head row by row against one GEMM
     torch.testing.assert_close(logp[:, 1:][scored[:, 1:]], log_pi[scored[:, 1:]], **FP32)
 
 
@@ -359,6 +380,7 @@ def test_qwen3_moe_equals_logits_path():
         logits = model(ids, attention_mask=mask, position_ids=position_ids).logits
     naive = torch.log_softmax(logits[:, :-1].float(), -1).gather(2, ids[:, 1:, None]).squeeze(2)
     scored = mask[:, 1:].bool() & mask[:, :-1].bool()
+    # FP32 (see its definition): the same decoder pass (so the same expert choices); the head in chunks of 5
     torch.testing.assert_close(logp[:, 1:][scored], naive[scored], **FP32)
 
 
@@ -373,7 +395,7 @@ def test_peft_lora_model():
     logits = lora(input_ids=ids, attention_mask=mask).logits
     naive = torch.log_softmax(logits[:, :-1], -1).gather(2, ids[:, 1:, None]).squeeze(2)
     scored = mask[:, 1:].bool() & mask[:, :-1].bool()
-    torch.testing.assert_close(logp[:, 1:][scored], naive[scored], **FP32)
+    torch.testing.assert_close(logp[:, 1:][scored], naive[scored], **FP32)  # FP32: the same decoder pass
     lora_params = [p for n, p in lora.named_parameters() if p.requires_grad]
     assert lora_params and all("lora_" in n for n, p in lora.named_parameters() if p.requires_grad)
     got = torch.autograd.grad(logp.sum(), lora_params)

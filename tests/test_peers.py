@@ -156,8 +156,10 @@ def ours_with_metrics(objective, logp, old, adv, mask, sampler_logp=None, normal
 
 
 def assert_same(a, b):
+    # float64 on both sides: the same formulas in another order differ by ~1e-15 on these O(1) values, and
+    # verl's +1e-8 in its denominators by <= 1e-8; a formula that differs moves them by >= 1e-4 (see below)
     torch.testing.assert_close(a[0], b[0], rtol=0, atol=1e-6)
-    torch.testing.assert_close(a[1], b[1], rtol=0, atol=1e-6)
+    torch.testing.assert_close(a[1], b[1], rtol=0, atol=1e-6)  # the gradients: the same bound
 
 
 # GSPO / GRPO and the aggregations: TRL's loss_type x importance_sampling_level

@@ -266,7 +266,10 @@ def test_multi_turn_training_uses_the_sampled_tokens_bit_for_bit(client, server,
         trained = [lp for lp, t in zip(batch.sampler_logprobs[i], sequence.train_mask, strict=True) if t]
         assert trained == sampled
         mine = recomputed[order.index(i)][torch.tensor(sequence.train_mask)]
-        assert torch.allclose(mine, torch.tensor(sampled), atol=1e-5, rtol=0), (
+        # fp32, the sampler's one-row KV-cache steps against whole-sequence scoring: other GEMM shapes, so
+        # other roundings, <= n*u with n ~ 1e3 along the 2-layer width-64 path (6e-5) plus ulp(5) = 5e-7;
+        # another version's weights (one update) or an off-by-one token moves log-probs by >= 1e-2
+        assert torch.allclose(mine, torch.tensor(sampled), atol=1e-4, rtol=0), (
             (mine - torch.tensor(sampled)).abs().max()
         )
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from bounds import TINY_CHAIN, assert_sums_close, sum_rtol
 from conftest import tiny_config
 from gspo.cli import main
 from gspo.core.layout import TokenSequence, make_micro_batches
@@ -71,10 +72,13 @@ def test_one_step_changes_parameters_with_finite_metrics(
     after = trainer.policy.model.state_dict()
     assert [k for k in before if not torch.equal(before[k], after[k])], "no parameter moved"
     assert all(torch.isfinite(torch.tensor(float(v))) for v in metrics.values()), metrics
-    assert metrics["sampler_logprob_abs_diff"] < 1e-6  # the sampler and the trainer agree on fp32 CPU
+    # fp32: the sampler's KV-cache steps and the trainer's scoring round differently, by <= n*u with n ~ 1e3
+    # along the 2-layer width-64 path (6e-5) plus ulp(5) = 5e-7 per log-prob; one update moves them by ~0.1
+    assert metrics["sampler_logprob_abs_diff"] < 1e-4
     on, off = updates
-    assert on["ratio_token_min"] == pytest.approx(1.0, abs=1e-5) and on["clip_frac_token"] == 0.0
-    assert on["ratio_token_max"] == pytest.approx(1.0, abs=1e-5)
+    # on-policy up to that rounding: ratios within 1e-4 of 1, inside every objective's clip band (>= 3e-4)
+    assert on["ratio_token_min"] == pytest.approx(1.0, abs=1e-4) and on["clip_frac_token"] == 0.0
+    assert on["ratio_token_max"] == pytest.approx(1.0, abs=1e-4)
     assert max(off["ratio_token_max"] - 1, 1 - off["ratio_token_min"]) > 1e-3  # the policy moved
     assert metrics["ratio_token_min"] == min(on["ratio_token_min"], off["ratio_token_min"])
     assert metrics["ratio_token_max"] == max(on["ratio_token_max"], off["ratio_token_max"])
@@ -139,11 +143,14 @@ def test_every_layout_of_the_trainers_rollouts_gives_the_same_gradients(tmp_path
         for p, c in zip(rollouts.prompt_ids, rollouts.completion_ids, strict=False)
     ]
     advantages = torch.linspace(-1, 1, len(sequences))
-    grads = {}
+    grads, rows = {}, {}
     for layout in ("shared_prefix", "packed", "padded"):
         trainer.policy.model.zero_grad()
-        micro = make_micro_batches(sequences, layout=layout, pack_length=64, micro_batch_tokens=128, pad_id=0)
+        micro = make_micro_batches(
+            sequences, layout=layout, pack_length=256, micro_batch_tokens=256, pad_id=0
+        )
         assert len(micro) > 1  # several micro-batches: accumulation is exercised too
+        rows[layout] = max(len(mb.indices) for mb in micro)
         for mb in micro:
             logp = score(trainer.policy.model, mb, trainer.spec)
             old = logp.detach() - 0.01  # off-policy, so clipping and ratios matter
@@ -154,8 +161,13 @@ def test_every_layout_of_the_trainers_rollouts_gives_the_same_gradients(tmp_path
             loss.backward()
         grads[layout] = torch.cat([p.grad.reshape(-1) for p in trainer.policy.model.parameters()])
     assert grads["padded"].abs().sum() > 0
-    torch.testing.assert_close(grads["packed"], grads["padded"], rtol=1e-4, atol=1e-6)
-    torch.testing.assert_close(grads["shared_prefix"], grads["padded"], rtol=1e-4, atol=1e-6)
+    assert rows["packed"] > 1 and rows["shared_prefix"] > 1  # several sequences share a row
+    # Bound: the layouts sum the same terms in other orders: a weight's gradient adds every token's term
+    # (16 sequences of 68 tokens) through a chain of the tiny model's sums (bounds.py). A token that attends
+    # across a segment boundary moves its log-prob by ~1e-2.
+    rho = TINY_CHAIN * sum_rtol(len(sequences) * 68)
+    assert_sums_close(grads["packed"], grads["padded"], rho)
+    assert_sums_close(grads["shared_prefix"], grads["padded"], rho)
 
 
 def test_lora_and_kl_run_and_save_an_adapter(tmp_path: Path) -> None:

@@ -20,6 +20,13 @@ from gspo.core.logprobs import causal_lm_logprobs, resolve_kernel, token_logprob
 from gspo.models.loading import tiny_model
 
 N, H, V = 37, 16, 97  # N and V not multiples of any block or chunk size
+# FP32: the kernels' fp32 against float64 (one side's rounding) or the torch path (the same GEMMs; an online
+# log-sum-exp and exp(z - lse) in place of log_softmax and softmax, the [j = t] term in the kernel). A sum of n
+# terms is off by ~sqrt(n)*u times their magnitudes (u = 2^-24, independent rounding; a GPU's exp and log are
+# within a few ulps): a logit by ~sqrt(16)*u*sum|h_i w_i|/T ~ 4e-6 here (0.5-std weights), log pi by
+# <= 2 |log pi| max|dz| (as 1 - pi_t <= -log pi_t): rtol 1e-4. A gradient entry sums <= 97 terms of size
+# <= ~9: ~sqrt(97)*u*9 = 5e-6 where they cancel to ~0: atol 2e-5. A real bug (a wrong target, tile mask or
+# temperature) moves values by >= 1e-2.
 FP32 = {"atol": 2e-5, "rtol": 1e-4}
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -56,8 +63,8 @@ def test_values_and_grads_equal_naive_and_torch_path(chunk_size, temperature, wi
     torch_logp = token_logprobs(hidden, weight, targets, kernel="torch", **kwargs)
     ref = naive_logprobs(hidden, weight, targets, temperature, bias)
     assert logp.dtype == torch.float32 and logp.shape == (N,)
-    torch.testing.assert_close(logp.double(), ref, **FP32)
-    torch.testing.assert_close(logp, torch_logp, **FP32)
+    torch.testing.assert_close(logp.double(), ref, **FP32)  # FP32: see its definition
+    torch.testing.assert_close(logp, torch_logp, **FP32)  # FP32: see its definition
     inputs = (hidden, weight, bias)
     got = grads((logp * upstream).sum(), inputs)
     for g, t, r in zip(
@@ -67,8 +74,8 @@ def test_values_and_grads_equal_naive_and_torch_path(chunk_size, temperature, wi
         strict=True,
     ):
         assert g.dtype == torch.float32
-        torch.testing.assert_close(g, r, **FP32)
-        torch.testing.assert_close(g, t, **FP32)
+        torch.testing.assert_close(g, r, **FP32)  # FP32: see its definition
+        torch.testing.assert_close(g, t, **FP32)  # FP32: see its definition
 
 
 def test_only_some_inputs_need_grad():
@@ -82,11 +89,11 @@ def test_only_some_inputs_need_grad():
         grads((ref * upstream.double()).sum(), (hidden, bias)),
         strict=True,
     ):
-        torch.testing.assert_close(g, r, **FP32)
+        torch.testing.assert_close(g, r, **FP32)  # FP32: see its definition
     logp = token_logprobs(hidden.detach(), weight, targets, chunk_size=10, kernel="triton")
     (g,) = grads((logp * upstream).sum(), (weight,))
     (r,) = grads((naive_logprobs(hidden.detach(), weight, targets) * upstream.double()).sum(), (weight,))
-    torch.testing.assert_close(g, r, **FP32)
+    torch.testing.assert_close(g, r, **FP32)  # FP32: see its definition
 
 
 def test_second_backward_recomputes_the_consumed_block():
@@ -97,7 +104,9 @@ def test_second_backward_recomputes_the_consumed_block():
     first = torch.autograd.grad(loss, (hidden, weight, bias), retain_graph=True)
     second = torch.autograd.grad(loss, (hidden, weight, bias))
     for a, b in zip(first, second, strict=True):
-        torch.testing.assert_close(a, b, atol=0, rtol=0)  # deterministic: no atomics
+        # exact by design: the last chunk's u recomputed by the same GEMM on the same shapes, then the same
+        # kernels in the same order (no atomics)
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
 def test_no_grad_path_and_bf16_inputs():
@@ -106,9 +115,10 @@ def test_no_grad_path_and_bf16_inputs():
         no_grad = token_logprobs(hidden, weight, targets, chunk_size=8, lm_head_bias=bias, kernel="triton")
     assert not no_grad.requires_grad and no_grad.dtype == torch.float32
     logp = token_logprobs(hidden, weight, targets, chunk_size=8, lm_head_bias=bias, kernel="triton")
+    # exact by design: both run the same forward chunks on the same inputs
     torch.testing.assert_close(logp, no_grad, atol=0, rtol=0)
-    # the bf16 values upcast, then fp32 arithmetic: as the torch path
     torch_logp = token_logprobs(hidden, weight, targets, chunk_size=8, lm_head_bias=bias, kernel="torch")
+    # the bf16 values upcast, then fp32 arithmetic as the torch path's: FP32 (see its definition)
     torch.testing.assert_close(logp, torch_logp, **FP32)
     for g, t in zip(
         grads((logp * upstream).sum(), (hidden, weight, bias)),
@@ -146,9 +156,11 @@ def test_causal_lm_logprobs_kernels_agree_on_a_model():
         logp.sum().backward()
         results.append((logp.detach(), [p.grad.clone() for p in model.parameters()]))
     (a, grads_a), (b, grads_b) = results
+    # FP32 (see its definition): the same decoder pass, then the head's passes; the gradients carry the head's
+    # differences back through the same decoder backward (0.02-std head: |log pi| ~ 4.6, no cancellation)
     torch.testing.assert_close(a, b, **FP32)
     for ga, gb in zip(grads_a, grads_b, strict=True):
-        torch.testing.assert_close(ga, gb, **FP32)
+        torch.testing.assert_close(ga, gb, **FP32)  # FP32: see its definition
 
 
 def test_kernel_choice(monkeypatch):
@@ -182,4 +194,4 @@ def test_update_spec_selects_the_kernel_for_a_shared_prefix_micro_batch():
     with torch.no_grad():
         values = [score(model, mb, UpdateSpec(logprob_kernel=k)) for k in ("torch", "triton")]
     assert values[0].abs().sum() > 0
-    torch.testing.assert_close(values[0], values[1], **FP32)
+    torch.testing.assert_close(values[0], values[1], **FP32)  # FP32: the same decoder pass, then the head

