@@ -1,5 +1,5 @@
 """Page faults and update time of the default run with glibc's default malloc and with
-gspo.training.allocator.keep_freed_memory (what `gspo train` and `gspo serve` call), alternating.
+gspo.run.allocator.keep_freed_memory (what `gspo train` and `gspo serve` call), alternating.
 
 Each variant runs in a process of its own: the default config (SmolLM2-135M) for --steps rollout batches,
 every sample computed (train.skip_zero_advantage=false: the same work in every batch). Prints, per run,
@@ -20,7 +20,7 @@ import tempfile
 CHILD = """
 import json, resource, statistics, sys, tempfile
 if sys.argv[1] == "keep":
-    from gspo.training.allocator import keep_freed_memory
+    from gspo.run.allocator import keep_freed_memory
     assert keep_freed_memory(), "glibc malloc not adjustable here"
 from gspo.config import load_config
 from gspo.training.trainer import Trainer

@@ -30,8 +30,8 @@ from safetensors.torch import save_file
 from gspo.config import ModelConfig, load_config
 from gspo.config.rules import check_values
 from gspo.models import load_model
-from gspo.training import lock
-from gspo.training.checkpoint import (
+from gspo.run import lock
+from gspo.run.checkpoint import (
     STATE_FILE,
     checkpoint_problem,
     load_trainer_state,

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from gspo import load_config, train
-from gspo.training.metrics import read_metrics
+from gspo.run.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 

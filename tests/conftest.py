@@ -11,14 +11,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import settings
 
-# The property tests draw the same examples on every run and machine ("derandomize"): a suite that is green
-# where it was written is green in CI. `HYPOTHESIS_PROFILE=explore pytest ...` draws new ones each run, to
-# look for counterexamples (fix what it finds; it found a float32 tau in SAPO's naive reference).
-settings.register_profile("repeatable", derandomize=True)
-settings.register_profile("explore", derandomize=False)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
+try:  # the dev extra's; .venv-vllm (scripts/test-vllm.sh) runs no property test
+    from hypothesis import settings
+except ImportError:
+    settings = None
+if settings is not None:
+    # The property tests draw the same examples on every run and machine ("derandomize"): a suite that is
+    # green where it was written is green in CI. `HYPOTHESIS_PROFILE=explore pytest ...` draws new ones each
+    # run, to look for counterexamples (fix what it finds; it found a float32 tau in SAPO's naive reference).
+    settings.register_profile("repeatable", derandomize=True)
+    settings.register_profile("explore", derandomize=False)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 if not torch.cuda.is_available():
     # Triton's kernels (gspo.core.triton_logprobs) run interpreted on a CPU. Triton reads this when it is
@@ -40,7 +44,7 @@ NO_LLAMA_CPP = pytest.mark.skip(
 
 @pytest.fixture(scope="session", autouse=True)
 def own_runs_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The per-user record of one's own runs (gspo.training.own_runs) in a folder of the session's, not the
+    """The per-user record of one's own runs (gspo.run.own_runs) in a folder of the session's, not the
     user's ~/.local/state: the runs the tests start are recorded there (subprocesses inherit it)."""
     with pytest.MonkeyPatch.context() as patch:
         state = tmp_path_factory.mktemp("xdg_state")
@@ -147,7 +151,7 @@ def smollm2_trainer(smollm2) -> Callable[[], contextlib.AbstractContextManager[N
     """A context manager in which the trainer's loads of the embedded model (model.* at its defaults) return
     a copy of the session's `smollm2` instead of reading the GGUF file again: ``with smollm2_trainer(): ...``."""
     from gspo.config import ModelConfig
-    from gspo.training import build
+    from gspo.run import build
 
     @contextlib.contextmanager
     def patched() -> Iterator[None]:

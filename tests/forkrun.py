@@ -23,7 +23,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot  # preloaded once for the runs' plots
 
 import gspo.cli
-import gspo.training.checkpoint as checkpoint
+import gspo.run.checkpoint as checkpoint
 import gspo.training.trainer
 
 PHASES = ("mid_write", "before_rename", "after_aside", "after_rename", "after_pointer")

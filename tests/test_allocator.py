@@ -1,4 +1,4 @@
-"""gspo.training.allocator: blocks freed and allocated again cost no new page faults once glibc keeps freed
+"""gspo.run.allocator: blocks freed and allocated again cost no new page faults once glibc keeps freed
 memory; with glibc's defaults the large one costs one per 4 KB page every time. Each case in a fresh process (mallopt
 settings last for the process)."""
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc
 CHILD = """
 import resource, sys
 import torch
-from gspo.training.allocator import keep_freed_memory
+from gspo.run.allocator import keep_freed_memory
 kept = keep_freed_memory() if sys.argv[1] == "keep" else None
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

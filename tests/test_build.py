@@ -15,7 +15,7 @@ from conftest import tiny_config
 from gspo.config import ConfigError, load_config
 from gspo.rollout.data import DataError
 from gspo.rollout.rewards import RewardError
-from gspo.training.checkpoint import latest_checkpoint, load_trainer_state
+from gspo.run.checkpoint import latest_checkpoint, load_trainer_state
 from gspo.training.trainer import Trainer
 
 

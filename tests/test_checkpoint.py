@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from conftest import reseal
 from gspo.config import load_config, save_config
 from gspo.models import tiny_model, tiny_tokenizer
-from gspo.training.checkpoint import (
+from gspo.run.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     load_trainer_state,
@@ -34,7 +34,7 @@ from gspo.training.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from gspo.training.metrics import read_metrics
+from gspo.run.metrics import read_metrics
 from gspo.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,7 +139,7 @@ def test_a_run_killed_at_every_phase_of_a_checkpoint_save_resumes_to_the_uninter
 
 RESAVE = """
 from gspo.models import tiny_model, tiny_tokenizer
-from gspo.training.checkpoint import save_checkpoint
+from gspo.run.checkpoint import save_checkpoint
 tokenizer = tiny_tokenizer()
 model = tiny_model("llama", len(tokenizer), seed=1)
 save_checkpoint({run!r}, 1, model=model, tokenizer=tokenizer, state={{"copy": 2}}, keep=2)
@@ -249,7 +249,7 @@ def test_rng_states_are_saved_as_plain_data_and_restored_exactly(tmp_path: Path)
 def test_a_full_disk_during_a_checkpoint_says_so(tmp_path: Path, monkeypatch) -> None:
     import shutil
 
-    import gspo.training.checkpoint as checkpoint
+    import gspo.run.checkpoint as checkpoint
 
     def failing_save(model, tokenizer, directory) -> None:
         raise RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 4096 vs 1024")

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+import gspo.run.start
 import gspo.training.trainer
 from gspo.cli import EXIT_CODES, main
 from gspo.config import Config, ConfigError
@@ -89,7 +90,7 @@ def test_a_full_read_only_or_unwritable_disk_says_so(
     def cannot_write(config, path) -> None:
         raise OSError(error, "failed", str(path))
 
-    monkeypatch.setattr(gspo.training.trainer, "save_config", cannot_write)
+    monkeypatch.setattr(gspo.run.start, "save_config", cannot_write)
     code, err = _run(capsys, TINY, f"output_dir={tmp_path / 'run'}")
     assert code == EXIT_CODES["disk"]
     assert err == "error: " + message.replace("RUN", str(tmp_path / "run"))

@@ -35,8 +35,8 @@ from gspo.learning.batch import Batch
 from gspo.learning.learner import learn, minibatches
 from gspo.parallel import clipping, group, wrap
 from gspo.rollout.rewards import RewardError
-from gspo.training.checkpoint import latest_checkpoint, load_trainer_state
-from gspo.training.metrics import read_metrics
+from gspo.run.checkpoint import latest_checkpoint, load_trainer_state
+from gspo.run.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"

@@ -16,9 +16,10 @@ import torch
 
 from gspo.config import LoraConfig
 from gspo.core.logprobs import causal_lm_logprobs
+from gspo.core.seeds import stream_key
 from gspo.models import add_lora
 from gspo.models.loading import tiny_model, tiny_tokenizer
-from gspo.rollout.draws import Row, _inverse_cdf, draw, stream_key, uniform
+from gspo.rollout.draws import Row, _inverse_cdf, draw, uniform
 from gspo.rollout.engine import Engine
 from gspo.rollout.requests import Request, SamplingParams
 

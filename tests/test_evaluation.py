@@ -17,8 +17,8 @@ from gspo.config import load_config
 from gspo.models import tiny_tokenizer
 from gspo.rollout.data import Example
 from gspo.rollout.samplers import Rollouts
+from gspo.run.metrics import read_metrics
 from gspo.training.evaluation import evaluate, pass_at_k, pass_ks
-from gspo.training.metrics import read_metrics
 from gspo.training.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -30,7 +30,7 @@ masking_utils._preprocess_mask_arguments = _preprocess_mask_arguments
 from openai.types.chat.chat_completion import Choice  # noqa: E402
 
 from gspo.integrations.art import GspoBackend  # noqa: E402
-from gspo.training.checkpoint import checkpoint_step, latest_checkpoint  # noqa: E402
+from gspo.run.checkpoint import checkpoint_step, latest_checkpoint  # noqa: E402
 
 SCENARIOS = ["What is 2+3?", "What is 4+1?"]
 

@@ -19,8 +19,8 @@ from conftest import TINY, tiny_config
 from gspo.cli import main
 from gspo.config import ConfigError, load_config
 from gspo.config.loading import DeprecatedKey
-from gspo.training.metrics import MetricsLogger
-from gspo.training.trackers import TRACKERS_FILE
+from gspo.run.metrics import MetricsLogger
+from gspo.run.trackers import TRACKERS_FILE
 from gspo.training.trainer import train
 
 CONFIG = {"seed": 3, "train": {"lr": 0.001, "objective": "gspo"}}

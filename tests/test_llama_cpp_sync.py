@@ -66,7 +66,7 @@ def test_gguf_reload_makes_the_server_sample_from_the_updated_policy(
 def test_gspo_train_with_the_llama_cpp_engine_syncs_every_n_steps(tmp_path: Path) -> None:
     """rollout.engine=llama_cpp: the server starts on the exported policy and restarts every sync_every steps;
     the sampler-vs-trainer log-prob gap is ~0 right after a sync and grows on the step that samples stale weights."""
-    from gspo.training.metrics import read_metrics
+    from gspo.run.metrics import read_metrics
     from gspo.training.trainer import Trainer
 
     config = load_config(

@@ -1,4 +1,4 @@
-"""One writer per run folder (gspo.training.lock): a second process is refused naming the holder, a lock
+"""One writer per run folder (gspo.run.lock): a second process is refused naming the holder, a lock
 left by a SIGKILL is taken over with a note, readers need no lock."""
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def test_resume_plot_and_readers_while_another_process_trains_the_run(
 
 
 def test_the_lock_is_reentrant_in_one_process_and_released_by_it(tmp_path: Path) -> None:
-    from gspo.training import lock
+    from gspo.run import lock
 
     lock.acquire(tmp_path, "first")
     lock.acquire(tmp_path, "again")  # a Python session that trains, then resumes, the same run
@@ -114,15 +114,15 @@ def test_two_runs_started_at_once_on_one_folder_leave_one_consistent_run(tmp_pat
     refused = next(err for code, err in results if code)
     assert "is in use by " in refused or "already holds a run" in refused
     assert "Traceback" not in refused
-    from gspo.training.metrics import read_metrics
+    from gspo.run.metrics import read_metrics
 
     evals = [r["step"] for r in read_metrics(run) if r["kind"] == "eval"]
     assert evals == [0, 1]
 
 
 def test_a_lock_record_cut_short_is_not_a_crash(tmp_path: Path) -> None:
-    from gspo.training import lock
-    from gspo.training.lock import RunInUse
+    from gspo.run import lock
+    from gspo.run.lock import RunInUse
 
     (tmp_path / LOCK_FILE).write_text('{"pid": 12')  # a holder killed while writing its record
     lock.acquire(tmp_path, "me")
@@ -138,8 +138,8 @@ def test_a_lock_record_cut_short_is_not_a_crash(tmp_path: Path) -> None:
 
 def test_a_holder_that_has_just_locked_is_named_once_it_writes_its_record(tmp_path: Path) -> None:
     """The race CI met: two runs at once, the second refused between the first's flock and its record."""
-    from gspo.training import lock
-    from gspo.training.lock import RunInUse
+    from gspo.run import lock
+    from gspo.run.lock import RunInUse
 
     code = (
         "import fcntl, json, os, time\n"

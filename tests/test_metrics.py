@@ -1,4 +1,4 @@
-"""Metrics logging (JSONL, TensorBoard), plots and summary of gspo.training.metrics / gspo.training.plots."""
+"""Metrics logging (JSONL, TensorBoard), plots and summary of gspo.run.metrics / gspo.training.plots."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import warnings
 import pytest
 import torch
 
-import gspo.training.trackers as trackers_module
-from gspo.training.metrics import MetricsLogger, read_metrics
+import gspo.run.trackers as trackers_module
+from gspo.run.metrics import MetricsLogger, read_metrics
 from gspo.training.plots import plot_run, write_summary
 
 

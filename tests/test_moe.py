@@ -16,7 +16,7 @@ from gspo.core.layout import MicroBatch, TokenSequence, make_micro_batches
 from gspo.core.logprobs import causal_lm_logprobs
 from gspo.learning import learner
 from gspo.models import moe, tiny_model
-from gspo.training.metrics import read_metrics
+from gspo.run.metrics import read_metrics
 from gspo.training.trainer import Trainer
 
 

@@ -276,7 +276,7 @@ def test_gspo_train_samples_from_the_real_server(engine, smollm2_trainer, tmp_pa
     """rollout.engine=openai: the tiny config's run, on the embedded model the server also serves."""
     url, _ = engine
     from gspo.config import load_config
-    from gspo.training.metrics import read_metrics
+    from gspo.run.metrics import read_metrics
     from gspo.training.trainer import Trainer
 
     root = Path(__file__).resolve().parents[1]
@@ -520,3 +520,72 @@ def test_a_log_probability_rounded_just_above_zero_is_taken_as_zero() -> None:
             ["x"], group_size=1, max_new_tokens=1
         )
     assert rollouts.sampler_logprobs == [[0.0]]
+
+
+# ---- a weight sync through a real server -----------------------------------------------------------------
+def test_save_and_reload_hands_the_trained_weights_to_a_real_server(tmp_path) -> None:
+    """`Trainer(sampler=OpenAIBackend(..., weight_sync=SaveAndReload(directory, reload)))` against a `gspo
+    serve` of the same tiny model, in a thread: after a step the trainer saves its weights, `reload` loads
+    that checkpoint into the server's sampling model, and the server's log-probs are the trained policy's."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import tiny_config
+    from gspo.rollout.openai import OpenAIBackend, SaveAndReload
+    from gspo.serve.server import build_service, start_in_thread
+    from gspo.training.trainer import Trainer
+
+    running = start_in_thread(build_service(tiny_config(tmp_path / "server", "serve.during_update=stale")))
+    reloaded: list[Path] = []
+
+    def reload(path: Path) -> None:  # the user's way to point a server at a checkpoint: here, in process
+        weights = AutoModelForCausalLM.from_pretrained(path).state_dict()
+        trainer_of_server = running.service.trainer
+        with torch.no_grad():
+            for name, tensor in trainer_of_server.sampling_model.state_dict().items():
+                tensor.copy_(weights[name])
+        trainer_of_server.driver.engine.reset_prefix_cache()
+        reloaded.append(path)
+
+    try:
+        config = tiny_config(tmp_path / "run", "eval.every=0", "train.steps=1", "checkpoint.every=0")
+        trainer = Trainer(config)  # its own HF sampler, replaced below: the same tokenizer and weights
+        backend = OpenAIBackend(
+            running.url,
+            trainer.tokenizer,
+            model=config.serve.model_name,
+            send_token_ids=True,
+            sampling={},  # gspo serve refuses llama.cpp's extra fields
+            weight_sync=SaveAndReload(tmp_path / "weights", reload),
+        )
+        trainer.sampler = backend
+        before = [p.detach().clone() for p in trainer.policy.model.parameters()]
+        trainer.train_step()
+        assert reloaded == [tmp_path / "weights" / "step-1"]
+        moved = max(
+            float((a - b).abs().max()) for a, b in zip(trainer.policy.model.parameters(), before, strict=True)
+        )
+        assert moved > 1e-4  # the update changed the weights the server now has
+        prompts = trainer.prompts(trainer.stream.next_batch()[:2])
+        rollouts = backend.generate(prompts, group_size=2, max_new_tokens=2, temperature=1.0)
+        from gspo.core.layout import TokenSequence, make_micro_batches
+        from gspo.learning.learner import place
+        from gspo.learning.policy import score
+
+        sequences = [
+            TokenSequence(p, c, [True] * len(c))
+            for p, c in zip(rollouts.prompt_ids, rollouts.completion_ids, strict=True)
+        ]
+        for mb in make_micro_batches(
+            sequences, layout="padded", pack_length=64, micro_batch_tokens=256, pad_id=0
+        ):
+            with torch.no_grad():
+                mine = score(trainer.policy.model, mb, trainer.spec)
+            mask = mb.logprob_mask.reshape(-1)
+            theirs = place(rollouts.sampler_logprobs, mb)
+            # the server decodes token by token with a cache, the trainer scores whole sequences: fp32 sums in
+            # other orders over the tiny model (bounds.tiny_gradient_rtol of log-probs of size ~5: 6e-4); the
+            # weights before the step would be off by the update's effect, ~1e-2
+            torch.testing.assert_close(theirs[mask], mine[mask], rtol=0, atol=1e-3)
+        trainer.finish()
+    finally:
+        running.stop()

@@ -11,9 +11,9 @@ import pytest
 
 import gspo.config.loading
 from gspo.config import ConfigError, load_config, save_config
-from gspo.training.checkpoint import latest_checkpoint, load_trainer_state
-from gspo.training.metrics import read_metrics
-from gspo.training.resume import RunFolderError, resume_config
+from gspo.run.checkpoint import latest_checkpoint, load_trainer_state
+from gspo.run.metrics import read_metrics
+from gspo.run.resume import RunFolderError, resume_config
 from gspo.training.trainer import Trainer, train
 
 ROOT = Path(__file__).resolve().parents[1]

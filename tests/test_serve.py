@@ -34,10 +34,10 @@ from gspo.client import Client, Episode, EpisodeGroup, completion_id
 from gspo.config import ConfigError, load_config
 from gspo.core.layout import make_micro_batches
 from gspo.learning.policy import score
+from gspo.run.lock import LOCK_FILE
+from gspo.run.resume import RUN_MARKER
 from gspo.serve.chat import parse_tool_calls
 from gspo.serve.server import build_service, serve_config, start_in_thread
-from gspo.training.lock import LOCK_FILE
-from gspo.training.resume import RUN_MARKER
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"

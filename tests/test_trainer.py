@@ -20,9 +20,9 @@ from gspo.core.objectives import LossInputs, LossSpec, compute_loss
 from gspo.learning import learner
 from gspo.learning.policy import score
 from gspo.rollout.rewards import RewardError
-from gspo.training import lock
-from gspo.training.checkpoint import latest_checkpoint, load_trainer_state
-from gspo.training.metrics import read_metrics
+from gspo.run import lock
+from gspo.run.checkpoint import latest_checkpoint, load_trainer_state
+from gspo.run.metrics import read_metrics
 from gspo.training.trainer import Trainer, train
 
 ROOT = Path(__file__).resolve().parents[1]

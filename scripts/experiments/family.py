@@ -105,7 +105,7 @@ def main_jobs(bake: Bakeoff, runs_dir: Path, rates: dict[str, float], threads: i
 
 def choose_rates(bake: Bakeoff, runs_dir: Path) -> tuple[dict[str, float], dict[str, dict[float, float]]]:
     """Each method's rate: the highest sweep training reward over the last 20% of the steps (smaller on a tie)."""
-    from gspo.training.metrics import read_metrics
+    from gspo.run.metrics import read_metrics
 
     scores: dict[str, dict[float, float]] = {}
     for method in METHODS:
@@ -299,7 +299,7 @@ def write_report(report_dir: Path, results: Results, *, reduced: bool, note: str
 def study(bake: Bakeoff, runs_dir: Path, report_dir: Path, workers: int, threads: int) -> Results:
     """Cold start, sweep, rates, the comparison's runs (each resumed or skipped where done), summary.json,
     plots: the report's inputs."""
-    from gspo.training.metrics import read_metrics
+    from gspo.run.metrics import read_metrics
 
     t0 = time.perf_counter()
     runs_dir.mkdir(parents=True, exist_ok=True)

@@ -92,7 +92,7 @@ def jobs(spec: Spec, runs_dir: Path, threads: int) -> list[runs.Job]:
 
 def load_runs(spec: Spec, runs_dir: Path, lr: float) -> dict[str, list[Any]]:
     """method -> each seed's metric records at ``lr``."""
-    from gspo.training.metrics import read_metrics
+    from gspo.run.metrics import read_metrics
 
     return {m: [read_metrics(runs_dir / run_name(m, lr, seed)) for seed in spec.seeds] for m in METHODS}
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from gspo.config import load_config
-from gspo.training.checkpoint import latest_checkpoint, load_trainer_state
+from gspo.run.checkpoint import latest_checkpoint, load_trainer_state
 from gspo.training.trainer import Trainer
 
 

@@ -98,7 +98,7 @@ def favoured(group: list[float], sample: list[float], what: str) -> Favoured | s
 def paper_tables(runs_dir: Path, workers: int) -> dict[str, paper.Table]:
     """The paper study at lr 1e-3 with each split (runs_dir/paper-<split>, its own report in report/), each
     method's per-seed numbers and update cost."""
-    from gspo.training.metrics import read_metrics
+    from gspo.run.metrics import read_metrics
 
     out = {}
     for split in SPLITS:
@@ -224,7 +224,7 @@ def write_report(doc: Path, results: Results, workers: int) -> Path:
 def study(runs_dir: Path, seeds: int, workers: int, skip_paper: bool) -> Results:
     """Every default run (and the paper study with each split unless ``skip_paper``), each trained or
     reused from ``runs_dir``."""
-    from gspo.training.metrics import read_metrics
+    from gspo.run.metrics import read_metrics
 
     t0 = time.perf_counter()
     jobs = [default_job(runs_dir, split, seed) for seed in range(seeds) for split in SPLITS]

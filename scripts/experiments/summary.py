@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 Records = list[dict[str, Any]]
-"""One run's metrics.jsonl (gspo.training.metrics.read_metrics)."""
+"""One run's metrics.jsonl (gspo.run.metrics.read_metrics)."""
 
 
 def series(records: Records, key: str, kind: str = "train") -> dict[int, float]:

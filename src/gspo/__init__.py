@@ -2,8 +2,9 @@
 
 Layers, each importing only the ones below it (checked by import-linter): ``gspo.cli`` | ``gspo.client``
 (the command line; the client of `gspo serve`) > ``gspo.serve`` (the OpenAI-compatible server that trains
-on trajectory groups) > ``gspo.training`` (the loop, checkpoints, metrics) > ``gspo.rollout`` (the sampling
-engine, samplers, data, rewards, trajectories) > ``gspo.learning`` (the learner) > ``gspo.parallel`` |
+on trajectory groups) | ``gspo.training`` (the loop, its samplers, evaluation, plots), siblings that never
+import each other > ``gspo.run`` (a run's home: folder, trust, checkpoints and resume, metrics, the policy
+built from the config) > ``gspo.rollout`` (the sampling engine, samplers, data, rewards, trajectories) > ``gspo.learning`` (the learner) > ``gspo.parallel`` |
 ``gspo.models`` > ``gspo.config`` > ``gspo.core`` (the math; its torch-free ``gspo.core.registry`` names the
 config's loss choices). The names below are imported lazily, so ``gspo.core`` works with torch alone.
 """
@@ -24,6 +25,7 @@ _EXPORTS = {
     "compute_loss": "gspo.core.objectives",
     "LossSpec": "gspo.core.objectives",
     "LossInputs": "gspo.core.objectives",
+    "LossOutputs": "gspo.core.objectives",
     "objective": "gspo.core.surrogates",
     "register_objective": "gspo.core.surrogates",
     "Stream": "gspo.core.surrogates",

@@ -100,11 +100,11 @@ def classify(error: BaseException) -> tuple[str, str] | None:
     from gspo.rollout.openai import AlignmentError, ServerError
     from gspo.rollout.rewards import RewardError
     from gspo.rollout.user_code import CodeFileError
-    from gspo.training.checkpoint import CheckpointError
-    from gspo.training.lock import RunInUse
-    from gspo.training.metrics import MetricsError
-    from gspo.training.resume import RunFolderError
-    from gspo.training.run_paths import RunPathError
+    from gspo.run.checkpoint import CheckpointError
+    from gspo.run.lock import RunInUse
+    from gspo.run.metrics import MetricsError
+    from gspo.run.paths import RunPathError
+    from gspo.run.resume import RunFolderError
 
     kinds: list[tuple[str, tuple[type[BaseException], ...]]] = [
         ("interrupted", (KeyboardInterrupt,)),
@@ -133,7 +133,7 @@ def classify(error: BaseException) -> tuple[str, str] | None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from gspo.training.allocator import keep_freed_memory
+    from gspo.run.allocator import keep_freed_memory
     from gspo.training.trainer import train
 
     keep_freed_memory()  # this process is the run's: no page faults on each update's fresh memory
@@ -170,8 +170,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from gspo.run.allocator import keep_freed_memory
     from gspo.serve.server import serve
-    from gspo.training.allocator import keep_freed_memory
 
     keep_freed_memory()  # as for gspo train: the server's train calls are its updates
 
@@ -193,7 +193,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from gspo.training.checkpoint import check_output
+    from gspo.run.checkpoint import check_output
+    from gspo.run.paths import run_path
     from gspo.training.evaluation import (
         EVALS_DIR,
         default_report_path,
@@ -202,7 +203,6 @@ def _eval(args: argparse.Namespace) -> int:
         summary_line,
         write_report,
     )
-    from gspo.training.run_paths import run_path
 
     # the positionals in any order: key=value overrides, a .yaml config, and at most one target
     target, config, overrides = None, None, []
@@ -259,10 +259,10 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from gspo.training.lock import RunInUse, holder_if_locked
-    from gspo.training.metrics import metrics_path
+    from gspo.run.lock import RunInUse, holder_if_locked
+    from gspo.run.metrics import metrics_path
+    from gspo.run.resume import RunFolderError
     from gspo.training.plots import plot_run, write_summary
-    from gspo.training.resume import RunFolderError
 
     if not metrics_path(args.run_dir).is_file():
         raise RunFolderError(f"{args.run_dir} holds no metrics.jsonl: it is not a gspo run folder")

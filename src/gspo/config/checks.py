@@ -6,7 +6,7 @@ import difflib
 import importlib.util
 
 from gspo.config.rules import check_values
-from gspo.config.schema import Config, ConfigError
+from gspo.config.schema import ENGINES, Config, ConfigError
 from gspo.core.registry import OBJECTIVES, PAPER_DEFAULTS, SEQUENCE_OBJECTIVES
 
 
@@ -16,6 +16,7 @@ def validate(config: Config) -> None:
     First each key's range (gspo.config.rules), then what relates several keys."""
     check_values(config)
     _check_objective(config)
+    _check_engine(config)
     samples = config.rollout.prompts_per_step * config.rollout.group_size
     if samples < config.train.minibatches:
         raise ConfigError(
@@ -109,6 +110,19 @@ def _check_vllm_url(config: Config) -> None:
         raise ConfigError(
             "rollout.vllm.weights_dir is for rollout.vllm.weight_sync=files: remove it, or sync by files"
         )
+
+
+def _check_engine(config: Config) -> None:
+    """A built-in sampler or the user's own factory ("path/file.py:function", "module:function")."""
+    engine = config.rollout.engine
+    if ":" in engine or engine in ENGINES:
+        return
+    close = difflib.get_close_matches(engine, ENGINES, n=1, cutoff=0.5)
+    raise ConfigError(
+        f"rollout.engine: {engine!r} is not one of {', '.join(map(repr, ENGINES))}, nor your own sampler factory "
+        "('path/file.py:function' or 'module:function', docs/rollout_servers.md)"
+        + (f"; did you mean {close[0]!r}?" if close else "")
+    )
 
 
 def _check_objective(config: Config) -> None:

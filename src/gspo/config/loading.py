@@ -300,11 +300,13 @@ def _anchor_paths(config: Config, given: dict[str, Any], config_file: Path | Non
         config.model.path = anchored(config.model.path, "model.path")
     if sections["task"].get("data_path") is not None and config.task.data_path:
         config.task.data_path = anchored(config.task.data_path, "task.data_path")
-    train = given.get("train") if isinstance(given.get("train"), dict) else {}
-    objective_file = code_file(config.train.objective)
-    if train.get("objective") is not None and objective_file is not None:
-        function = config.train.objective.rpartition(":")[2]
-        config.train.objective = f"{anchored(str(objective_file), 'train.objective')}:{function}"
+    for section_name, key in (("train", "objective"), ("rollout", "engine")):
+        section = given.get(section_name) if isinstance(given.get(section_name), dict) else {}
+        obj = getattr(config, section_name)
+        file = code_file(getattr(obj, key))
+        if section.get(key) is not None and file is not None:
+            function = getattr(obj, key).rpartition(":")[2]
+            setattr(obj, key, f"{anchored(str(file), f'{section_name}.{key}')}:{function}")
     if given.get("rewards") is not None:
         rewards = {}
         for name, weight in config.rewards.items():

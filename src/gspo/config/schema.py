@@ -140,9 +140,13 @@ class VLLMConfig:
     group the trainer opens there, on a free port (127.0.0.1: the server on this machine's other GPUs)."""
 
 
+ENGINES = ("hf", "openai", "llama_cpp", "vllm", "vllm_server")
+"""rollout.engine's built-in samplers (gspo.training.samplers.SAMPLERS builds each)."""
+
+
 @dataclass
 class RolloutConfig:
-    engine: Literal["hf", "openai", "llama_cpp", "vllm", "vllm_server"] = "hf"
+    engine: str = "hf"
     """Who samples the completions: "hf", the trainer's own model in this process (gspo's sampling
     engine, gspo.rollout.engine); "openai", an OpenAI-compatible server (`rollout.openai`), whose weights
     `gspo train` does not update: its samples are off-policy, the old-policy log-probs are recomputed;
@@ -151,7 +155,10 @@ class RolloutConfig:
     every `rollout.llama_cpp.sync_every` steps (slower than "hf" on CPUs: docs/llama_cpp_sync.md); "vllm", a
     vLLM engine in this process (`rollout.vllm`), given the trainer's weights after every step; "vllm_server",
     a `vllm serve` process that gspo starts (or yours, `rollout.vllm.url`), given them through files after
-    every step: both need vLLM (docs/vllm.md)."""
+    every step: both need vLLM (docs/vllm.md). Or your own sampler: "path/file.py:function" (relative to the
+    config file's folder) or "module:function", a factory called with (config, policy, tokenizer, run folder)
+    that returns a gspo.rollout.samplers.Sampler; as reward files, a run folder's runs only when you name
+    it (docs/rollout_servers.md)."""
     openai: OpenAIConfig = field(default_factory=OpenAIConfig)
     """The server of rollout.engine=openai."""
     llama_cpp: LlamaCppConfig = field(default_factory=LlamaCppConfig)

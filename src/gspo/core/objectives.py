@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -36,6 +36,7 @@ from gspo.core.registry import (
 )
 from gspo.core.surrogates import (
     LOG_RATIO_CLAMP,
+    LOSSES,
     TERMS,
     ObjectiveError,
     Segments,
@@ -53,6 +54,7 @@ __all__ = [
     "PAPER_DEFAULTS",
     "SEQUENCE_OBJECTIVES",
     "LossInputs",
+    "LossOutputs",
     "LossSpec",
     "compute_loss",
     "loss_normalizer",
@@ -69,6 +71,14 @@ _HINTS = {
     "ref_logp": _LOGP_HINT,
     "advantages": "advantages must be finite; check the rewards and the advantage normalisation",
 }
+
+
+class LossOutputs(NamedTuple):
+    """What a loss returns: the scalar to minimise and its metrics, detached 0-d float32 tensors
+    (docs/objectives.md, "Metrics"). A tuple too: ``loss, metrics = compute_loss(spec, inputs)``."""
+
+    loss: Tensor
+    metrics: dict[str, Tensor]
 
 
 @dataclass(frozen=True)
@@ -107,6 +117,17 @@ class LossSpec:
         if self.opsm_delta is not None and not self.opsm_delta >= 0:
             raise ValueError(f"{name}: opsm_delta must be >= 0 (None disables), got {self.opsm_delta}")
         self.correction()  # the correction's name, level and bounds
+        applied = {
+            "sampler_correction": self.sampler_correction != "none",
+            "opsm_delta": self.opsm_delta is not None,
+            "beta": self.beta > 0,
+        }
+        if self.objective in LOSSES and any(applied.values()):
+            key = next(k for k, on in applied.items() if on)
+            raise ValueError(
+                f"{name}: {key} is applied by gspo around an objective's terms, and {self.objective} computes "
+                f"the whole loss itself: compute it there, or unset {key}"
+            )
 
     def knobs(self) -> dict[str, float]:
         """The objective's knobs: its paper defaults, with the ones set here."""
@@ -274,7 +295,7 @@ class LossInputs:
 
 def policy_loss(
     objective: str | LossSpec, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, **knobs: Any
-) -> tuple[Tensor, dict[str, Tensor]]:
+) -> LossOutputs:
     """The policy loss of ``objective`` (one of ``OBJECTIVES``, or a `LossSpec`) on a padded batch, and its
     metrics, in one call: ``compute_loss(LossSpec(objective, **knobs), LossInputs.padded(logp, old_logp,
     advantages, mask))``.
@@ -300,9 +321,9 @@ def compute_loss(
     *,
     check_finite: bool = True,
     segment_sum_reduce: Callable[[Tensor], Tensor] | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+) -> LossOutputs:
     """The policy loss of ``spec`` on ``inputs``: a scalar to minimise and its metrics, detached 0-d float32
-    tensors (docs/objectives.md).
+    tensors (docs/objectives.md); a user objective declared ``whole=True`` computes both itself.
 
     loss = sum_t w_t c_t L_t / normalizer (+ beta kl), L the objective's terms, c_t the corrections' weights,
     w_t = 1/|y_i| for "seq-mean-token-mean", else 1.
@@ -313,6 +334,8 @@ def compute_loss(
     _check_inputs(spec, inputs, segment_sum_reduce)
     if check_finite:
         _check_finite(f"policy_loss({spec.objective})", inputs)
+    if spec.objective in LOSSES:
+        return _whole_loss(spec, inputs)
     s = _stream(inputs, segment_sum_reduce)
     level = REGISTRY[spec.objective].level
     terms = _terms(spec, s)
@@ -329,7 +352,42 @@ def compute_loss(
         loss = loss + spec.beta * kl
         metrics["kl"] = kl
     metrics |= _metrics(terms, level, s)
-    return loss, {k: v.detach().to(torch.float32) for k, v in metrics.items()}
+    return LossOutputs(loss, {k: v.detach().to(torch.float32) for k, v in metrics.items()})
+
+
+def _whole_loss(spec: LossSpec, inputs: LossInputs) -> LossOutputs:
+    """A user objective's whole loss, its result checked (a scalar, a mapping of scalar metrics) and any
+    error it raises named with its file and line."""
+    function = LOSSES[spec.objective]
+    code = getattr(function, "__code__", None)
+    where = f" ({code.co_filename})" if code is not None else ""
+    try:
+        out = function(spec, inputs)
+    except Exception as error:
+        at = f" at {code.co_filename}{line_in(error, code.co_filename)}" if code is not None else ""
+        raise ObjectiveError(
+            f"objective {spec.objective!r} raised {type(error).__name__}: {error}{at}"
+        ) from error
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise ObjectiveError(
+            f"objective {spec.objective!r}{where} returned a {type(out).__name__}; a whole loss returns "
+            "gspo.LossOutputs(loss, metrics)"
+        )
+    loss, metrics = out
+    if not isinstance(loss, Tensor) or loss.numel() != 1 or not isinstance(metrics, dict):
+        raise ObjectiveError(
+            f"objective {spec.objective!r}{where} returned LossOutputs({type(loss).__name__}, "
+            f"{type(metrics).__name__}); its loss is a scalar tensor, its metrics a dict of numbers"
+        )
+    try:
+        metrics = {
+            str(k): torch.as_tensor(v).detach().reshape(()).to(torch.float32) for k, v in metrics.items()
+        }
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise ObjectiveError(
+            f"objective {spec.objective!r}{where}: a metric is not one number ({error})"
+        ) from None
+    return LossOutputs(loss.reshape(()), metrics)
 
 
 def _check_inputs(
@@ -350,6 +408,8 @@ def _check_inputs(
     if segment_sum_reduce is not None:
         if inputs.padded_shape is not None:
             raise ValueError(f"{name}: segment_sum_reduce needs the packed form (segment_ids)")
+        if spec.objective in LOSSES:
+            raise ValueError(f"{name}: a whole loss of your own cannot take sequences split across ranks")
         if spec.objective == "gmpo" or spec.sampler_correction != "none" or spec.opsm_delta is not None:
             raise ValueError(
                 f"{name}: segment_sum_reduce (sequences split across ranks) supports neither gmpo nor the "

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -80,6 +80,9 @@ class Terms:
 TermsFunction = Callable[[Stream, Mapping[str, float]], Terms]
 TERMS: dict[str, TermsFunction] = {}
 """Each objective's terms function, by name; filled by `terms_of`."""
+LOSSES: dict[str, Callable[..., Any]] = {}
+"""User objectives that compute the whole loss (aggregation and metrics included), by name: functions
+``(spec: LossSpec, inputs: LossInputs) -> LossOutputs`` declared with ``@objective(..., whole=True)``."""
 
 
 class ObjectiveError(ValueError):
@@ -100,7 +103,11 @@ def line_in(error: BaseException, path: str | Path) -> str:
 
 
 def objective(
-    *, level: Literal["sequence", "token"], token_form: str | None = None, **defaults: float
+    *,
+    level: Literal["sequence", "token"],
+    token_form: str | None = None,
+    whole: bool = False,
+    **defaults: float,
 ) -> Callable[[TermsFunction], TermsFunction]:
     """Declare a terms function as an objective of your own: the unit of its terms (``level``: "sequence",
     one term per sequence, or "token") and its knobs with their defaults (``eps_low=3e-4, eps_high=4e-4``:
@@ -110,6 +117,10 @@ def objective(
 
     >>> @objective(level="sequence", eps_low=3e-4, eps_high=4e-4)  # doctest: +SKIP
     ... def my_gspo(s: Stream, knobs: Mapping[str, float]) -> Terms: ...
+
+    ``whole=True`` declares the whole loss instead: ``(spec: LossSpec, inputs: LossInputs) -> LossOutputs``,
+    the aggregation (over ``inputs.normalizer``, the whole minibatch's, so micro-batches sum to it) and the
+    metrics its own; the mismatch corrections, the KL term and sequence parallelism are then not applied.
     """
     if level not in ("sequence", "token"):
         raise ObjectiveError(f"@objective(level={level!r}): level is 'sequence' or 'token'")
@@ -117,6 +128,7 @@ def objective(
 
     def declare(function: TermsFunction) -> TermsFunction:
         function.gspo_objective = entry  # type: ignore[attr-defined]
+        function.gspo_whole_loss = whole  # type: ignore[attr-defined]
         return function
 
     return declare
@@ -136,7 +148,12 @@ def register_objective(name: str, function: TermsFunction) -> None:
     if entry.token_form is not None and entry.token_form not in REGISTRY:
         raise ObjectiveError(f"objective {name!r}: its token_form {entry.token_form!r} is not an objective")
     REGISTRY[name] = entry
-    TERMS[name] = function
+    if getattr(function, "gspo_whole_loss", False):
+        LOSSES[name] = function
+        TERMS.pop(name, None)
+    else:
+        TERMS[name] = function
+        LOSSES.pop(name, None)
 
 
 def terms_of(name: str) -> Callable[[TermsFunction], TermsFunction]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -72,6 +73,24 @@ class UpdateSpec:
             "skip_zero_advantage": skips_zero_advantage(config),
         }
         return cls(loss=LossSpec(**_same_named(LossSpec, config.train)), **fields)
+
+
+def old_logprobs_for(
+    config: Config, compute_dtype: torch.dtype | None, *, exact: bool | Callable[[], bool]
+) -> str:
+    """train.old_logprobs with "auto" resolved, the one rule for `gspo train` and `gspo serve`: the sampler's
+    log-probs serve as the old policy's when they are its own up to fp32 rounding, that is when the samples
+    were drawn whole by the current weights (``exact``: the trainer's own model, vLLM within tolerance of it,
+    a server's records drawn at the current version and the training temperature; a callable is asked only
+    when the rest holds), the trainer computes in fp32, and no mismatch correction needs both; else they are
+    recomputed. In bf16 the cached token-by-token decoding and the trainer's whole-sequence forward round
+    differently: on the default run every sequence's log-ratio left GSPO's 3e-4 band."""
+    mode = config.train.old_logprobs
+    if mode != "auto":
+        return mode
+    if config.train.sampler_correction != "none" or compute_dtype not in (None, torch.float32):
+        return "recompute"
+    return "sampler" if (exact() if callable(exact) else exact) else "recompute"
 
 
 def skips_zero_advantage(config: Config) -> bool:

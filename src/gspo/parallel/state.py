@@ -72,7 +72,7 @@ def rank_states(rng: dict[str, Any], stream: dict[str, Any]) -> list[dict[str, A
 
 
 def resume_rank_state(state: dict[str, Any]) -> dict[str, Any]:
-    """This rank's {"rng", "stream"} from a checkpoint; the run must resume on as many ranks as it ran."""
+    """This rank's {"rng", "stream"} (a served run's: {"rng"}) from a checkpoint; the run must resume on as many ranks as it ran."""
     saved = state.get("ranks")
     size = world_size()
     saved_size = len(saved) if saved is not None else 1
@@ -82,6 +82,6 @@ def resume_rank_state(state: dict[str, Any]) -> dict[str, Any]:
             f"--nproc_per_node {saved_size} (each rank's sampling RNG stream is restored, so the count "
             "must match for an exact continuation)"
         )
-    if saved is None:
-        return {"rng": state["rng"], "stream": state["stream"]}
+    if saved is None:  # one process; `gspo serve` keeps no data position
+        return {key: state[key] for key in ("rng", "stream") if key in state}
     return saved[rank()]

@@ -18,24 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-_MASK64 = (1 << 64) - 1
-
-
-def mix64(x: int) -> int:
-    """splitmix64's finaliser of x + the golden-ratio increment: a bijection of 64-bit integers whose
-    outputs for consecutive inputs look independent (Steele, Lea and Flood 2014)."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def stream_key(*parts: int) -> int:
-    """A 64-bit stream key from integers (e.g. a seed, a prompt index, a sample index)."""
-    key = 0
-    for part in parts:
-        key = mix64(key ^ (part & _MASK64))
-    return key
+from gspo.core.seeds import mix64
 
 
 def uniform(key: int, counter: int) -> float:

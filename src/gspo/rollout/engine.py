@@ -42,7 +42,8 @@ import torch
 from torch import Tensor
 
 from gspo.core.logprobs import decoder_and_head
-from gspo.rollout.draws import Row, draw, stream_key, uniform
+from gspo.core.seeds import stream_key
+from gspo.rollout.draws import Row, draw, uniform
 from gspo.rollout.kv_cache import SlotCache, cache_kwarg, make_plan, slot_attention
 from gspo.rollout.requests import Completion, Event, Request, SamplingParams
 

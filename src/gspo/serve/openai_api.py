@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from gspo.config import ServeConfig
-from gspo.rollout.draws import stream_key
+from gspo.core.seeds import stream_key
 from gspo.rollout.requests import SamplingParams
 from gspo.serve.chat import ChatPrompt, render_chat, template_supports_tools
 from gspo.serve.driver import Busy, Driver, EngineFailure, Handle

@@ -14,34 +14,25 @@ import contextlib
 import copy
 import ipaddress
 import os
-import random
 import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-import transformers
 
-from gspo.config import Config, ConfigError, load_config, save_config, to_dict, validate
+from gspo.config import Config, ConfigError, load_config, validate
 from gspo.config.checks import LOOPBACK
-from gspo.learning.policy import UpdateSpec
 from gspo.rollout.engine import Engine
+from gspo.run.resume import resume_config
+from gspo.run.start import open_folder, start_run
+from gspo.run.trust import check_code_keys
 from gspo.serve.app import Service, create_app
 from gspo.serve.driver import Driver
 from gspo.serve.openai_api import Inference, prompt_char_limit
 from gspo.serve.records import RecordStore
-from gspo.serve.service import TrainService, load_serve_checkpoint
-from gspo.training import lock
-from gspo.training.build import choose_layout, setup_model, setup_objective, setup_policy
-from gspo.training.metrics import MetricsLogger
-from gspo.training.resume import resume_config
-from gspo.training.run_folder import setup_run_dir, start_fresh
-from gspo.training.run_paths import run_path
-from gspo.training.trackers import check_installed
-from gspo.training.trust import check_objective_code
+from gspo.serve.service import TrainService
 
 LISTEN_KEYS = ("serve.host", "serve.port", "serve.api_key_env", "serve.max_body_bytes")
 """How the server listens: on --resume these come from the command line, never from the run folder."""
@@ -54,7 +45,8 @@ def serve_config(config: str | Path | None, overrides: list[str], resume: str | 
         return load_config(config, overrides)
     listen = [o for o in overrides if o.partition("=")[0] in LISTEN_KEYS]
     resumed = resume_config(resume, [o for o in overrides if o not in listen])
-    check_objective_code(resumed, overrides, folder=Path(resume))  # the server imports no reward code
+    # the server imports no reward or sampler code
+    check_code_keys(resumed, overrides, folder=Path(resume), keys=["train.objective"])
     given = load_config(None, listen)
     for key in LISTEN_KEYS:
         name = key.removeprefix("serve.")
@@ -119,51 +111,29 @@ def _aligned(model: torch.nn.Module) -> torch.nn.Module:
 def build_service(
     config: Config, *, resume: str | Path | None = None, force: bool = False, key: str | None = None
 ) -> Service:
-    """The policy, engine driver, records and trainer of a `gspo serve` run (module docstring)."""
+    """The run (gspo.run.start, as `gspo train` opens it), engine driver, records and trainer of a `gspo
+    serve` run (module docstring)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError("gspo serve runs in one process: start it without torchrun")
-    from gspo.parallel.group import resolve_device
-
-    device = resolve_device(config.device)
-    transformers.utils.logging.disable_progress_bar()  # the log shows requests, not loading bars
-    # the folder checked, then locked for this process (one writer per run folder: gspo.training.lock)
-    run_dir, checkpoint = setup_run_dir(config, resume, force=force, command="gspo serve")
-    setup_objective(config)
-    check_installed(config.report_to)  # before the folder is claimed and the model loads
-    if checkpoint is None:
-        start_fresh(run_dir, command="gspo serve")
-    save_config(config, run_path(run_dir, "config.yaml"))
-    torch.manual_seed(config.seed)
-    random.seed(config.seed)
-    np.random.seed(config.seed)
-    model, tokenizer = setup_model(config, checkpoint)
-    model = _aligned(model.to(device))
-    layout = choose_layout(config, model, tokenizer.pad_token_id)
-    policy = setup_policy(config, model, device, resumed=checkpoint is not None)
-    spec = UpdateSpec.from_config(config, layout=layout, pad_id=tokenizer.pad_token_id)
-    version, answers = 0, {}
-    if checkpoint is not None:
-        version, answers = load_serve_checkpoint(checkpoint, policy, config)
-    serve = config.serve
+    # the folder checked, then locked for this process (one writer per run folder: gspo.run.lock)
+    folder = open_folder(config, resume, force=force, command="gspo serve")
+    run = start_run(config, folder, prepare=_aligned)
+    restored = run.restore()
+    served = restored.get("serve", {})  # a checkpoint of `gspo train`: its step is the version
+    run.step = int(served.get("version", run.step))
+    model, tokenizer, serve = run.policy.model, run.tokenizer, config.serve
     # stale: the engine samples from a copy while the policy trains; wait: from the policy itself
-    sampling = policy.model if serve.during_update == "wait" else copy.deepcopy(policy.model)
+    sampling = model if serve.during_update == "wait" else copy.deepcopy(model)
     stops = stop_token_ids(tokenizer, model)
     driver = Driver(
-        lambda: Engine(sampling, slots=serve.slots, stop_token_ids=sorted(stops), context=policy.autocast),
+        lambda: Engine(
+            sampling, slots=serve.slots, stop_token_ids=sorted(stops), context=run.policy.autocast
+        ),
         max_waiting=serve.max_waiting,
     )
-    driver.version = version
+    driver.version = run.step
     records = RecordStore(serve.max_records, serve.record_ttl)
-    logger = MetricsLogger(
-        run_dir,
-        report_to=config.report_to,
-        config=to_dict(config),
-        project=config.project,
-        resume_step=version if checkpoint is not None else None,
-    )
-    trainer = TrainService(
-        config, policy, spec, tokenizer, run_dir, driver, records, sampling, logger, version, answers
-    )
+    trainer = TrainService(run, driver, records, sampling, dict(served.get("answers", {})))
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     context = getattr(text, "max_position_embeddings", None) or driver.engine.max_length
     vocab = model.get_input_embeddings().num_embeddings
@@ -179,7 +149,7 @@ def close_service(service: Service) -> None:
     if trainer.version != trainer.saved_version:
         trainer._save()
     trainer.logger.close()
-    lock.release(trainer.run_dir)  # written in full: another process may continue it now
+    trainer.run.release()  # written in full: another process may continue it now
 
 
 def serve(

@@ -20,59 +20,26 @@ from typing import Any
 
 import torch
 
-from gspo.config import Config
-from gspo.learning.policy import Policy, UpdateSpec
-from gspo.parallel.state import load_optimizer_state
+from gspo.run.start import Run, run_attribute
 from gspo.serve.driver import Driver
 from gspo.serve.protocol import ServeError, TrainRequest
 from gspo.serve.records import RecordStore
 from gspo.serve.updates import Snapshot, prepare_update, resolve, run_update
-from gspo.training.checkpoint import load_trainer_state, save_policy, set_rng_state
-from gspo.training.metrics import MetricsLogger
-from gspo.training.resume import apply_optimizer_settings
 
 REMEMBERED_CALLS = 64
 """Train calls whose answers are kept (and checkpointed) by request_id, so a retried call is not applied twice."""
 
 
-def save_serve_checkpoint(
-    config: Config, run_dir: Path, policy: Policy, tokenizer: Any, version: int, answers: dict[str, Any]
-) -> Path:
-    """Checkpoint `version` (gspo.training.checkpoint.save_policy, as `gspo train`'s) with the answers of
-    the last train calls by request_id."""
-    serve = {"version": version, "answers": dict(answers)}
-    path = save_policy(run_dir, version, policy, tokenizer, config, serve=serve)
-    assert path is not None  # one process
-    return path
-
-
-def load_serve_checkpoint(checkpoint: Path, policy: Policy, config: Config) -> tuple[int, dict[str, Any]]:
-    """Put back a checkpoint's optimizer, schedule and RNG (the weights were loaded with the model);
-    returns its version and the remembered answers."""
-    state = load_trainer_state(checkpoint)
-    load_optimizer_state(policy.model, policy.optimizer, state["optimizer"])
-    policy.scheduler.load_state_dict(state["scheduler"])
-    set_rng_state(state["rng"])
-    apply_optimizer_settings(policy, config)
-    serve = state.get("serve", {})  # a checkpoint of `gspo train`: its step is the version
-    return int(serve.get("version", state["step"])), dict(serve.get("answers", {}))
-
-
 @dataclass
 class TrainService:
-    """Train calls on the live policy (module docstring). `sampling_model` is the model the engine samples
-    from: the policy's own (during_update=wait) or a copy (stale)."""
+    """Train calls on the live policy of `run` (module docstring), whose step is the policy version.
+    `sampling_model` is the model the engine samples from: the policy's own (during_update=wait) or a copy
+    (stale). `answers`: the last train calls' answers by request_id, restored from a checkpoint."""
 
-    config: Config
-    policy: Policy
-    spec: UpdateSpec
-    tokenizer: Any
-    run_dir: Path
+    run: Run
     driver: Driver
     records: RecordStore
     sampling_model: torch.nn.Module
-    logger: MetricsLogger
-    version: int = 0
     answers: dict[str, Any] = field(default_factory=dict)
     state: str = "idle"
     calls: int = 0
@@ -85,6 +52,13 @@ class TrainService:
         self.snapshot = Snapshot(self.policy)
         self.answers = collections.OrderedDict(self.answers)
         self.saved_version = self.version
+
+    config = run_attribute("config", via="run")
+    policy = run_attribute("policy", via="run")
+    spec = run_attribute("spec", via="run")
+    run_dir = run_attribute("path", via="run")
+    logger = run_attribute("logger", via="run")  # opened by Run.restore
+    version = run_attribute("step", via="run", settable=True)  # train calls applied: the run's step
 
     async def train(self, request: TrainRequest) -> dict[str, Any]:
         if request.request_id is not None and request.request_id in self.answers:
@@ -178,9 +152,9 @@ class TrainService:
         return path
 
     def _save(self) -> Path:
-        path = save_serve_checkpoint(
-            self.config, self.run_dir, self.policy, self.tokenizer, self.version, self.answers
-        )
+        """A checkpoint of this version (`gspo train`'s kind) with the last train calls' answers."""
+        path = self.run.save(serve={"version": self.version, "answers": dict(self.answers)})
+        assert path is not None  # one process
         self.saved_version = self.version
         return path
 

@@ -33,7 +33,7 @@ from gspo.config import Config
 from gspo.core.layout import TokenSequence
 from gspo.core.seeds import step_seed
 from gspo.learning.batch import Batch, Sample
-from gspo.learning.policy import Policy, UpdateSpec
+from gspo.learning.policy import Policy, UpdateSpec, old_logprobs_for
 from gspo.learning.step import learn_from_samples
 from gspo.serve.protocol import FLOAT32_MAX, ServeError, TrainRequest, TrajectoryIn
 from gspo.serve.records import Record, RecordStore
@@ -260,19 +260,13 @@ def _given_advantages(trajectory: TrajectoryIn, records: list[Record], segment: 
     return out
 
 
-def old_logprobs_mode(config: Config, policy: Policy, records: list[Record], version: int) -> str:
-    """ "sampler" when every record was drawn whole at the current version, at the temperature the trainer
-    scores, in fp32, with no mismatch correction (its log-probs are the old policy's up to rounding, as
-    with train.old_logprobs=auto in `gspo train`); else "recompute"."""
-    mode = config.train.old_logprobs
-    if mode != "auto":
-        return mode
-    exact = all(
+def drawn_whole_now(config: Config, records: list[Record], version: int) -> bool:
+    """Every record drawn whole at the current version, sampled at the temperature the trainer scores: its
+    log-probs are the current weights' own (the `exact` of gspo.learning.policy.old_logprobs_for)."""
+    return all(
         r.versions == (version, version) and not r.greedy and r.temperature == config.rollout.temperature
         for r in records
     )
-    fp32 = policy.compute_dtype in (None, torch.float32)
-    return "sampler" if exact and fp32 and config.train.sampler_correction == "none" else "recompute"
 
 
 class Snapshot:
@@ -357,7 +351,7 @@ def prepare_update(
         "staleness_mean": sum(staleness) / len(staleness),
         "mixed_version_completions": float(sum(r.versions[0] != r.versions[1] for r in records)),
     }
-    mode = old_logprobs_mode(config, policy, records, version)
+    mode = old_logprobs_for(config, policy.compute_dtype, exact=drawn_whole_now(config, records, version))
     report = [
         {"group": r.group, "trajectory": r.index, "segments": len(r.segments), "breaks": r.breaks}
         for r in split

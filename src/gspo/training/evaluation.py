@@ -30,10 +30,11 @@ from gspo.parallel.group import rank, resolve_device, world_size
 from gspo.rollout.data import Example, batch_fields, format_prompt, load_examples
 from gspo.rollout.rewards import RewardFunction, compute_rewards
 from gspo.rollout.samplers import HFSampler
-from gspo.training.build import build_examples, load_checkpoint_policy, resolve_rewards
-from gspo.training.checkpoint import check_output, checkpoint_step, find_checkpoint
-from gspo.training.run_paths import run_path
-from gspo.training.trust import check_run_folder_config
+from gspo.run.build import load_checkpoint_policy
+from gspo.run.checkpoint import check_output, checkpoint_step, find_checkpoint
+from gspo.run.paths import run_path
+from gspo.run.trust import check_run_folder_config
+from gspo.training.build import build_examples, resolve_rewards
 
 EVALS_DIR = "evals"
 
@@ -154,7 +155,7 @@ def evaluate_target(
     The task, rewards and eval settings come from `config_file` (default: the run's config.yaml, else the
     defaults) and `overrides`; `data` evaluates every row of a JSONL/CSV/datasets file instead of the task's
     held-out split. Reward code named by a run's config.yaml is imported only when the overrides name it
-    again, or with `trust_run_code` (gspo.training.trust).
+    again, or with `trust_run_code` (gspo.run.trust).
     """
     header: dict[str, Any] = {"target": target}
     if target is not None and is_run_dir(target):

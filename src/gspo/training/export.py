@@ -18,9 +18,9 @@ from typing import Literal
 from gspo.config import load_config
 from gspo.models import ModelError, save_model
 from gspo.models.gguf_export import write_gguf
-from gspo.training.build import load_checkpoint_policy, source_gguf
-from gspo.training.checkpoint import CONFIG_FILE, check_output, checkpoint_step, find_checkpoint
-from gspo.training.run_paths import run_path
+from gspo.run.build import load_checkpoint_policy, source_gguf
+from gspo.run.checkpoint import CONFIG_FILE, check_output, checkpoint_step, find_checkpoint
+from gspo.run.paths import run_path
 
 
 def export_run(

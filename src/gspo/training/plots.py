@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gspo.training.metrics import read_metrics
-from gspo.training.run_paths import run_path
+from gspo.run.metrics import read_metrics
+from gspo.run.paths import run_path
 
 PLOTS_DIR = "plots"
 SUMMARY_FILE = "summary.md"

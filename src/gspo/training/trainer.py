@@ -1,15 +1,15 @@
 """The training loop, read top to bottom: sample -> reward -> batch -> learn -> log, evaluate, checkpoint.
 
-`Trainer` builds each part once (gspo.training.build) and keeps what lives across steps; `train_step`
-(the sampler's rollouts) and `train_on_groups` (the user's trajectories) both become `Sample`s and go
-through `_learn`: gspo.learning.step's `learn_from_samples`, which `gspo serve` calls too. The step
-counter lives there.
+`Trainer` opens its run as `gspo serve` does (gspo.run.start: the folder, the policy, the step, the logger,
+checkpoints), builds what training alone needs (examples, rewards, the sampler: gspo.training.build and
+gspo.training.samplers) and keeps what lives across steps; `train_step` (the sampler's rollouts) and
+`train_on_groups` (the user's trajectories) both become `Sample`s and go through `_learn`:
+gspo.learning.step's `learn_from_samples`, which `gspo serve` calls too.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import random
 import sys
 import time
 import warnings
@@ -17,71 +17,37 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-import transformers
 from tqdm.auto import tqdm
 
-from gspo.config import Config, load_config, save_config, to_dict, validate_setup
+from gspo.config import Config, ConfigError, load_config
 from gspo.core.seeds import step_seed
 from gspo.learning.batch import Sample
 from gspo.learning.policy import UpdateSpec
 from gspo.learning.step import learn_from_samples
-from gspo.parallel.collectives import (
-    all_gather_cat,
-    all_reduce_sum,
-    raise_together,
-)
-from gspo.parallel.group import (
-    barrier,
-    init_from_env,
-    is_main,
-    rank_slice,
-    resolve_device,
-    seed_rank,
-    shutdown,
-    world_size,
-)
-from gspo.parallel.state import rank_states
+from gspo.parallel.collectives import all_gather_cat, all_reduce_sum, raise_together
+from gspo.parallel.group import barrier, is_main, rank_slice, shutdown, world_size
 from gspo.rollout.data import Example, PromptStream, batch_fields, format_prompt
 from gspo.rollout.openai import ServerError
 from gspo.rollout.rewards import RewardError, RewardFunction, compute_rewards
 from gspo.rollout.samplers import HFSampler, Sampler
 from gspo.rollout.trajectories import TrajectoryGroup, trajectory_samples
-from gspo.training import evaluation, lock
+from gspo.run import lock
+from gspo.run.build import generating
+from gspo.run.checkpoint import checkpoint_step, latest_checkpoint, load_trainer_state, rng_state
+from gspo.run.own_runs import record
+from gspo.run.resume import resume_config
+from gspo.run.start import open_folder, run_attribute, start_run
+from gspo.run.trust import check_run_folder_config, code_rewards, rewards_override, users_code_files
+from gspo.training import evaluation
 from gspo.training.build import (
     build_examples,
     check_examples,
     check_sizes,
-    choose_layout,
-    generating,
-    resolve_old_logprobs,
     resolve_rewards,
-    setup_model,
-    setup_objective,
-    setup_policy,
-    setup_sampler,
+    sampler_is_current,
 )
-from gspo.training.checkpoint import (
-    checkpoint_step,
-    latest_checkpoint,
-    load_trainer_state,
-    rng_state,
-    save_policy,
-)
-from gspo.training.metrics import MetricsLogger, SilentLogger
-from gspo.training.own_runs import record
-from gspo.training.resume import restore_state, resume_config
-from gspo.training.run_folder import setup_run_dir, start_fresh
-from gspo.training.run_paths import run_path
+from gspo.training.samplers import setup_sampler
 from gspo.training.stalls import StallWatch
-from gspo.training.trackers import check_installed
-from gspo.training.trust import (
-    check_run_folder_config,
-    code_rewards,
-    rewards_override,
-    users_code_files,
-)
 
 
 def skip_notice(config: Config, spec: UpdateSpec) -> str:
@@ -95,19 +61,6 @@ def skip_notice(config: Config, spec: UpdateSpec) -> str:
     return f"train.skip_zero_advantage: zero-advantage samples left out of the updates: {state}"
 
 
-def open_logger(config: Config, run_dir: Path, *, resume_step: int | None) -> MetricsLogger | SilentLogger:
-    """metrics.jsonl and the trackers of `report_to` on the main process; nothing on the other ranks."""
-    if not is_main():
-        return SilentLogger()
-    return MetricsLogger(
-        run_dir,
-        report_to=config.report_to,
-        config=to_dict(config),
-        project=config.project,
-        resume_step=resume_step,
-    )
-
-
 class RunInterrupted(KeyboardInterrupt):
     """Ctrl-C during a run; the message says what the run kept and how to continue it."""
 
@@ -118,7 +71,7 @@ class Trainer:
     ``reward_functions``: Python callables by name that replace config.rewards (the first is the eval
     accuracy; each weighs config.rewards[name] where the config names it, else 1.0).
     ``sampler``: a `Sampler` of your own (e.g. an OpenAIBackend with weight sync) instead of rollout.engine's.
-    ``force``: resume even when ``config`` changes keys the checkpoint was trained with (gspo.training.resume).
+    ``force``: resume even when ``config`` changes keys the checkpoint was trained with (gspo.run.resume).
     ``from_step``: resume the checkpoint of that step instead of the latest (one that is damaged: an
     earlier one).
     """
@@ -133,49 +86,40 @@ class Trainer:
         force: bool = False,
         from_step: int | None = None,
     ) -> None:
-        self.device = resolve_device(config.device)
-        init_from_env(config.distributed, self.device)  # under torchrun: join the process group
         # the folder locked and a resume checked before any reward file is imported
-        self.run_dir, checkpoint = setup_run_dir(config, resume, force=force, from_step=from_step)
+        folder = open_folder(config, resume, force=force, from_step=from_step)
         self.rewards = resolve_rewards(config, reward_functions)
-        setup_objective(config)
-        if is_main():  # a tracker's missing package stops the run before the model loads
-            check_installed(config.report_to)
         if reward_functions:  # config.yaml names the rewards this run uses (eval and resume look there)
             config = dataclasses.replace(config, rewards={name: weight for name, _, weight in self.rewards})
-        self.config = config
         self.train_examples, self.eval_examples = build_examples(config)
         check_examples(self.rewards, self.train_examples + self.eval_examples)
-        self.resumed = checkpoint is not None
-        if checkpoint is None:
-            start_fresh(self.run_dir)  # created and locked now that the inputs are checked
-        if is_main():
-            save_config(config, run_path(self.run_dir, "config.yaml"))
-
-        transformers.utils.logging.disable_progress_bar()  # one progress bar: ours
-        torch.manual_seed(config.seed)
-        random.seed(config.seed)
-        np.random.seed(config.seed)
-        model, self.tokenizer = setup_model(config, checkpoint)
-        model = model.to(self.device)
-        check_sizes(config, self.tokenizer, model, self.train_examples, self.eval_examples)
-        layout = choose_layout(config, model, self.tokenizer.pad_token_id)  # the plain model, before wrapping
-        self.policy = setup_policy(config, model, self.device, resumed=checkpoint is not None)
-        validate_setup(config, num_processes=world_size(), is_moe=self.policy.moe)
-        if world_size() > 1:
-            seed_rank(config.seed)  # each rank samples its own completions
+        self.home = start_run(config, folder)  # the folder claimed now that the inputs are checked
+        check_sizes(config, self.tokenizer, self.policy.model, self.train_examples, self.eval_examples)
         self.sampler = sampler or setup_sampler(config, self.policy, self.tokenizer, self.run_dir)
-        old_logprobs = resolve_old_logprobs(config, self.sampler, self.policy, self.train_examples[:4])
-        self.spec = UpdateSpec.from_config(
-            config, layout=layout, pad_id=self.tokenizer.pad_token_id, old_logprobs=old_logprobs
+        probe = self.train_examples[:4]
+        self.spec = self.home.spec_for(
+            exact=lambda: sampler_is_current(config, self.sampler, self.policy, probe)
         )
         self._warned_mismatch = False
         if self._show_progress():  # which, once; the metrics say how many (skipped_samples_frac)
             tqdm.write(skip_notice(config, self.spec))
         self.stream = PromptStream(self.train_examples, config.rollout.prompts_per_step, seed=config.seed)
-        self.step = restore_state(checkpoint, self.policy, self.stream, config) if checkpoint else 0
-        self._saved_step = self.step if checkpoint is not None else None  # the step of the latest checkpoint
-        self.logger = open_logger(config, self.run_dir, resume_step=self.step if checkpoint else None)
+        restored = self.home.restore()  # after the sampler: what building it drew is not replayed
+        if "stream" in restored:
+            try:
+                self.stream.load_state_dict(restored["stream"])
+            except ValueError as error:
+                raise ConfigError(f"{folder.checkpoint}: {error}") from None
+
+    # ---- what the run holds (its home: gspo.run.start.Run) ----------------------------------------
+    config = run_attribute("config", via="home")
+    run_dir = run_attribute("path", via="home")
+    device = run_attribute("device", via="home")
+    policy = run_attribute("policy", via="home")
+    tokenizer = run_attribute("tokenizer", via="home")
+    logger = run_attribute("logger", via="home")  # opened by Run.restore in __init__
+    resumed = run_attribute("resumed", via="home")
+    step = run_attribute("step", via="home", settable=True)  # rollout batches (or trajectory steps) trained
 
     def prompts(self, examples: list[Example]) -> list[str]:
         return [
@@ -248,9 +192,8 @@ class Trainer:
         Their engine is not the trainer's model: with train.old_logprobs=auto the old policy's log-probs
         are recomputed (the trajectories' own sampler log-probs, if any, give the mismatch metrics)."""
         need = self.config.train.old_logprobs == "sampler"
-        old_logprobs = "recompute" if self.config.train.old_logprobs == "auto" else self.spec.old_logprobs
         samples = trajectory_samples(self.tokenizer, groups, need_sampler_logprobs=need)
-        metrics = self._learn(samples, {}, dataclasses.replace(self.spec, old_logprobs=old_logprobs))
+        metrics = self._learn(samples, {}, self.home.spec_for(exact=False))  # another engine drew them
         self.logger.log(self.step, metrics)
         every = self.config.checkpoint.every
         if every and self.step % every == 0:
@@ -300,16 +243,11 @@ class Trainer:
 
     # ---- the loop -----------------------------------------------------------------------------------
     def checkpoint(self, rng: dict[str, Any] | None = None, stream: dict[str, Any] | None = None) -> Path:
-        rng = rng if rng is not None else rng_state()
+        """A checkpoint of this step, with ``rng`` and ``stream`` (default: now) as the state it resumes."""
         stream = stream if stream is not None else self.stream.state_dict()
-        # every rank's own RNG streams and data position
-        ranks = {"ranks": rank_states(rng, stream)} if world_size() > 1 else {}
-        save_policy(
-            self.run_dir, self.step, self.policy, self.tokenizer, self.config, rng=rng, stream=stream, **ranks
-        )
-        barrier()  # complete before any rank goes on
-        self._saved_step = self.step
-        return latest_checkpoint(self.run_dir)
+        path = self.home.save(rng=rng, stream=stream)
+        assert path is not None
+        return path
 
     def run(self) -> dict[str, Any]:
         """Train to train.steps, evaluating and checkpointing on the way, then `finish`. A reward function's
@@ -320,10 +258,10 @@ class Trainer:
         except RewardError as error:
             # an evaluation failed after this step's update: keep it (its train metrics are logged). Not
             # under torchrun, where the other ranks may not have raised and would not join the save.
-            if world_size() == 1 and self.step > 0 and self._saved_step != self.step:
+            if world_size() == 1 and self.step > 0 and self.home.saved_step != self.step:
                 self.checkpoint()
             # the command names the reward code again: the user is editing it, and an edited file is no
-            # longer the one the run was started with (gspo.training.own_runs)
+            # longer the one the run was started with (gspo.run.own_runs)
             command = f"gspo train --resume {self.run_dir}"
             if code_rewards(self.config):
                 command += f" {rewards_override(self.config)}"
@@ -403,12 +341,12 @@ class Trainer:
         """End the run as `gspo train` does: a checkpoint of the last step (unless it has one), the metrics
         closed, plots/*.png and summary.md written, the run folder's lock released. Returns the run folder, the first and last eval
         accuracy (None without evaluations) and the summary's path; every rank calls it."""
-        if self._saved_step != self.step:
+        if self.home.saved_step != self.step:
             self.checkpoint()
         if not is_main():  # rank 0 plots and summarises
             self.logger.close()
             return {"run_dir": str(self.run_dir), "eval_accuracy_first": None, "eval_accuracy_last": None}
-        from gspo.training.metrics import read_metrics
+        from gspo.run.metrics import read_metrics
         from gspo.training.plots import write_summary
 
         evals = [r for r in read_metrics(self.run_dir) if r["kind"] == "eval"]
@@ -428,7 +366,7 @@ class Trainer:
                 "summary_md": summary,
             }
         )
-        lock.release(self.run_dir)  # written in full: another process may continue it now
+        self.home.release()  # written in full: another process may continue it now
         return {
             "run_dir": str(self.run_dir),
             "eval_accuracy_first": first,
@@ -450,10 +388,10 @@ def train(
     """Run GSPO training; returns the run folder and the first/last eval accuracy.
 
     ``resume``: continue that run folder (its config.yaml plus ``overrides``; ``force`` allows changes
-    beyond gspo.training.resume.RESUMABLE). Reward code and a server its config names are used only when
+    beyond gspo.run.resume.RESUMABLE). Reward code and a server its config names are used only when
     ``overrides`` name them again, or ``reward_functions`` replaces them, or the user started this run in
-    this folder with those files, unchanged (gspo.training.own_runs), or ``trust_run_code``
-    (gspo.training.trust). The code files the user names are recorded as theirs for this run. ``from_step``:
+    this folder with those files, unchanged (gspo.run.own_runs), or ``trust_run_code``
+    (gspo.run.trust). The code files the user names are recorded as theirs for this run. ``from_step``:
     resume that step's checkpoint instead of the latest.
 
     >>> from gspo import train, load_config

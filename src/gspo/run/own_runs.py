@@ -1,7 +1,7 @@
 """A per-user record of the runs this user started with code files of their own (reward functions and
 objectives named "file.py:function"), so that `gspo train --resume RUN` and `gspo eval RUN` of such a run
 need no `rewards={...}` or `--trust-run-code` on the same machine while those files are unchanged
-(gspo.training.trust).
+(gspo.run.trust).
 
 The record lives outside run folders, which travel: $XDG_STATE_HOME/gspo/own_runs.json (by default
 ~/.local/state/gspo/), mapping each resolved run folder to the resolved path and sha256 of each code file

@@ -1,4 +1,4 @@
-"""A run's folder: chosen, checked and locked before anything is written (gspo.training.lock), resumed
+"""A run's folder: chosen, checked and locked before anything is written (gspo.run.lock), resumed
 from its newest complete checkpoint, or prepared for a run that starts at step 0.
 
 A new run needs an empty or new folder, or one of gspo's own runs stopped before its first checkpoint
@@ -16,16 +16,16 @@ from pathlib import Path
 from gspo.config import Config
 from gspo.parallel.collectives import broadcast_object
 from gspo.parallel.group import is_main
-from gspo.training.checkpoint import (
+from gspo.run.checkpoint import (
     CheckpointError,
     checkpoint_step,
     find_checkpoint,
     incomplete_checkpoints,
     latest_checkpoint,
 )
-from gspo.training.lock import LOCK_FILE, RunInUse, acquire, command_line
-from gspo.training.resume import RUN_FILES, RUN_MARKER, RunFolderError, check_resume_config
-from gspo.training.run_paths import run_path
+from gspo.run.lock import LOCK_FILE, RunInUse, acquire, command_line
+from gspo.run.paths import run_path
+from gspo.run.resume import RUN_FILES, RUN_MARKER, RunFolderError, check_resume_config
 
 
 def setup_run_dir(
@@ -37,7 +37,7 @@ def setup_run_dir(
     command: str = "gspo train",
 ) -> tuple[Path, Path | None]:
     """The run folder and, when resuming, its latest complete checkpoint (its config checked against the
-    requested one: gspo.training.resume), then the folder locked for this process (gspo.training.lock).
+    requested one: gspo.run.resume), then the folder locked for this process (gspo.run.lock).
     A new run's folder is only checked: `start_fresh` creates and locks it once the run's inputs are
     checked. A refused run writes nothing. `from_step`: resume that step's checkpoint, not the latest.
 

@@ -6,7 +6,7 @@ with an error naming it. A holder killed with SIGKILL cannot clear its record: t
 lock (the kernel released it) and says that it takes over from a process that ended without releasing it.
 
 Under torchrun only rank 0 (the rank that writes) holds the lock; the others learn its outcome by a
-broadcast (gspo.training.run_folder). Readers (`gspo eval`, `gspo export`) take no lock: they read complete
+broadcast (gspo.run.folder). Readers (`gspo eval`, `gspo export`) take no lock: they read complete
 checkpoints only and write into their own folders (docs/reliability.md). Within one process the lock is
 re-entrant (a Python session may train, then resume, the same run).
 """
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gspo.training.run_paths import run_path
+from gspo.run.paths import run_path
 
 LOCK_FILE = ".gspo_lock"
 

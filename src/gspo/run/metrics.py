@@ -1,5 +1,5 @@
 """Training metrics: one JSON object per line in ``run_dir/metrics.jsonl``, mirrored to the trackers of
-``report_to`` (TensorBoard by default; gspo.training.trackers).
+``report_to`` (TensorBoard by default; gspo.run.trackers).
 
 Each line is ``{"step": int, "kind": "train" | "eval", <key>: float | int | null, ...}``. The file is the
 source of truth: plots and the summary (``gspo.training.plots``) are drawn from it, and a resumed run rewrites it
@@ -12,7 +12,7 @@ Deliberate choices:
 - Every line is flushed to the OS when it is written, so a SIGKILL loses at most that line;
   ``read_metrics`` skips a truncated last line.
 - TensorBoard is optional: without the ``tensorboard`` package the logger warns once and writes JSONL only;
-  a tracker named in ``report_to`` whose package is missing is an error (gspo.training.trackers).
+  a tracker named in ``report_to`` whose package is missing is an error (gspo.run.trackers).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from gspo.learning.reduction import tensors_to_floats
-from gspo.training.run_paths import run_path
-from gspo.training.trackers import Tracker, open_trackers
+from gspo.run.paths import run_path
+from gspo.run.trackers import Tracker, open_trackers
 
 METRICS_FILE = "metrics.jsonl"
 ROLLED_BACK_FILE = "metrics.rolled_back.jsonl"
@@ -126,7 +126,7 @@ class MetricsLogger:
 
     ``resume_step``: when resuming from the checkpoint taken at that step, the lines logged after it by the
     killed run are dropped first (train and eval alike), TensorBoard purges its events after it, and the
-    other trackers continue their runs (gspo.training.trackers). ``config``: the resolved config, as a
+    other trackers continue their runs (gspo.run.trackers). ``config``: the resolved config, as a
     mapping, for the trackers; ``project``: their project (W&B, trackio) or experiment (MLflow).
 
     >>> with MetricsLogger("runs/demo") as logger:  # doctest: +SKIP
@@ -201,7 +201,7 @@ class MetricsLogger:
             tracker.log(step, named)
 
     def log_samples(self, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
-        """A table of completions (rows of gspo.training.trackers.SAMPLE_COLUMNS) for the trackers that
+        """A table of completions (rows of gspo.run.trackers.SAMPLE_COLUMNS) for the trackers that
         have tables; metrics.jsonl holds numbers only."""
         for tracker in self._trackers:
             tracker.log_samples(step, rows)

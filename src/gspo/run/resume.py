@@ -20,9 +20,8 @@ import yaml
 from gspo.config import Config, ConfigError, ServeConfig, load_config, to_dict
 from gspo.learning.policy import Policy
 from gspo.parallel.state import load_optimizer_state, resume_rank_state
-from gspo.rollout.data import PromptStream
-from gspo.training.checkpoint import CONFIG_FILE, latest_checkpoint, load_trainer_state, set_rng_state
-from gspo.training.run_paths import run_path
+from gspo.run.checkpoint import CONFIG_FILE, latest_checkpoint, load_trainer_state, set_rng_state
+from gspo.run.paths import run_path
 
 RUN_MARKER = ".gspo_run"
 """Written into every run folder gspo creates: a folder without it (and without checkpoints) is not ours."""
@@ -159,8 +158,9 @@ def _empty_yaml(path: Path) -> bool:
         return False
 
 
-def restore_state(checkpoint: Path, policy: Policy, stream: PromptStream, config: Config) -> int:
-    """Put back a checkpoint's optimizer, scheduler, RNG and data position; returns its step.
+def restore_state(checkpoint: Path, policy: Policy, config: Config) -> tuple[int, dict[str, Any]]:
+    """Put back a checkpoint's optimizer, scheduler and (this rank's) random streams; returns its step and
+    the rest of its state, this rank's data position as "stream" (`gspo train`) and the server's "serve".
 
     The optimizer hyperparameters and the schedule's base rate are then set from ``config``: unchanged,
     this recomputes the very same values; changed by a forced resume, the change takes effect.
@@ -169,13 +169,10 @@ def restore_state(checkpoint: Path, policy: Policy, stream: PromptStream, config
     load_optimizer_state(policy.model, policy.optimizer, state["optimizer"])
     policy.scheduler.load_state_dict(state["scheduler"])
     mine = resume_rank_state(state)  # this rank's RNG streams and data position
-    try:
-        stream.load_state_dict(mine["stream"])
-    except ValueError as error:
-        raise ConfigError(f"{checkpoint}: {error}") from None
     set_rng_state(mine["rng"])
     apply_optimizer_settings(policy, config)
-    return int(state["step"])
+    skip = {"optimizer", "scheduler", "rng", "ranks", "step"}
+    return int(state["step"]), {k: v for k, v in state.items() if k not in skip} | mine
 
 
 def apply_optimizer_settings(policy: Policy, config: Config) -> None:

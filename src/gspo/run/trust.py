@@ -1,6 +1,6 @@
 """A run folder is data: its config.yaml may name reward code and a server, but gspo runs that code, and
 sends requests and a key to that server, only when the user names them on the command line, or when the
-user started that run, in that folder, with those very files (gspo.training.own_runs).
+user started that run, in that folder, with those very files (gspo.run.own_runs).
 
 People share run folders the way they share checkpoints; whoever opens one (`gspo train --resume RUN`,
 `gspo eval RUN`) must not run its author's code or send its author their credentials. The checks run on
@@ -18,7 +18,7 @@ import yaml
 
 from gspo.config import Config, ConfigError
 from gspo.config.loading import RENAMED, code_file
-from gspo.training.own_runs import file_digest, recorded_files
+from gspo.run.own_runs import file_digest, recorded_files
 
 
 class UntrustedRunFolder(ConfigError):
@@ -65,16 +65,18 @@ def _absolute(name: str) -> str:
 def users_code_files(config: Config, overrides: Sequence[str], *, resumed: bool) -> list[Path]:
     """The code files the user named for a run they start: all that `config` names when it is theirs (a
     new run), else those the overrides name again (a resumed run's config.yaml is its folder's)."""
-    names = [*code_rewards(config), config.train.objective]
+    keys = [_value(config, key) for key in CODE_KEYS]
+    names = [*code_rewards(config), *keys]
     if resumed:
-        objective = [config.train.objective] if "train.objective" in overridden_keys(overrides) else []
-        names = [*(set(code_rewards(config)) & named_rewards(overrides)), *objective]
+        given = overridden_keys(overrides)
+        named = [_value(config, key) for key in CODE_KEYS if key in given]
+        names = [*(set(code_rewards(config)) & named_rewards(overrides)), *named]
     return [file for name in names if (file := code_file(name)) is not None]
 
 
 def _own_code(name: str, folder: Path) -> tuple[bool, str]:
     """Whether code `name` is a file the user started the run in `folder` with, unchanged since
-    (gspo.training.own_runs); else what the refusal adds about the record."""
+    (gspo.run.own_runs); else what the refusal adds about the record."""
     file = code_file(name)
     if file is None:  # a module: only files are recorded
         return False, ""
@@ -87,22 +89,38 @@ def _own_code(name: str, folder: Path) -> tuple[bool, str]:
     return False, f" ({file} has changed since you started this run with it)"
 
 
-def check_objective_code(
-    config: Config, overrides: Sequence[str], *, folder: Path, trust_run_code: bool = False
+CODE_KEYS = {"train.objective": "the objective", "rollout.engine": "the sampler factory"}
+"""The keys whose value may be code ("path/file.py:function", "module:function") besides the rewards."""
+
+
+def _value(config: Config, key: str) -> str:
+    section, _, name = key.partition(".")
+    return getattr(getattr(config, section), name)
+
+
+def check_code_keys(
+    config: Config,
+    overrides: Sequence[str],
+    *,
+    folder: Path,
+    trust_run_code: bool = False,
+    keys: Sequence[str] = tuple(CODE_KEYS),
 ) -> None:
-    """Refuse a run folder's train.objective that is code ("file.py:function", "module:function") unless the
-    user names it (a `train.objective=` override), started this run with it, or `trust_run_code`."""
-    name = config.train.objective
-    if ":" not in name or trust_run_code or "train.objective" in overridden_keys(overrides):
-        return
-    own, why = _own_code(name, folder)
-    if own:
-        return
-    raise UntrustedRunFolder(
-        f"{folder / 'config.yaml'} names the objective {name!r}, Python code that gspo would import and run: "
-        f"a run folder is data, so its code runs only when you name it yourself{why}. Read the code, then "
-        f"pass train.objective={name} on the command line, or --trust-run-code"
-    )
+    """Refuse a run folder's train.objective or rollout.engine that is code ("file.py:function",
+    "module:function") unless the user names it (an override of the key), started this run with it, or
+    `trust_run_code`."""
+    for key in keys:
+        name = _value(config, key)
+        if ":" not in name or trust_run_code or key in overridden_keys(overrides):
+            continue
+        own, why = _own_code(name, folder)
+        if own:
+            continue
+        raise UntrustedRunFolder(
+            f"{folder / 'config.yaml'} names {CODE_KEYS[key]} {name!r}, Python code that gspo would import and "
+            f"run: a run folder is data, so its code runs only when you name it yourself{why}. Read the code, "
+            f"then pass {key}={name} on the command line, or --trust-run-code"
+        )
 
 
 def check_run_folder_config(
@@ -113,11 +131,11 @@ def check_run_folder_config(
     trust_run_code: bool = False,
     server: bool = True,
 ) -> None:
-    """Refuse what a run folder's config names that the user has not: reward and objective code (unless
+    """Refuse what a run folder's config names that the user has not: reward, objective and sampler code (unless
     the overrides name it, the user started the run with it, or `trust_run_code`) and, with `server`, rollout.engine=openai's URL and key
     variable (unless set by the overrides)."""
     source = folder / "config.yaml"
-    check_objective_code(config, overrides, folder=folder, trust_run_code=trust_run_code)
+    check_code_keys(config, overrides, folder=folder, trust_run_code=trust_run_code)
     mine = named_rewards(overrides)
     foreign = [name for name in code_rewards(config) if name not in mine]
     for name in [] if trust_run_code else foreign:

@@ -40,7 +40,7 @@ from gspo.models import save_model
 from gspo.models.loading import weights_problem
 from gspo.parallel.group import is_main
 from gspo.parallel.state import optimizer_state, savable_model
-from gspo.training.run_paths import run_path, run_tree
+from gspo.run.paths import run_path, run_tree
 
 LATEST = "latest"
 STATE_FILE = "trainer_state.pt"

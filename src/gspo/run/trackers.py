@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from gspo.training.run_paths import run_path, run_tree
+from gspo.run.paths import run_path, run_tree
 
 TENSORBOARD_DIR = "tensorboard"
 TRACKERS_FILE = "trackers.json"

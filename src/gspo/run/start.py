@@ -1,0 +1,189 @@
+"""Opening a run, once for `gspo train` and `gspo serve`: the folder checked and locked (`open_folder`), then
+the run started in it (`start_run`): config saved, seeds set, the policy built (a checkpoint's weights when
+resuming), and `Run.restore` puts back the rest of a checkpoint (optimizer, schedule, random streams, step)
+and opens the metrics log. `Run.save` writes a checkpoint; `Run.spec_for` resolves train.old_logprobs.
+
+    folder = open_folder(config, resume)      # nothing written for a new run
+    ...                                       # the front door's own checks (rewards, data)
+    run = start_run(config, folder)           # the folder claimed, the policy built
+    ...                                       # what may draw random numbers (a sampler)
+    extra = run.restore()                     # the checkpoint's state; run.step, run.logger
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from gspo.config import Config, save_config, to_dict, validate_setup
+from gspo.core.seeds import seed_everything
+from gspo.learning.policy import Policy, UpdateSpec, old_logprobs_for
+from gspo.parallel.group import barrier, init_from_env, is_main, resolve_device, seed_rank, world_size
+from gspo.parallel.state import rank_states
+from gspo.run import lock
+from gspo.run.build import choose_layout, setup_model, setup_objective, setup_policy
+from gspo.run.checkpoint import latest_checkpoint, rng_state, save_policy
+from gspo.run.folder import setup_run_dir, start_fresh
+from gspo.run.metrics import MetricsLogger, SilentLogger
+from gspo.run.paths import run_path
+from gspo.run.resume import restore_state
+from gspo.run.trackers import check_installed
+
+
+@dataclass(frozen=True)
+class Folder:
+    """A run folder checked for a run: locked when resuming, only checked for a new run (`start_run` claims
+    it)."""
+
+    path: Path
+    checkpoint: Path | None
+    """The complete checkpoint the run resumes; None: the run starts at step 0."""
+    device: torch.device
+    command: str
+    """The command that continues the run (`gspo train`, `gspo serve`), for messages."""
+
+
+def open_folder(
+    config: Config,
+    resume: str | Path | None = None,
+    *,
+    force: bool = False,
+    from_step: int | None = None,
+    command: str = "gspo train",
+) -> Folder:
+    """The run's device (under torchrun, the process group joined), its folder checked (resuming: its
+    checkpoint found, checked against ``config`` and the folder locked: gspo.run.folder), its objective
+    registered and its trackers' packages present. A refused run writes nothing."""
+    device = resolve_device(config.device)
+    init_from_env(config.distributed, device)  # under torchrun: join the process group
+    path, checkpoint = setup_run_dir(config, resume, force=force, from_step=from_step, command=command)
+    setup_objective(config)
+    if is_main():  # a tracker's missing package stops the run before the model loads
+        check_installed(config.report_to)
+    return Folder(path, checkpoint, device, command)
+
+
+@dataclass
+class Run:
+    """A started run: its config and folder, the policy and tokenizer, the update spec, the step, the logger."""
+
+    config: Config
+    """The resolved config, as saved in the folder's config.yaml."""
+    folder: Folder
+    """Where it lives, the checkpoint it resumed, its device."""
+    policy: Policy
+    """The model and what updates it (gspo.learning.policy)."""
+    tokenizer: Any
+    """The policy's tokenizer (and chat template)."""
+    spec: UpdateSpec
+    """The run's update spec, train.old_logprobs as configured ("auto" unresolved: `spec_for`)."""
+    # what changes as the run goes: the updates done (rollout batches, or the server's train calls), the
+    # latest checkpoint's step (None before the first), and the metrics log (opened by `restore`)
+    step: int = field(default=0)
+    saved_step: int | None = field(default=None)
+    logger: MetricsLogger | SilentLogger | None = field(default=None, repr=False)
+
+    @property
+    def path(self) -> Path:
+        return self.folder.path
+
+    @property
+    def device(self) -> torch.device:
+        return self.folder.device
+
+    @property
+    def resumed(self) -> bool:
+        return self.folder.checkpoint is not None
+
+    def spec_for(self, *, exact: bool | Callable[[], bool]) -> UpdateSpec:
+        """The spec with train.old_logprobs resolved (gspo.learning.policy.old_logprobs_for): ``exact``,
+        whether the samples' log-probs are the current weights' own (a callable is asked only if needed)."""
+        mode = old_logprobs_for(self.config, self.policy.compute_dtype, exact=exact)
+        return dataclasses.replace(self.spec, old_logprobs=mode)
+
+    def restore(self) -> dict[str, Any]:
+        """Put back the checkpoint the run resumes (optimizer, schedule, this rank's random streams, the
+        step), then open the metrics log at that step; returns what else the checkpoint holds (the prompt
+        stream, the server's version). A new run: step 0, {}. Called once, after building anything that
+        draws random numbers (a sampler), so a resumed run draws as the uninterrupted one."""
+        extra: dict[str, Any] = {}
+        if self.folder.checkpoint is not None:
+            self.step, extra = restore_state(self.folder.checkpoint, self.policy, self.config)
+            self.saved_step = self.step
+        resume_step = self.step if self.resumed else None
+        self.logger = (
+            MetricsLogger(
+                self.path,
+                report_to=self.config.report_to,
+                config=to_dict(self.config),
+                project=self.config.project,
+                resume_step=resume_step,
+            )
+            if is_main()
+            else SilentLogger()
+        )
+        return extra
+
+    def save(
+        self, step: int | None = None, *, rng: dict[str, Any] | None = None, **extra: Any
+    ) -> Path | None:
+        """A checkpoint of the run at ``step`` (default: the run's) with ``rng`` (default: now) and ``extra``
+        (the prompt stream, the server's version); every rank calls it, and each rank's random streams and
+        stream position go into it. Returns the latest checkpoint's path once all ranks are done."""
+        step = self.step if step is None else step
+        rng = rng if rng is not None else rng_state()
+        if world_size() > 1:  # every rank's own random streams and data position
+            extra["ranks"] = rank_states(rng, extra.get("stream"))
+        save_policy(self.path, step, self.policy, self.tokenizer, self.config, rng=rng, **extra)
+        barrier()  # complete before any rank goes on
+        self.saved_step = step
+        return latest_checkpoint(self.path)
+
+    def release(self) -> None:
+        """Let another process continue the run: its folder is written in full."""
+        lock.release(self.path)
+
+
+def run_attribute(name: str, *, via: str, settable: bool = False) -> Any:
+    """A property of a front door (`Trainer`, the server's `TrainService`) that reads, and if ``settable``
+    writes, attribute ``name`` of the `Run` it holds as ``via``: its familiar names, and one copy of each."""
+
+    def get(self: Any) -> Any:
+        return getattr(getattr(self, via), name)
+
+    def put(self: Any, value: Any) -> None:
+        setattr(getattr(self, via), name, value)
+
+    return property(get, put if settable else None, doc=f"The run's {name} (gspo.run.start.Run).")
+
+
+def start_run(
+    config: Config, folder: Folder, *, prepare: Callable[[torch.nn.Module], torch.nn.Module] | None = None
+) -> Run:
+    """Start the run in ``folder``: a new folder claimed (created, locked, marked as gspo's), the config
+    saved, the seeds set, the model loaded (a checkpoint's weights when resuming) and moved to the device
+    (then ``prepare``d), the layout chosen and the policy built around it (optimizer, schedule, wrapper).
+    Under torchrun each rank then takes its own sampling streams. `Run.restore` does the rest."""
+    if folder.checkpoint is None:
+        start_fresh(folder.path, command=folder.command)  # created and locked now that the inputs are checked
+    if is_main():
+        save_config(config, run_path(folder.path, "config.yaml"))
+    transformers.utils.logging.disable_progress_bar()  # one progress bar or request log: ours
+    seed_everything(config.seed)
+    model, tokenizer = setup_model(config, folder.checkpoint)
+    model = model.to(folder.device)
+    if prepare is not None:
+        model = prepare(model)
+    layout = choose_layout(config, model, tokenizer.pad_token_id)  # the plain model, before wrapping
+    policy = setup_policy(config, model, folder.device, resumed=folder.checkpoint is not None)
+    validate_setup(config, num_processes=world_size(), is_moe=policy.moe)
+    if world_size() > 1:
+        seed_rank(config.seed)  # each rank samples its own completions
+    spec = UpdateSpec.from_config(config, layout=layout, pad_id=tokenizer.pad_token_id)
+    return Run(config, folder, policy, tokenizer, spec)
