@@ -5,7 +5,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -210,3 +213,31 @@ def two_step_run(tmp_path_factory: pytest.TempPathFactory):
     run = tmp_path_factory.mktemp("two_step") / "run"
     train(tiny_config(run, "train.steps=2", "checkpoint.keep=3", "eval.every=0", "task.num_eval=4"))
     return run
+
+
+@pytest.fixture(scope="module")
+def forkserver(tmp_path_factory) -> Iterator[Callable[..., int]]:
+    """run(log, argv=... | code=..., kill=None) -> the child's exit status (-9: killed): runs in processes
+    forked from one that imported gspo once (tests/forkrun.py), for the kill tests."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(root / "src")}
+    server = subprocess.Popen(
+        [sys.executable, str(root / "tests" / "forkrun.py")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+        text=True,
+        cwd=tmp_path_factory.mktemp("forkrun"),
+    )
+
+    def run(log: Path, *, argv: list[str] | None = None, code: str | None = None, kill=None) -> int:
+        job = {"log": str(log), "kill": kill, **({"argv": argv} if argv is not None else {"code": code})}
+        server.stdin.write(json.dumps(job) + "\n")
+        server.stdin.flush()
+        line = server.stdout.readline()
+        assert line, f"the fork server died; see {log}"
+        return json.loads(line)["returncode"]
+
+    yield run
+    server.stdin.close()
+    server.wait(timeout=60)

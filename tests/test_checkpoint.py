@@ -13,9 +13,6 @@ import json
 import os
 import random
 import shutil
-import subprocess
-import sys
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -39,32 +36,6 @@ from gspo.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
-
-
-@pytest.fixture(scope="module")
-def forkserver(tmp_path_factory) -> Iterator[Callable[..., int]]:
-    """run(log, argv=... | code=..., kill=None) -> the child's exit status (-9: killed)."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
-    server = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "forkrun.py")],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        env=env,
-        text=True,
-        cwd=tmp_path_factory.mktemp("forkrun"),
-    )
-
-    def run(log: Path, *, argv: list[str] | None = None, code: str | None = None, kill=None) -> int:
-        job = {"log": str(log), "kill": kill, **({"argv": argv} if argv is not None else {"code": code})}
-        server.stdin.write(json.dumps(job) + "\n")
-        server.stdin.flush()
-        line = server.stdout.readline()
-        assert line, f"the fork server died; see {log}"
-        return json.loads(line)["returncode"]
-
-    yield run
-    server.stdin.close()
-    server.wait(timeout=60)
 
 
 def _same(a, b) -> bool:

@@ -126,7 +126,10 @@ def test_bad_input_names_the_field(override: str, message: str) -> None:
             ["train.sampler_correction=sequence_mask", "train.old_logprobs=sampler"],
             "needs train.old_logprobs=recompute",
         ),
-        (["train.sampler_correction_max=3"], "set train.sampler_correction too"),
+        (
+            ["train.sampler_correction=none", "train.sampler_correction_max=3"],
+            "set train.sampler_correction too",
+        ),
         (
             [
                 "train.sampler_correction=token_mask",

@@ -167,6 +167,8 @@ def _check_corrections(config: Config) -> None:
     """The train-inference mismatch corrections: recompute, a level the objective has, ordered bounds."""
     train = config.train
     correction = train.sampler_correction
+    if correction == "auto":  # resolved per step (gspo.learning.policy.update_choices), always a valid choice
+        return
     if correction != "none" and train.old_logprobs == "sampler":
         raise ConfigError(
             f"train.sampler_correction={correction} corrects sampler -> old policy and needs "
@@ -206,10 +208,15 @@ def _check_sequence_parallel(config: Config) -> None:
             f"{key} does not support train.objective=gmpo (its per-sequence mean of clipped token log-ratios "
             "is not a sum over the ranks): use gspo or gspo_token, or set distributed.sequence_parallel=1"
         )
-    if train.sampler_correction != "none" or train.opsm_delta is not None:
+    if train.sampler_correction not in ("none", "auto") or train.opsm_delta is not None:
         raise ConfigError(
             f"{key} does not support the mismatch corrections (train.sampler_correction, train.opsm_delta): "
             "set them off, or set distributed.sequence_parallel=1"
+        )
+    if config.rollout.lag > 0:
+        raise ConfigError(
+            f"{key} does not support rollout.lag={config.rollout.lag} (the decoupled objective's correction "
+            "needs whole rows): set rollout.lag=0, or distributed.sequence_parallel=1"
         )
     if train.routing_replay:
         raise ConfigError(

@@ -183,6 +183,9 @@ RULES: dict[str, Rule] = {
     "rollout.temperature": above(0, "the logits are divided by it"),
     "rollout.top_p": between(0, 1, low_open=True, why="1.0: off"),
     "rollout.generation_batch_size": at_least(1).upto(BATCH_MAX, "sequences decoded at once"),
+    "rollout.lag": at_least(0, "0: the synchronous loop").upto(
+        16, "each version of lag adds staleness, and a batch held in memory"
+    ),
     "rollout.engine": non_empty("a built-in's name or your own factory, 'path/file.py:function'"),
     "train.objective": non_empty(
         "a built-in's name or your own, 'path/file.py:function' (gspo.config.checks)"

@@ -177,6 +177,12 @@ class RolloutConfig:
     """Nucleus sampling threshold (1.0: off)."""
     mask_truncated: bool = False
     """Give truncated completions no gradient (they still count in the 1/G normaliser)."""
+    lag: int = 0
+    """Rollout batches sampled ahead of the updates (docs/async.md): batch n + lag is sampled, and rewarded,
+    from the weights of version n while the trainer updates on batch n, so slow sampling, rewards and
+    updates overlap; every sample carries the version that drew it, and none older than `lag` versions
+    trains. 0: the synchronous loop. With lag > 0 the updates take the decoupled objective by default
+    (train.old_logprobs and train.sampler_correction "auto")."""
     generation_batch_size: int = 64
     """Slots of the in-process sampling engine: sequences decoded at once, a slot refilled by the next
     sample as soon as one ends (memory: slots x longest prompt + completion in keys and values)."""
@@ -270,11 +276,15 @@ class TrainConfig:
     trainer's own model in this process computing in fp32 (same weights), else recompute (bf16 rounds the
     cached decoding and the scoring forward differently, beyond GSPO's clip band). The first
     minibatch's forward measures the sampler/trainer mismatch either way (docs/sampler_mismatch.md)."""
-    sampler_correction: SamplerCorrection = "none"
+    sampler_correction: SamplerCorrection | Literal["auto"] = "auto"
     """Train-inference mismatch correction, with old_logprobs=recompute: the policy term of each token
     ("token_*") or sequence ("sequence_*", length-normalised ratio) weighted by rho = pi_old / pi_sampler,
     truncated to [C_min, C_max] ("*_truncate", TIS) or zeroed outside it ("*_mask", masked IS / IcePop).
-    Sequence objectives (gspo, gmpo, sapo_seq) take the sequence_* ones. See docs/objectives.md."""
+    Sequence objectives (gspo, gmpo, sapo_seq) take the sequence_* ones. See docs/objectives.md. "auto":
+    "none" while every sample comes from the current weights' version; for samples of an older version
+    (rollout.lag > 0, or a served run's stale records) the decoupled objective's truncated behaviour
+    weight, sequence_truncate for gspo, gspo_token and the sequence objectives, token_truncate for the
+    others (docs/async.md); "none" too with old_logprobs=sampler."""
     sampler_correction_min: float | None = None
     """C_min of sampler_correction; None: its default (truncate: none; mask: 0.5)."""
     sampler_correction_max: float | None = None

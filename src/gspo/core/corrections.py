@@ -105,7 +105,9 @@ def correction_weights(
             weight = weight * (w if level == "sequence" or not per_seq else s.seg.per_token(w))
             metrics |= fractions(truncated, per_seq, "sampler_is_truncated")
             metrics |= fractions(masked, per_seq, "sampler_is_masked")
-            metrics["sampler_is_weight_mean"] = ((s.seg.per_token(w) if per_seq else w) * valid).sum() / n_tok
+            per_token = s.seg.per_token(w) if per_seq else w  # (N,) each token's weight
+            metrics["sampler_is_weight_mean"] = (per_token * valid).sum() / n_tok
+            metrics["sampler_is_weight_max"] = torch.where(valid, per_token, float("-inf")).max()
         if correction.opsm_delta is not None:
             # KL_i = (1/|y_i|) sum_t (log pi_sampler - log pi_theta)   (S,), the current policy detached
             seq_kl = s.seg.mean(behaviour - s.lp.detach())

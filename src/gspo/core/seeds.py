@@ -13,7 +13,7 @@ import torch
 
 _MASK64 = (1 << 64) - 1
 
-STEP, RANK, REQUEST, GROUP, EVALUATION = 1, 2, 3, 4, 5
+STEP, RANK, REQUEST, GROUP, EVALUATION, SAMPLE = 1, 2, 3, 4, 5, 6
 """The domains of the derived streams: the same indices in two domains give unrelated seeds."""
 
 
@@ -48,6 +48,12 @@ def step_seed(seed: int, step: int) -> int:
 def rank_seed(seed: int, rank: int) -> int:
     """The sampling seed of one data-parallel rank, so that ranks draw different completions."""
     return derive(seed, RANK, rank)
+
+
+def sample_seed(seed: int, step: int, rank: int) -> int:
+    """The sampling seed of the rollout batch that step ``step`` trains on, on data-parallel rank ``rank``:
+    whichever thread draws it, and whenever (rollout.lag), it draws the same completions."""
+    return derive(seed, SAMPLE, step, rank)
 
 
 def evaluation_seed(seed: int, step: int) -> int:

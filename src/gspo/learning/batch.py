@@ -26,7 +26,8 @@ class Sample:
     (NaN where unknown); reward: the sample's (trajectory's) reward; group: which group (prompt) of this
     process's samples it belongs to; truncated: it hit the length limit; train_mask: per completion
     token, whether it gets gradient (None: all); turns and turn_rewards (multi-turn): per completion token
-    the index of the turn it was generated in, and one reward per turn, for per-turn advantages.
+    the index of the turn it was generated in, and one reward per turn, for per-turn advantages;
+    version: the version of the policy's weights that drew it (rollout.lag: docs/async.md).
     """
 
     prompt_ids: list[int]
@@ -38,6 +39,7 @@ class Sample:
     train_mask: list[bool] | None = None
     turns: list[int] | None = None
     turn_rewards: list[float] | None = None
+    version: int = 0
 
     def returns(self) -> list[float]:
         """G_k = sum_{j >= k} turn_rewards[j] + reward: the return from each turn on (the reward last)."""

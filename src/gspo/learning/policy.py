@@ -14,6 +14,7 @@ from torch import nn
 from gspo.config import Config
 from gspo.core.layout import MicroBatch
 from gspo.core.objectives import LossSpec
+from gspo.core.registry import REGISTRY
 from gspo.core.sequence_parallel import lm_logprobs
 from gspo.learning.embedding_rows import TiedRows
 from gspo.models.moe import is_moe
@@ -65,6 +66,9 @@ class UpdateSpec:
         """The spec of a run: the same-named fields of ``config.rollout`` and ``config.train``, with train.layout
         and train.old_logprobs as resolved at start-up ("auto" is neither) and the tokenizer's pad_id."""
         fields = _same_named(cls, config.rollout) | _same_named(cls, config.train)
+        loss = _same_named(LossSpec, config.train)
+        if loss["sampler_correction"] == "auto":  # resolved per step (update_choices): none until then
+            loss["sampler_correction"] = "none"
         fields["sequence_parallel"] = config.distributed.sequence_parallel
         fields |= {
             "layout": layout,
@@ -72,25 +76,37 @@ class UpdateSpec:
             "old_logprobs": old_logprobs or config.train.old_logprobs,
             "skip_zero_advantage": skips_zero_advantage(config),
         }
-        return cls(loss=LossSpec(**_same_named(LossSpec, config.train)), **fields)
+        return cls(loss=LossSpec(**loss), **fields)
 
 
-def old_logprobs_for(
-    config: Config, compute_dtype: torch.dtype | None, *, exact: bool | Callable[[], bool]
-) -> str:
-    """train.old_logprobs with "auto" resolved, the one rule for `gspo train` and `gspo serve`: the sampler's
-    log-probs serve as the old policy's when they are its own up to fp32 rounding, that is when the samples
-    were drawn whole by the current weights (``exact``: the trainer's own model, vLLM within tolerance of it,
-    a server's records drawn at the current version and the training temperature; a callable is asked only
-    when the rest holds), the trainer computes in fp32, and no mismatch correction needs both; else they are
-    recomputed. In bf16 the cached token-by-token decoding and the trainer's whole-sequence forward round
-    differently: on the default run every sequence's log-ratio left GSPO's 3e-4 band."""
-    mode = config.train.old_logprobs
-    if mode != "auto":
-        return mode
-    if config.train.sampler_correction != "none" or compute_dtype not in (None, torch.float32):
-        return "recompute"
-    return "sampler" if (exact() if callable(exact) else exact) else "recompute"
+def update_choices(
+    config: Config, compute_dtype: torch.dtype | None, *, exact: bool | Callable[[], bool], stale: bool
+) -> tuple[str, str]:
+    """(train.old_logprobs, train.sampler_correction) with "auto" resolved: the one rule of `gspo train` and
+    `gspo serve` (docs/async.md).
+
+    ``stale``: some samples were drawn by an older version of the weights (rollout.lag > 0, a served run's
+    older records). The correction "auto" is then the decoupled objective's truncated behaviour weight,
+    pi_prox / pi_behav with pi_prox recomputed at the current weights: sequence_truncate for the sequence
+    objectives and gspo_token, token_truncate for the token ones; else (or with old_logprobs=sampler) none.
+    ``exact``: the samples were drawn whole by the current weights (the trainer's own model, vLLM within
+    tolerance of it, a server's records of the current version at the training temperature; a callable is
+    asked only when needed). The sampler's log-probs then serve as the old policy's when the trainer
+    computes in fp32 and no correction needs both; else they are recomputed. In bf16 the cached
+    token-by-token decoding and the trainer's whole-sequence forward round differently: on the default run
+    every sequence's log-ratio left GSPO's 3e-4 band."""
+    correction, mode = config.train.sampler_correction, config.train.old_logprobs
+    if correction == "auto":
+        sequence = (
+            REGISTRY[config.train.objective].level == "sequence" or config.train.objective == "gspo_token"
+        )
+        truncate = "sequence_truncate" if sequence else "token_truncate"
+        correction = truncate if stale and mode != "sampler" else "none"
+    if mode == "auto":
+        fp32 = compute_dtype in (None, torch.float32)
+        current = correction == "none" and fp32 and not stale and (exact() if callable(exact) else exact)
+        mode = "sampler" if current else "recompute"
+    return mode, correction
 
 
 def skips_zero_advantage(config: Config) -> bool:

@@ -66,9 +66,14 @@ def load_optimizer_state(model: nn.Module, optimizer: Optimizer, state: dict[str
         del optimizer.state[param]
 
 
-def rank_states(rng: dict[str, Any], stream: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every rank's RNG state and data position, in rank order (for the checkpoint)."""
-    return all_gather_objects({"rng": rng, "stream": stream})
+RANK_KEYS = ("rng", "stream", "ahead")
+"""What each rank keeps of its own in a checkpoint: its random streams, its data position, the rollout
+batches it drew ahead (rollout.lag)."""
+
+
+def rank_states(mine: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's `RANK_KEYS` state, in rank order (for the checkpoint)."""
+    return all_gather_objects({key: mine[key] for key in RANK_KEYS if key in mine})
 
 
 def resume_rank_state(state: dict[str, Any]) -> dict[str, Any]:
@@ -83,5 +88,5 @@ def resume_rank_state(state: dict[str, Any]) -> dict[str, Any]:
             "must match for an exact continuation)"
         )
     if saved is None:  # one process; `gspo serve` keeps no data position
-        return {key: state[key] for key in ("rng", "stream") if key in state}
+        return {key: state[key] for key in RANK_KEYS if key in state}
     return saved[rank()]

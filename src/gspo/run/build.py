@@ -21,7 +21,7 @@ from gspo.core.layout import layout_is_exact
 from gspo.core.objectives import LossSpec
 from gspo.core.sequence_parallel import supports_split
 from gspo.core.surrogates import register_objective
-from gspo.learning.policy import Policy, UpdateSpec, score
+from gspo.learning.policy import Policy, UpdateSpec, score, update_choices
 from gspo.models import add_lora, default_model_file, is_lora, load_model
 from gspo.parallel.wrap import compute_dtype, full_parameters, wrap_model
 from gspo.rollout.user_code import CodeFileError, load_function
@@ -44,8 +44,11 @@ def setup_objective(config: Config) -> None:
             raise CodeFileError(
                 f"train.objective: importing {name!r} raised {type(error).__name__}: {error}"
             ) from error
+    fields = {f.name: getattr(config.train, f.name) for f in dataclasses.fields(LossSpec)}
+    # "auto" as it resolves for stale samples, the one that constrains the objective (update_choices)
+    fields["sampler_correction"] = update_choices(config, None, exact=False, stale=True)[1]
     try:
-        LossSpec(**{f.name: getattr(config.train, f.name) for f in dataclasses.fields(LossSpec)})
+        LossSpec(**fields)
     except ValueError as error:  # a knob the objective does not have, a correction of the wrong level
         raise ConfigError(f"train: {error}") from error
 

@@ -23,7 +23,7 @@ import transformers
 
 from gspo.config import Config, save_config, to_dict, validate_setup
 from gspo.core.seeds import seed_everything
-from gspo.learning.policy import Policy, UpdateSpec, old_logprobs_for
+from gspo.learning.policy import Policy, UpdateSpec, update_choices
 from gspo.parallel.group import barrier, init_from_env, is_main, resolve_device, seed_rank, world_size
 from gspo.parallel.state import rank_states
 from gspo.run import lock
@@ -101,11 +101,13 @@ class Run:
     def resumed(self) -> bool:
         return self.folder.checkpoint is not None
 
-    def spec_for(self, *, exact: bool | Callable[[], bool]) -> UpdateSpec:
-        """The spec with train.old_logprobs resolved (gspo.learning.policy.old_logprobs_for): ``exact``,
-        whether the samples' log-probs are the current weights' own (a callable is asked only if needed)."""
-        mode = old_logprobs_for(self.config, self.policy.compute_dtype, exact=exact)
-        return dataclasses.replace(self.spec, old_logprobs=mode)
+    def spec_for(self, *, exact: bool | Callable[[], bool], stale: bool = False) -> UpdateSpec:
+        """The spec with train.old_logprobs and train.sampler_correction resolved (gspo.learning.policy
+        .update_choices): ``exact``, whether the samples' log-probs are the current weights' own (a callable
+        is asked only if needed); ``stale``, whether some were drawn by an older version."""
+        mode, correction = update_choices(self.config, self.policy.compute_dtype, exact=exact, stale=stale)
+        loss = dataclasses.replace(self.spec.loss, sampler_correction=correction)
+        return dataclasses.replace(self.spec, old_logprobs=mode, loss=loss)
 
     def restore(self) -> dict[str, Any]:
         """Put back the checkpoint the run resumes (optimizer, schedule, this rank's random streams, the
@@ -139,7 +141,7 @@ class Run:
         step = self.step if step is None else step
         rng = rng if rng is not None else rng_state()
         if world_size() > 1:  # every rank's own random streams and data position
-            extra["ranks"] = rank_states(rng, extra.get("stream"))
+            extra["ranks"] = rank_states({"rng": rng, **extra})
         save_policy(self.path, step, self.policy, self.tokenizer, self.config, rng=rng, **extra)
         barrier()  # complete before any rank goes on
         self.saved_step = step

@@ -33,7 +33,7 @@ from gspo.config import Config
 from gspo.core.layout import TokenSequence
 from gspo.core.seeds import step_seed
 from gspo.learning.batch import Batch, Sample
-from gspo.learning.policy import Policy, UpdateSpec, old_logprobs_for
+from gspo.learning.policy import Policy, UpdateSpec, update_choices
 from gspo.learning.step import learn_from_samples
 from gspo.serve.protocol import FLOAT32_MAX, ServeError, TrainRequest, TrajectoryIn
 from gspo.serve.records import Record, RecordStore
@@ -262,7 +262,7 @@ def _given_advantages(trajectory: TrajectoryIn, records: list[Record], segment: 
 
 def drawn_whole_now(config: Config, records: list[Record], version: int) -> bool:
     """Every record drawn whole at the current version, sampled at the temperature the trainer scores: its
-    log-probs are the current weights' own (the `exact` of gspo.learning.policy.old_logprobs_for)."""
+    log-probs are the current weights' own (the `exact` of gspo.learning.policy.update_choices)."""
     return all(
         r.versions == (version, version) and not r.greedy and r.temperature == config.rollout.temperature
         for r in records
@@ -351,7 +351,10 @@ def prepare_update(
         "staleness_mean": sum(staleness) / len(staleness),
         "mixed_version_completions": float(sum(r.versions[0] != r.versions[1] for r in records)),
     }
-    mode = old_logprobs_for(config, policy.compute_dtype, exact=drawn_whole_now(config, records, version))
+    stale = any(r.versions[0] < version for r in records)  # drawn (partly) by an older version
+    exact = drawn_whole_now(config, records, version)
+    mode, correction = update_choices(config, policy.compute_dtype, exact=exact, stale=stale)
+    spec = replace(spec, loss=replace(spec.loss, sampler_correction=correction))
     report = [
         {"group": r.group, "trajectory": r.index, "segments": len(r.segments), "breaks": r.breaks}
         for r in split

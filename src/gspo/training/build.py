@@ -250,7 +250,7 @@ log-probs to serve as the old policy's under train.old_logprobs=auto: a third of
 
 def sampler_is_current(config: Config, sampler: Sampler, policy: Policy, probe: list[Example]) -> bool:
     """Whether ``sampler``'s log-probs are the current weights' own (the `exact` of
-    gspo.learning.policy.old_logprobs_for): the trainer's own model is; vLLM is when it is within
+    gspo.learning.policy.update_choices): the trainer's own model is; vLLM is when it is within
     `VLLM_LOGPROB_TOLERANCE` of the trainer on samples of the `probe` prompts; a server is not."""
     if isinstance(sampler, VLLMSampler):
         sampler.logprob_gap = vllm_logprob_gap(config, policy, sampler, probe)

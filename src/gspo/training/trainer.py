@@ -9,7 +9,9 @@ gspo.learning.step's `learn_from_samples`, which `gspo serve` calls too.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import sys
 import time
 import warnings
@@ -17,18 +19,19 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from gspo.config import Config, ConfigError, load_config
-from gspo.core.seeds import step_seed
+from gspo.core.seeds import sample_seed, step_seed
 from gspo.learning.batch import Sample
 from gspo.learning.policy import UpdateSpec
 from gspo.learning.step import learn_from_samples
 from gspo.parallel.collectives import all_gather_cat, all_reduce_sum, raise_together
-from gspo.parallel.group import barrier, is_main, rank_slice, shutdown, world_size
-from gspo.rollout.data import Example, PromptStream, batch_fields, format_prompt
+from gspo.parallel.group import barrier, is_main, rank, rank_slice, shutdown, world_size
+from gspo.rollout.data import Example, PromptStream, format_prompt
 from gspo.rollout.openai import ServerError
-from gspo.rollout.rewards import RewardError, RewardFunction, compute_rewards
+from gspo.rollout.rewards import RewardError, RewardFunction
 from gspo.rollout.samplers import HFSampler, Sampler
 from gspo.rollout.trajectories import TrajectoryGroup, trajectory_samples
 from gspo.run import lock
@@ -46,6 +49,7 @@ from gspo.training.build import (
     resolve_rewards,
     sampler_is_current,
 )
+from gspo.training.pipeline import Drawn, Pipeline, Request, draw, sampling_side
 from gspo.training.samplers import setup_sampler
 from gspo.training.stalls import StallWatch
 
@@ -95,10 +99,14 @@ class Trainer:
         check_examples(self.rewards, self.train_examples + self.eval_examples)
         self.home = start_run(config, folder)  # the folder claimed now that the inputs are checked
         check_sizes(config, self.tokenizer, self.policy.model, self.train_examples, self.eval_examples)
-        self.sampler = sampler or setup_sampler(config, self.policy, self.tokenizer, self.run_dir)
+        lag = config.rollout.lag
+        # lag > 0: the sampling side draws from its own copy of the weights, in a thread of its own
+        sampling = sampling_side(config, self.policy) if lag > 0 else self.policy
+        tokenizer = copy.deepcopy(self.tokenizer) if lag > 0 else self.tokenizer  # one per thread
+        self.sampler = sampler or setup_sampler(config, sampling, tokenizer, self.run_dir)
         probe = self.train_examples[:4]
         self.spec = self.home.spec_for(
-            exact=lambda: sampler_is_current(config, self.sampler, self.policy, probe)
+            exact=lambda: sampler_is_current(config, self.sampler, self.policy, probe), stale=lag > 0
         )
         self._warned_mismatch = False
         if self._show_progress():  # which, once; the metrics say how many (skipped_samples_frac)
@@ -110,6 +118,16 @@ class Trainer:
                 self.stream.load_state_dict(restored["stream"])
             except ValueError as error:
                 raise ConfigError(f"{folder.checkpoint}: {error}") from None
+        self.pipeline = Pipeline(
+            lag,
+            self.stream,
+            self._request,
+            functools.partial(draw, self.sampler, self.rewards, config.rollout),
+            worker_model=sampling.model if lag > 0 else None,
+            sync=lambda model, version: self.sampler.sync_weights(model, tokenizer, version),
+            last_step=config.train.steps,
+            kept=[Drawn.from_state(state) for state in restored.get("ahead", [])],
+        )
 
     # ---- what the run holds (its home: gspo.run.start.Run) ----------------------------------------
     config = run_attribute("config", via="home")
@@ -129,61 +147,56 @@ class Trainer:
 
     # ---- one step -----------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
-        """One rollout batch from the sampler, then its updates."""
+        """One rollout batch from the sampling side, then its updates; the batch `rollout.lag` steps ahead is
+        then drawn from the new weights."""
         samples, metrics = self.sample()
-        return self._learn(samples, metrics)
+        metrics = self._learn(samples, metrics)
+        self.pipeline.updated(self.policy.model, self.step)
+        return metrics
+
+    def _request(self, step: int, version: int) -> Request:
+        """What drawing the batch of ``step`` from ``version`` needs: this rank's prompts (whole groups) and
+        the batch's own sampling seed."""
+        examples = rank_slice(self.stream.next_batch())
+        seed = sample_seed(self.config.seed, step, rank())
+        return Request(step, version, examples, self.prompts(examples), seed)
 
     def sample(self) -> tuple[list[Sample], dict[str, float]]:
-        """This rank's share of a rollout batch: G completions of each prompt, scored by the rewards."""
-        cfg = self.config.rollout
+        """This rank's share of the next rollout batch (G completions of each prompt, scored by the rewards,
+        drawn `rollout.lag` steps ago), its metrics reduced over ranks and its samples logged."""
         t0 = time.perf_counter()
-        examples = rank_slice(self.stream.next_batch())  # this rank's prompts, whole groups
-        prompts = self.prompts(examples)
-        rollouts = self.sampler.generate(
-            prompts,
-            group_size=cfg.group_size,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-        )
-        metrics = {
-            "time_rollout": time.perf_counter() - t0,
-            "generation_tokens": all_reduce_sum(float(rollouts.computed_tokens)),  # through the model
-        }
-        failure, rewards, per_function = None, None, {}
-        try:
-            rewards, per_function = compute_rewards(
-                self.rewards,
-                [p for p in prompts for _ in range(cfg.group_size)],
-                rollouts.completions,
-                batch_fields(examples, repeat=cfg.group_size),
-            )
-        except RewardError as error:
-            failure = error
+        drawn = self.pipeline.next(self.step + 1)
+        failure = RewardError(drawn.failure) if drawn.failure is not None else None
         raise_together(failure)  # all ranks stop together, so they can checkpoint together
-        samples = [
-            Sample(
-                rollouts.prompt_ids[i],
-                rollouts.completion_ids[i],
-                rollouts.sampler_logprobs[i],
-                float(rewards[i]),
-                group=i // cfg.group_size,
-                truncated=rollouts.truncated[i],
+        staleness = [self.step - s.version for s in drawn.samples]
+        if staleness and not 0 <= max(staleness) <= self.config.rollout.lag:  # the schedule's guarantee
+            raise RuntimeError(
+                f"step {self.step + 1}: a sample of version {min(s.version for s in drawn.samples)}"
             )
-            for i in range(len(rollouts))
-        ]
-        per_reward = {f"reward/{name}": float(all_gather_cat(v).mean()) for name, v in per_function.items()}
+        metrics = {
+            "time_rollout": time.perf_counter() - t0,  # what the loop waited (the drawing, with lag 0)
+            "generation_tokens": all_reduce_sum(drawn.generation_tokens),  # through the model
+            "staleness_mean": sum(staleness) / max(len(staleness), 1),
+            "staleness_max": float(max(staleness, default=0)),
+        }
+        if self.config.rollout.lag > 0:  # the sampling side's own time, overlapping the updates
+            metrics["time_sampling_overlapped"] = drawn.seconds
+        per_reward = {
+            f"reward/{name}": float(all_gather_cat(torch.tensor(values)).mean())
+            for name, values in drawn.per_function.items()
+        }
+        group_size = self.config.rollout.group_size
         rows = [
             {
-                "step": self.step + 1,
-                "prompt": prompts[i // cfg.group_size],
+                "step": drawn.step,
+                "prompt": drawn.prompts[i // group_size],
                 "completion": text,
                 "reward": s.reward,
             }
-            for i, (text, s) in enumerate(zip(rollouts.completions, samples, strict=True))
+            for i, (text, s) in enumerate(zip(drawn.completions, drawn.samples, strict=True))
         ]
-        self.logger.log_samples(self.step + 1, rows)  # the step these samples train (logged with its metrics)
-        return samples, {**per_reward, **metrics}
+        self.logger.log_samples(drawn.step, rows)  # the step these samples train (logged with its metrics)
+        return drawn.samples, {**per_reward, **metrics}
 
     def train_on_groups(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
         """One step of updates on the user's own trajectory groups (gspo.rollout.trajectories), as `run`
@@ -211,7 +224,8 @@ class Trainer:
         if spec.old_logprobs == "sampler" and metrics["num_trained"] > 0:
             self._check_mismatch(metrics)
         self.step += 1
-        self.sampler.sync_weights(self.policy.model, self.tokenizer, self.step)
+        if self.config.rollout.lag == 0:  # else the sampling side syncs its own copy (Pipeline.updated)
+            self.sampler.sync_weights(self.policy.model, self.tokenizer, self.step)
         return metrics
 
     def _check_mismatch(self, metrics: dict[str, float]) -> None:
@@ -242,10 +256,11 @@ class Trainer:
         ).metrics
 
     # ---- the loop -----------------------------------------------------------------------------------
-    def checkpoint(self, rng: dict[str, Any] | None = None, stream: dict[str, Any] | None = None) -> Path:
-        """A checkpoint of this step, with ``rng`` and ``stream`` (default: now) as the state it resumes."""
-        stream = stream if stream is not None else self.stream.state_dict()
-        path = self.home.save(rng=rng, stream=stream)
+    def checkpoint(self, rng: dict[str, Any] | None = None) -> Path:
+        """A checkpoint of this step with ``rng`` (default: now), the batches drawn ahead and the prompt
+        stream's position (gspo.training.pipeline.Pipeline.state) as the state a resumed run continues from."""
+        state = self.pipeline.state(self.step)
+        path = self.home.save(rng=rng, stream=state["stream"], ahead=state["ahead"])
         assert path is not None
         return path
 
@@ -272,6 +287,8 @@ class Trainer:
         except KeyboardInterrupt as error:
             command = f"gspo train --resume {self.run_dir}"
             raise RunInterrupted(f"interrupted; {self._kept('continue it with', command)}") from error
+        finally:
+            self.pipeline.close()
 
     def _kept(self, then: str, command: str) -> str:
         """What a stopped run kept, and the command that continues it."""
@@ -289,8 +306,7 @@ class Trainer:
         show = self._show_progress()
         bar = tqdm(total=cfg.train.steps, initial=self.step, disable=not show, desc="gspo", unit="step")
         while self.step < cfg.train.steps:
-            start_rng, start_stream = rng_state(), self.stream.state_dict()
-            started = self.step
+            start_rng, started = rng_state(), self.step
             try:
                 metrics = self.train_step()
             except (RewardError, ServerError):
@@ -300,7 +316,7 @@ class Trainer:
                 # nothing was updated in this step: record its start so `--resume` redoes it exactly
                 latest = latest_checkpoint(self.run_dir)
                 if latest is None or load_trainer_state(latest)["step"] != self.step:
-                    self.checkpoint(rng=start_rng, stream=start_stream)
+                    self.checkpoint(rng=start_rng)
                 raise
             self.logger.log(self.step, metrics)
             for warning in stalls.update(self.step, metrics):
@@ -343,6 +359,7 @@ class Trainer:
         accuracy (None without evaluations) and the summary's path; every rank calls it."""
         if self.home.saved_step != self.step:
             self.checkpoint()
+        self.pipeline.close()
         if not is_main():  # rank 0 plots and summarises
             self.logger.close()
             return {"run_dir": str(self.run_dir), "eval_accuracy_first": None, "eval_accuracy_last": None}
