@@ -6,6 +6,8 @@ import contextlib
 import copy
 import importlib.util
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -96,6 +98,22 @@ TINY_NUMERICS = ["train.lr=1e-3", "rollout.max_new_tokens=6", "eval.max_new_toke
 """What the exactness tests built on `tiny_config` were calibrated with (configs/tiny.yaml's values until
 it learned faster): lr 1e-2 amplifies the float-order differences between 2 ranks and 1 process past their
 1e-5 tolerances, and 2-token completions leave some minibatches without a sample that has an advantage."""
+
+
+def run_example_smoke(name: str, out: Path) -> subprocess.CompletedProcess:
+    """`python examples/NAME/train.py --smoke --out OUT` (one thread, offline), as CI runs each example's
+    tiny mode; it must exit 0. Returns the finished process (its stdout)."""
+    script = TINY.parents[1] / "examples" / name / "train.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
 
 
 def tiny_config(run_dir: Path, *overrides: str):
