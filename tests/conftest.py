@@ -101,6 +101,22 @@ it learned faster): lr 1e-2 amplifies the float-order differences between 2 rank
 1e-5 tolerances, and 2-token completions leave some minibatches without a sample that has an advantage."""
 
 
+def run_example_smoke(name: str, out: Path) -> subprocess.CompletedProcess:
+    """`python examples/NAME/train.py --smoke --out OUT` (one thread, offline), as CI runs each example's
+    tiny mode; it must exit 0. Returns the finished process (its stdout)."""
+    script = TINY.parents[1] / "examples" / name / "train.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
 def tiny_config(run_dir: Path, *overrides: str):
     """configs/tiny.yaml with output_dir=``run_dir``, no TensorBoard and no progress bar, `TINY_NUMERICS`,
     then ``overrides``. A plain function (``from conftest import tiny_config``): spawned worker processes

@@ -19,8 +19,9 @@ import yaml
 
 import gspo.run.start
 import gspo.training.trainer
-from gspo.cli import EXIT_CODES, main
-from gspo.config import Config, ConfigError
+from gspo.cli import EXIT_CODES, main, next_steps
+from gspo.config import Config, ConfigError, load_config
+from gspo.training.trainer import skip_notice
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -159,6 +160,23 @@ def test_progress_shows_on_a_terminal_only(monkeypatch) -> None:
         assert gspo.training.trainer.Trainer._show_progress(trainer) is shown
 
 
+def test_a_runs_first_line_says_in_words_what_skipping_does() -> None:
+    """It read `train.skip_zero_advantage: ... (exact: the loss has no KL term)`: jargon as a run's first line."""
+    config = load_config(None)
+    skipping, computing = (
+        SimpleNamespace(skip_zero_advantage=True),
+        SimpleNamespace(skip_zero_advantage=False),
+    )
+    lead = "gspo: completions that scored the same as the rest of their group teach nothing; they are "
+    assert skip_notice(config, skipping) == (
+        f"{lead}skipped in the updates, which changes no weight and saves their time (train.skip_zero_advantage)"
+    )
+    config.train.beta = 0.1
+    assert skip_notice(config, computing) == (
+        f"{lead}trained anyway: the KL term (train.beta > 0) depends on every one (train.skip_zero_advantage)"
+    )
+
+
 # ---- file format errors are one line with the file and the position; each command's
 # user errors exit with their kind's code (docs/reliability.md's table) ----------------------------------------
 def _gspo(capsys, *argv: str) -> tuple[int, str]:
@@ -192,7 +210,7 @@ def test_a_truncated_model_safetensors_is_one_line_naming_the_file_and_the_byte(
         assert code == EXIT_CODES["run folder"] and where in _one_line(err), err
     code, err = _gspo(capsys, "eval", str(weights.parent), str(TINY))  # a model folder: input
     assert code == EXIT_CODES["input"] and where in _one_line(err), err
-    code, err = _gspo(capsys, "export", str(run), "--format", "hf")  # the latest complete one, with a note
+    code, err = _gspo(capsys, "export", str(run))  # the latest complete one, with a note; hf by default
     assert code == 0 and f"note: skipping the incomplete checkpoint {weights.parent.parent}" in err
     assert (run / "export" / "step_000001-hf" / "model.safetensors").is_file()
 
@@ -444,6 +462,10 @@ def test_no_held_out_problems_trains_without_evaluations(tmp_path: Path, capsys)
     )
     captured = capsys.readouterr()
     assert "held-out accuracy" not in captured.out and f"run folder: {run}" in captured.out
+    # the end of a run says what to do next, with this run's commands
+    assert captured.out.endswith(next_steps(str(run)) + "\n")
+    for step in (f"{run}/summary.md", f"{run}/plots/", f"gspo eval {run} --samples 8", f"gspo export {run}"):
+        assert step in captured.out, step
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [(r["kind"], r["step"]) for r in rows] == [("train", 1), ("train", 2)]
     assert (run / "summary.md").is_file()
@@ -452,4 +474,25 @@ def test_no_held_out_problems_trains_without_evaluations(tmp_path: Path, capsys)
     assert (
         err
         == "error: task.num_eval=0: the task holds no problem out to evaluate; pass task.num_eval=N or --data FILE"
+    )
+
+
+def test_a_reward_file_on_the_command_line_is_named_as_written(tmp_path: Path, capsys, monkeypatch) -> None:
+    """`rewards={file.py:f: 1.0}` is read from the working directory, as any command-line path; its error
+    printed the key made absolute (`rewards./tmp/.../file.py:f`), which the user never wrote."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.py").write_text(
+        "def g(prompts, completions, **_):\n    return [0.0] * len(completions)\n"
+    )
+    run = f"output_dir={tmp_path / 'run'}"
+    code, err = _gspo(capsys, "train", TINY, run, "rewards={mine.py:f: 1.0}")
+    assert code == EXIT_CODES["config"]
+    assert (
+        _one_line(err) == "error: rewards.mine.py:f: reward 'mine.py:f': mine.py has no 'f'; callables: ['g']"
+    )
+    code, err = _gspo(capsys, "train", TINY, run, "rewards={nope.py:f: 1.0}")
+    assert code == EXIT_CODES["input"]
+    assert _one_line(err).startswith(
+        "error: rewards.nope.py:f: reward file not found: nope.py (read from the working directory when named "
+        "on the command line"
     )

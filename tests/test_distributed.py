@@ -453,6 +453,7 @@ def test_torchrun_runs_the_cli_on_two_processes(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.count("run folder:") == 1 and done.stdout.count("held-out accuracy:") == 1  # rank 0's
     lines = read_metrics(run)
     assert [r["step"] for r in lines if r["kind"] == "train"] == [1, 2]  # one writer: rank 0
     assert [r["step"] for r in lines if r["kind"] == "eval"] == [0, 2]

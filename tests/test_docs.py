@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 from gspo.config import load_config
 
@@ -48,7 +49,11 @@ ILLUSTRATIVE = re.compile(r"<!--\s*illustrative:\s*(.*?)\s*-->")
 SUBSTITUTIONS = [
     (re.compile(r"bash scripts/setup\.sh \w+ && "), ""),
     (re.compile(r"(gspo train)$"), r"\1 configs/tiny.yaml train.steps=2"),
-    (re.compile(r"(gspo train (?!configs/tiny\.yaml)\S+\.yaml.*)$"), r"\1 model.tiny=llama train.steps=2"),
+    # before a trailing comment, which would swallow them
+    (
+        re.compile(r"(gspo train (?!configs/tiny\.yaml)\S+\.yaml[^#]*?)(\s+#.*)?$"),
+        r"\1 model.tiny=llama train.steps=2\2",
+    ),
     (re.compile(r"^((?:bash|python) examples/\S+.*)$"), r"\1 --smoke"),
 ]
 PRELUDES = {
@@ -255,8 +260,21 @@ def test_readme_runs_top_to_bottom_on_the_tiny_model(tmp_path: Path) -> None:
         runs / "capitals" / "eval_gguf.json"
     ).is_file()
     assert "weights for your engine:" in output  # examples/trajectories/agent.py finished
+    # the end of a run says what to do next; each rollout batch's completions are kept
+    assert "next:\n" in output and "gspo export runs/tiny " in output
+    assert (runs / "tiny" / "completions.jsonl").read_text().count("\n") == 12 * 16  # resumed to 12
+    # both Python examples learn (a reward with spread; rows in memory, kept in the run folder)
+    assert output.count("\n0.0 1.0\n") == 2
+    assert (runs / "rows" / "data.jsonl").read_text().count("\n") == 100
+    # the reasoning-gym command ran, after the same set-up
+    configs = [yaml.safe_load(p.read_text()) for p in runs.glob("gspo-*/config.yaml")]
+    assert any(c["task"]["name"] == "reasoning_gym" for c in configs), configs
     if importlib.util.find_spec("llama_cpp") is not None:
         assert "llama.cpp: 'What is 3 + 4?" in output  # examples/lora_gguf read its GGUF through llama.cpp
+    else:  # not skipped silently: the line says why, and how to get it
+        assert (
+            "llama.cpp: not asked, llama-cpp-python is not installed (bash scripts/setup.sh server" in output
+        )
 
 
 @pytest.fixture(scope="session")

@@ -29,6 +29,7 @@ masking_utils._preprocess_mask_arguments = _preprocess_mask_arguments
 
 from openai.types.chat.chat_completion import Choice  # noqa: E402
 
+from conftest import run_example_smoke  # noqa: E402
 from gspo.integrations.art import GspoBackend  # noqa: E402
 from gspo.run.checkpoint import checkpoint_step, latest_checkpoint  # noqa: E402
 
@@ -144,15 +145,7 @@ def test_the_tic_tac_toe_example_judges_games_and_has_a_smoke_mode(tmp_path):
     tag, coordinate = example.MOVE_FORMATS["tag"], example.MOVE_FORMATS["coordinate"]
     assert tag.search("<move> C3 </move>").groups() == ("C", "3") and tag.search("I play B2.") is None
     assert coordinate.search("I play B2.").groups() == ("B", "2") and coordinate.search("B22, D1") is None
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run(
-        [sys.executable, str(script), "--smoke", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    run_example_smoke("art_tic_tac_toe", tmp_path)
     (row,) = json.loads((tmp_path / "results.json").read_text())["train"]
     # the tiny random model never writes <move>..</move>: every game ends at its first answer
     assert (row["step"], row["invalid"], row["reward_mean"]) == (1, 1.0, -1.0)

@@ -6,6 +6,7 @@ like a reward function's. Skipped without verifiers (pip install 'gspo[verifiers
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -13,7 +14,7 @@ import pytest
 vf = pytest.importorskip("verifiers.v1", reason="needs pip install 'gspo[verifiers]' (verifiers)")
 
 import gspo.learning.step as serve_step  # noqa: E402
-from conftest import tiny_config  # noqa: E402
+from conftest import run_example_smoke, tiny_config  # noqa: E402
 from gspo.client import Client  # noqa: E402
 from gspo.integrations.verifiers import harness_config, model_context, rollouts, train_step  # noqa: E402
 from gspo.integrations.verifiers_harness import CALLS  # noqa: E402
@@ -159,3 +160,15 @@ def test_a_server_key_reaches_the_server_through_verifiers_from_gspo_api_key(tmp
         assert episode.ok and len(episode.traces[0].info[CALLS]) == 1
     finally:
         running.stop()
+
+
+def test_the_example_trains_the_taskset_it_ships_in_its_smoke_mode(tmp_path):
+    """examples/verifiers_sums/train.py --smoke: its own taskset (sums_taskset.py) and in-process `gspo serve`
+    on the tiny model, the held-out accuracy measured, one step trained (15 s here)."""
+    done = run_example_smoke("verifiers_sums", tmp_path)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [row["step"] for row in results["train"]] == [1]
+    assert {"accuracy_before", "accuracy_after"} <= set(results)
+    assert "held-out accuracy: " in done.stdout
+    completions = (tmp_path / "run" / "completions.jsonl").read_text().splitlines()
+    assert len(completions) == 2 * 2  # the step's 2 tasks x 2 episodes, logged by the server

@@ -89,6 +89,35 @@ def test_resume_step_keeps_exactly_lines_up_to_the_checkpoint(tmp_path):
     assert _lines(tmp_path / "killed") == _lines(tmp_path / "full")
 
 
+def _rows(step: int, count: int) -> list[dict]:
+    return [
+        {"step": step, "prompt": f"p{i // 2}", "completion": f"c{i}", "reward": i / 2} for i in range(count)
+    ]
+
+
+def test_completions_are_kept_per_step_up_to_the_bound_and_roll_back_with_a_resume(tmp_path):
+    """RUN/completions.jsonl holds the first `completions_per_step` completions of each step (gspo train's
+    rollouts and gspo serve's train calls both log them here); a resume drops the later steps' lines into
+    completions.rolled_back.jsonl, as metrics.jsonl's; 0 writes no file."""
+    with MetricsLogger(tmp_path, report_to=(), completions_per_step=3) as logger:
+        for step in (1, 2, 3):
+            logger.log_samples(step, _rows(step, 4 + step))
+        logger.log_samples(
+            4, [*_rows(4, 2), {"step": 4, "prompt": "p", "completion": "c", "reward": float("nan")}]
+        )
+    lines = (tmp_path / "completions.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4]
+    assert json.loads(lines[1]) == {"step": 1, "prompt": "p0", "completion": "c1", "reward": 0.5}
+    assert json.loads(lines[-1])["reward"] is None  # NaN is not JSON: null, as in metrics.jsonl
+    with MetricsLogger(tmp_path, report_to=(), resume_step=2, completions_per_step=3):
+        pass
+    assert (tmp_path / "completions.jsonl").read_text().splitlines() == lines[:6]
+    assert (tmp_path / "completions.rolled_back.jsonl").read_text().splitlines() == lines[6:]
+    with MetricsLogger(tmp_path / "off", report_to=(), completions_per_step=0) as logger:
+        logger.log_samples(1, _rows(1, 4))
+    assert not (tmp_path / "off" / "completions.jsonl").exists()
+
+
 def test_truncated_last_line_is_skipped_and_repaired_on_append(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "kind": "train", "loss": 1.0}\n{"step": 2, "kind": "train", "lo')
@@ -212,7 +241,7 @@ def test_write_summary_reports_first_last_best_accuracy_and_totals(tmp_path):
     _synthetic_run(tmp_path, kl=False)
     text = write_summary(tmp_path)
     assert (tmp_path / "summary.md").read_text() == text
-    assert "Updates (train steps logged): 6, steps 1 to 6" in text
+    assert "- Rollout batches (or gspo serve train calls) trained: 6, steps 1 to 6" in text
     assert "Eval accuracy: first 0.1500 (step 3), last 0.3000 (step 6), best 0.3000 (step 6)" in text
     assert "Train reward mean: first 0.1000 (step 1), last 0.6000 (step 6)" in text
     assert "clip_frac_seq 0.2000" in text

@@ -28,7 +28,7 @@ import yaml
 
 import gspo.learning.step as serve_step
 import gspo.serve.generation as serve_generation
-from conftest import tiny_config
+from conftest import run_example_smoke, tiny_config
 from gspo.cli import main
 from gspo.client import Client, Episode, EpisodeGroup, completion_id
 from gspo.config import ConfigError, load_config
@@ -508,6 +508,21 @@ def test_a_repeated_request_id_is_applied_once(client, server) -> None:
     assert again["version"] == first["version"] == server.service.trainer.version and again["repeated"]
 
 
+def test_a_train_calls_completions_are_kept_in_the_run_folder(client, server) -> None:
+    """gspo serve logs the completions a train call trains as gspo train logs its rollouts: one line each
+    in RUN/completions.jsonl, at the step (policy version) they trained, with their trajectory's reward."""
+    replies = [_chat(client, QUESTION) for _ in range(2)]
+    episodes = [Episode([completion_id(r)], float(i)) for i, r in enumerate(replies)]
+    version = Client(server.url).train([EpisodeGroup(episodes)])["version"]
+    lines = (server.service.trainer.run_dir / "completions.jsonl").read_text().splitlines()
+    rows = [row for row in map(json.loads, lines) if row["step"] == version]
+    assert [(r["completion"], r["reward"]) for r in rows] == [
+        (reply.choices[0].message.content, float(i)) for i, reply in enumerate(replies)
+    ]
+    prompt = server.service.inference.tokenizer.decode(_extra(replies[0])["prompt_token_ids"])
+    assert rows[0]["prompt"] == prompt and "What is 2+3?" in prompt
+
+
 def test_client_gather_runs_the_rollout_g_times_per_scenario(server) -> None:
     api = Client(server.url)
 
@@ -608,7 +623,8 @@ def test_kill_9_during_a_train_call_then_resume_loses_nothing_acknowledged(tmp_p
         caller.join(30)
     finally:
         process.kill()
-    skip = (LOCK_FILE, "metrics.jsonl")  # the lock's record is rewritten; metrics: below
+    # the lock's record is rewritten; metrics (and completions, rolled back alike): below
+    skip = (LOCK_FILE, "metrics.jsonl", "completions.jsonl")
     kept = {path: path.stat().st_size for path in run.rglob("*") if path.is_file() and path.name not in skip}
     logged = (run / "metrics.jsonl").read_text().splitlines()
     process, url = _serve_process("--resume", str(run), "serve.port=0", cwd=tmp_path)
@@ -631,6 +647,9 @@ def test_kill_9_during_a_train_call_then_resume_loses_nothing_acknowledged(tmp_p
     finally:
         process.terminate()
         process.wait(30)
+    # dozens of requests, and no access line each (serve.access_log=false): the client's output stays its own
+    log = (tmp_path / "server.log").read_text()
+    assert "POST /v1/chat/completions" not in log and "POST /v1/train" not in log, log[-2000:]
 
 
 def test_chat_prompts_splice_the_recorded_tokens_not_a_retokenisation() -> None:
@@ -734,16 +753,7 @@ def test_records_are_bounded_and_expire(monkeypatch) -> None:
 def test_the_agent_guess_example_has_a_smoke_mode(tmp_path: Path) -> None:
     """`examples/agent_guess/train.py --smoke`, like the other examples: its own `gspo serve` of the tiny
     random model, one step of two games, the held-out games measured before and after (about 30 s here)."""
-    script = Path(__file__).resolve().parents[1] / "examples" / "agent_guess" / "train.py"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run(
-        [sys.executable, str(script), "--smoke", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    run_example_smoke("agent_guess", tmp_path)
     results = json.loads((tmp_path / "results.json").read_text())
     assert [e["step"] for e in results["evals"]] == [0, 1] and [t["step"] for t in results["train"]] == [1]
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"]["tiny"] == "llama"

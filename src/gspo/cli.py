@@ -1,6 +1,6 @@
 """Command line: `gspo train [CONFIG] [key=value ...] [--resume RUN_DIR [--force]]`, `gspo serve [CONFIG]
 [key=value ...] [--resume RUN_DIR]`, `gspo eval [TARGET] [CONFIG] [key=value ...]`, `gspo export RUN_DIR
---format hf|gguf`, `gspo plot RUN_DIR`, `gspo config`.
+[--format hf|gguf]`, `gspo plot RUN_DIR`, `gspo config`.
 
 A user's error (a config, data, model, run folder, disk, reward function or server problem) prints one
 line naming the problem and the fix, and exits with that kind's code (`EXIT_CODES`); `--debug` shows the
@@ -14,6 +14,7 @@ import contextlib
 import errno
 import math
 import os
+import shlex
 import sys
 import typing
 import warnings
@@ -133,6 +134,7 @@ def classify(error: BaseException) -> tuple[str, str] | None:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from gspo.parallel.group import launched_rank
     from gspo.run.allocator import keep_freed_memory
     from gspo.training.trainer import train
 
@@ -162,11 +164,26 @@ def _train(args: argparse.Namespace) -> int:
         trust_run_code=args.trust_run_code,
         from_step=args.from_step,
     )
+    if launched_rank() != 0:  # under torchrun rank 0 speaks for the run
+        return 0
     first, last = result["eval_accuracy_first"], result["eval_accuracy_last"]
     if first is not None:
         print(f"held-out accuracy: {first:.3f} -> {last:.3f}")
     print(f"run folder: {result['run_dir']}")
+    print(next_steps(result["run_dir"]))
     return 0
+
+
+def next_steps(run_dir: str) -> str:
+    """What a finished run's user can do next, with the commands for this run folder."""
+    run = shlex.quote(str(run_dir))
+    steps = [
+        (f"{os.path.join(run_dir, 'summary.md')}, {os.path.join(run_dir, 'plots', '')}", "what the run did"),
+        (f"gspo eval {run} --samples 8", "score the last checkpoint again: pass@k and mean@8"),
+        (f"gspo export {run}", "the model for transformers or vLLM (--format gguf: llama.cpp, Ollama)"),
+    ]
+    width = max(len(what) for what, _ in steps)
+    return "next:\n" + "\n".join(f"  {what.ljust(width)}  {why}" for what, why in steps)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -407,12 +424,18 @@ def _add_eval(commands: typing.Any, common: argparse.ArgumentParser) -> None:
 
 
 def _add_export(commands: typing.Any, common: argparse.ArgumentParser) -> None:
-    """`gspo export RUN_DIR --format hf|gguf`."""
+    """`gspo export RUN_DIR [--format hf|gguf]`."""
     export = commands.add_parser(
         "export", parents=[common], help="a run's checkpoint as a Hugging Face directory or GGUF file"
     )
     export.add_argument("run_dir")
-    export.add_argument("--format", choices=["hf", "gguf"], required=True)
+    export.add_argument(
+        "--format",
+        choices=["hf", "gguf"],
+        default="hf",
+        help="hf: a Hugging Face folder, LoRA merged (transformers, vLLM, SGLang; the default); gguf: one "
+        "file for llama.cpp, Ollama, LM Studio",
+    )
     export.add_argument("--quant", choices=typing.get_args(GGUFQuant), help="GGUF weight type (default: f16)")
     export.add_argument("--step", type=_count(0), help="the checkpoint of this step (default: the latest)")
     export.add_argument("--output", help="default: RUN_DIR/export/step_N-hf/ or step_N-QUANT.gguf")

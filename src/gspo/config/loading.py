@@ -7,26 +7,22 @@ expected type. The resolved config is written into the run folder as ``config.ya
 from __future__ import annotations
 
 import ast
-import contextlib
 import copy
 import dataclasses
-import difflib
 import inspect
 import itertools
-import math
 import os
 import textwrap
-import types
-import typing
 import warnings
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 
 from gspo.config.checks import validate
-from gspo.config.rules import shown
-from gspo.config.schema import Config, ConfigError
+from gspo.config.schema import Config
+from gspo.config.section import Section, unknown_key
+from gspo.config.values import ConfigError, shown
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -50,86 +46,21 @@ def to_dict(config: Any) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
 
-def _closest(name: str, options: list[str]) -> str:
-    match = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
-    return f"; did you mean {match[0]!r}?" if match else f"; valid keys: {', '.join(options)}"
-
-
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Check `value` against the annotation `tp`; return it (ints widen to floats)."""
-    if tp is Any:  # free-form values (task.dataset_config), checked where they are used
-        return value
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, where)
-            except ConfigError as error:
-                errors.append(str(error))
-        raise ConfigError(
-            errors[0] if len(errors) == 1 else f"{where}: {shown(value)} is not a {_type_name(tp)}"
-        )
-    if origin is Literal:
-        if value not in args:
-            choices = ", ".join(repr(a) for a in args)
-            raise ConfigError(f"{where}: {shown(value)} is not one of {choices}")
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected a list, got {shown(value)}")
-        return [_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {shown(value)}")
-        return {_coerce(k, args[0], where): _coerce(v, args[1], f"{where}.{k}") for k, v in value.items()}
-    if tp is float:
-        if isinstance(value, str):  # PyYAML reads "1e-5" (no dot) as a string
-            with contextlib.suppress(ValueError):
-                value = float(value)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: expected a number, got {shown(value)}")
-        if not math.isfinite(value):  # NaN passes every `<= 0` check
-            raise ConfigError(f"{where}: expected a finite number, got {shown(value)}")
-        return float(value)
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {shown(value)}")
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {shown(value)}")
-        return value
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {shown(value)}")
-        return value
-    raise ConfigError(f"{where}: unsupported type {tp}")
-
-
-def _apply(target: Any, values: dict[str, Any], prefix: str) -> None:
-    hints = typing.get_type_hints(type(target))
+def _apply(target: Section, values: dict[str, Any], prefix: str) -> None:
+    """`values` set into the section `target`, a mapping into its subsection key by key (a file sets some
+    keys of a section, the defaults keep the rest); each value is checked as it is set."""
     names = [f.name for f in dataclasses.fields(target)]
     for key, value in values.items():
         where = f"{prefix}{key}"
         if key not in names:
-            raise ConfigError(f"unknown config key {shown(where)}{_closest(str(key)[:100], names)}")
+            raise ConfigError(unknown_key(type(target), key))
         current = getattr(target, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
                 raise ConfigError(f"{where}: expected a mapping of its fields, got {shown(value)}")
             _apply(current, value, f"{where}.")
         else:
-            setattr(target, key, _coerce(value, hints[key], where))
+            setattr(target, key, value)
 
 
 def _nest(key: str, value: Any) -> dict[str, Any]:
@@ -246,9 +177,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         shown = repr(override if len(override) <= 120 else override[:100] + "...")  # messages stay one line
         if not sep or not key:
             raise ConfigError(f"override {shown} is not of the form section.key=value (e.g. train.lr=1e-5)")
+        value = None
         try:
-            _apply(config, _rename_keys(_nest(key, _read_yaml(raw) if raw else ""), override), "")
+            value = _read_yaml(raw) if raw else ""
+            _apply(config, _rename_keys(_nest(key, value), override), "")
         except (ConfigError, yaml.YAMLError) as error:
+            if isinstance(error, ConfigError) and isinstance(value, str):  # refused as the text it is
+                raise
             # YAML reads some plain strings as other types ("-" is a list, "on" a bool): a string field
             # takes the text as written
             try:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gspo.config.schema import Config, ConfigError
+from gspo.config.values import ConfigError, shown
 
 SEED_MAX = 2**32 - 1
 """numpy's and torch's seeds are 32-bit unsigned."""
@@ -133,6 +133,7 @@ RULES: dict[str, Rule] = {
     "output_dir": non_empty("an empty path would be the current folder"),
     "project": non_empty("the trackers' project name"),
     "report_to": names("each tracker once; []: metrics.jsonl only"),
+    "completions_per_step": at_least(0, "0: none").upto(BATCH_MAX, "completions of one rollout batch"),
     "device": Rule(lambda v: _DEVICE.fullmatch(v) is not None, '"auto", "cpu", "cuda" or "cuda:N"'),
     "model.path": non_empty("a model directory or a .gguf file"),
     "model.attn_implementation": non_empty('transformers\' attention, e.g. "sdpa" or "eager"'),
@@ -257,30 +258,29 @@ ANY_VALUE = {
 """Keys that take any value of their type, and why."""
 
 
-def shown(value: Any, limit: int = 100) -> str:
-    """repr(value), cut to about `limit` characters: a message stays one readable line."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def value_of(config: Config, key: str) -> Any:
+def value_of(config: Any, key: str) -> Any:
     return functools.reduce(getattr, key.split("."), config)
 
 
-def check_values(config: Config) -> None:
-    """Every key's value against its rule (`RULES`); the first that fails is a ConfigError naming the key,
-    what it must be, the value, and why."""
-    for key, rule in RULES.items():
-        value = value_of(config, key)
-        if value is None:
-            continue
-        if not _passes(rule, value):
-            why = f": {rule.why}" if rule.why else ""
-            if key == "rollout.openai.url":
-                why = f": {http_url_problem(value)}"
-            raise ConfigError(f"{key} must be {rule.must}, got {shown(value)}{why}")
-        if rule.most is not None and value > rule.most:
-            raise ConfigError(f"{key} must be at most {rule.most:,}, got {shown(value)}: {rule.most_why}")
+def check_values(config: Any) -> None:
+    """Every key's value of a `Config` against its rule (`RULES`); the first that fails is a ConfigError
+    naming the key, what it must be, the value, and why."""
+    for key in RULES:
+        check_value(key, value_of(config, key))
+
+
+def check_value(key: str, value: Any) -> None:
+    """`value` of `key` against its rule, if it has one (None: the default, not checked)."""
+    rule = RULES.get(key)
+    if rule is None or value is None:
+        return
+    if not _passes(rule, value):
+        why = f": {rule.why}" if rule.why else ""
+        if key == "rollout.openai.url":
+            why = f": {http_url_problem(value)}"
+        raise ConfigError(f"{key} must be {rule.must}, got {shown(value)}{why}")
+    if rule.most is not None and value > rule.most:
+        raise ConfigError(f"{key} must be at most {rule.most:,}, got {shown(value)}: {rule.most_why}")
 
 
 def _passes(rule: Rule, value: Any) -> bool:

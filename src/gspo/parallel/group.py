@@ -26,6 +26,12 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def launched_rank() -> int:
+    """RANK from torchrun's environment (0 when not launched by torchrun): still known after the process
+    group is gone."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def resolve_backend(requested: str, device_type: str) -> str:
     """The backend to use; "auto" is NCCL for CUDA tensors, gloo for CPU ones."""
     if requested != "auto":

@@ -23,7 +23,7 @@ import io
 import json
 import random
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,9 @@ __all__ = [
     "batch_fields",
     "count_letter_task",
     "format_prompt",
+    "jsonl_lines",
     "load_examples",
+    "rows_examples",
     "split_eval",
 ]
 
@@ -243,27 +245,77 @@ def load_examples(
             "with datasets' save_to_disk"
         )
 
+    return _examples(rows, str(path), prompt_field, tuple(answer_fields))
+
+
+def rows_examples(
+    rows: Any, *, prompt_field: str = "prompt", answer_fields: Sequence[str] = ("answer",)
+) -> list[Example]:
+    """Examples from rows in memory, as `load_examples` reads a file's: a `datasets.Dataset` (a
+    DatasetDict's "train" split), or a list of mappings. Errors name the row as "data row N"."""
+    if isinstance(rows, (str, Path)):
+        raise DataError(
+            f"data={str(rows)!r} is a path: data= takes the rows themselves (a datasets.Dataset or a list of "
+            "dicts); a file goes in task.data_path"
+        )
+    if hasattr(rows, "keys") and hasattr(rows, "column_names"):  # a DatasetDict: splits by name
+        rows = _train_split(rows, "data")
+    if not hasattr(rows, "__iter__") or isinstance(rows, dict):
+        raise DataError(
+            f"data= takes rows (a datasets.Dataset or a list of dicts), got a {type(rows).__name__}"
+        )
+    if isinstance(answer_fields, str):
+        answer_fields = (answer_fields,)
+    return _examples(enumerate(rows, start=1), "data", prompt_field, tuple(answer_fields))
+
+
+def _examples(
+    rows: Iterable[tuple[int, Any]], where: str, prompt_field: str, answer_fields: tuple[str, ...]
+) -> list[Example]:
+    """One Example per (row number, row); a row without a field, or with a prompt that is not text, is a
+    DataError naming `where` and the row."""
     examples = []
     for row_number, row in rows:
-        if not isinstance(row, dict):
-            raise DataError(f"{path}: row {row_number} is a {type(row).__name__}, expected an object")
+        if not isinstance(row, Mapping):
+            raise DataError(f"{where}: row {row_number} is a {type(row).__name__}, expected an object")
         for name in (prompt_field, *answer_fields):
             if row.get(name) is None:
                 raise DataError(
-                    f"{path}: row {row_number} has no field {name!r} (or it is null); "
-                    f"the row has fields {sorted(row)}"
+                    f"{where}: row {row_number} has no field {name!r} (or it is null); "
+                    f"the row has fields {sorted(row)} (set task.prompt_field, task.answer_fields)"
                 )
         prompt = row[prompt_field]
         if not isinstance(prompt, str):
+            chat = (
+                " (a list of chat messages: put the user message's text in it)"
+                if isinstance(prompt, list)
+                else ""
+            )
             raise DataError(
-                f"{path}: row {row_number}: field {prompt_field!r} must be a string, "
-                f"got {type(prompt).__name__}"
+                f"{where}: row {row_number}: field {prompt_field!r} must be a string, "
+                f"got {type(prompt).__name__}{chat}"
             )
         fields = {name: row[name] for name in answer_fields}
-        examples.append(Example(prompt, fields, source=f"{path} row {row_number}"))
+        examples.append(Example(prompt, fields, source=f"{where} row {row_number}"))
     if not examples:
-        raise DataError(f"{path}: no examples found")
+        raise DataError(f"{where}: no examples found")
     return examples
+
+
+def jsonl_lines(examples: Sequence[Example], prompt_field: str) -> str:
+    """The examples as a JSONL file's text that `load_examples` reads back as the same examples (in order):
+    where a run keeps the rows it was given in memory. A value JSON cannot hold is a DataError."""
+    lines = []
+    for example in examples:
+        row = {prompt_field: example.prompt, **example.fields}
+        try:
+            lines.append(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n")
+        except (TypeError, ValueError) as error:
+            raise DataError(
+                f"{example.source}: {error}: the run folder keeps the rows as JSON lines; convert the value "
+                "to a number, a string, a list or a mapping"
+            ) from None
+    return "".join(lines)
 
 
 def _read_text(path: Path) -> str:
@@ -332,14 +384,19 @@ def _dataset_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         ) from error
     dataset = datasets.load_from_disk(str(path))
     if isinstance(dataset, datasets.DatasetDict):
-        if "train" not in dataset:
-            raise DataError(
-                f"{path}: a DatasetDict without a 'train' split (splits: {sorted(dataset)}); "
-                "save the split to use with dataset[split].save_to_disk(...)"
-            )
-        dataset = dataset["train"]
+        dataset = _train_split(dataset, str(path))
     for index, row in enumerate(dataset):
         yield index + 1, row
+
+
+def _train_split(splits: Any, where: str) -> Any:
+    """The "train" split of a DatasetDict."""
+    if "train" not in splits:
+        raise DataError(
+            f"{where}: a DatasetDict without a 'train' split (splits: {sorted(splits)}); pass the split to "
+            "use, dataset[split]"
+        )
+    return splits["train"]
 
 
 def split_eval(

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 import os
 import random
 import tempfile
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,6 +96,20 @@ def _kept_process_state() -> Iterator[None]:
         np.random.set_state(states[2])
 
 
+@contextlib.contextmanager
+def _quiet_start() -> Iterator[None]:
+    """vLLM's start-up notes, which need nothing from a gspo user (no tokenizer, no LD_PRELOAD, thread
+    binding, no Triton for CPUs), at VLLM_LOGGING_LEVEL (ERROR unless you set it): also the ones it logs
+    while importing, before its logging is set up, which Python's last-resort handler would print; and
+    torch's FutureWarning for `torch.distributed.reduce_op`, which vLLM's code triggers. A C++ warning of its
+    CPU worker (NUMA binding) bypasses both: TORCH_CPP_LOG_LEVEL=ERROR, set before torch starts, hides it."""
+    level = os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    logging.getLogger("vllm").setLevel(level.upper())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"`torch\.distributed\.reduce_op` is deprecated", FutureWarning)
+        yield
+
+
 @dataclass
 class VLLMSampler:
     """G samples per prompt from a `vllm.LLM` in this process, started on the policy's current weights
@@ -125,12 +141,15 @@ class VLLMSampler:
             )
         # in this process, so that a weight sync hands vLLM the tensors themselves, not pickled copies
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        # its start-up warnings (no tokenizer, no LD_PRELOAD, thread binding) need nothing from a gspo user
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-        from vllm import LLM
+        with _quiet_start():
+            from vllm import LLM
 
         self.dtype = self.dtype or next(self.model.parameters()).dtype
-        with _kept_process_state(), tempfile.TemporaryDirectory(prefix="gspo-vllm-") as folder:
+        with (
+            _kept_process_state(),
+            _quiet_start(),
+            tempfile.TemporaryDirectory(prefix="gspo-vllm-") as folder,
+        ):
             write_model_folder(self.model, Path(folder))
             self.llm = LLM(
                 model=folder,
@@ -144,6 +163,7 @@ class VLLMSampler:
                 enable_chunked_prefill=False,
                 logprobs_mode="processed_logprobs",
                 seed=self.seed,
+                use_tqdm_on_load=False,  # a bar for reading a temporary folder
             )
 
     def generate(

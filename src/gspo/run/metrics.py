@@ -5,6 +5,8 @@ Each line is ``{"step": int, "kind": "train" | "eval", <key>: float | int | null
 source of truth: plots and the summary (``gspo.training.plots``) are drawn from it, and a resumed run rewrites it
 to the lines at or before its checkpoint's step, so that a run killed and resumed ends with exactly the
 lines of an uninterrupted one; the lines it drops are appended to ``metrics.rolled_back.jsonl``.
+``completions.jsonl`` keeps sampled completions the same way, one line each (``{"step", "prompt",
+"completion", "reward"}``), at most ``completions_per_step`` per step.
 
 Deliberate choices:
 - Non-finite floats are written as ``null``: ``NaN`` is not valid JSON and breaks other readers (jq, pandas
@@ -30,11 +32,11 @@ import torch
 
 from gspo.learning.reduction import tensors_to_floats
 from gspo.run.paths import run_path
-from gspo.run.trackers import Tracker, open_trackers
+from gspo.run.trackers import SAMPLE_COLUMNS, Tracker, open_trackers
 
 METRICS_FILE = "metrics.jsonl"
-ROLLED_BACK_FILE = "metrics.rolled_back.jsonl"
-"""Where a resume moves the lines logged after the checkpoint it resumes (appended, never deleted)."""
+COMPLETIONS_FILE = "completions.jsonl"
+"""Sampled completions, at most `completions_per_step` lines per step (`MetricsLogger.log_samples`)."""
 KINDS = ("train", "eval")
 
 
@@ -78,6 +80,39 @@ def _json_value(value: float | int | None) -> float | int | None:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
+
+
+def _json_row_value(value: Any) -> Any:
+    """A completion row's value for JSON: a non-finite reward as null (metrics' rule), text as it is."""
+    return _json_value(float(value)) if isinstance(value, numbers.Real) else value
+
+
+def _prepare_file(run_dir: Path, name: str, resume_step: int | None) -> None:
+    """Drop a truncated last line of ``run_dir/name``, and on resume the lines after ``resume_step``
+    (appended to ``name``'s ``.rolled_back.jsonl``), atomically."""
+    path = run_path(run_dir, name)
+    if not path.is_file():
+        return
+    text = path.read_text(encoding="utf-8")
+    if resume_step is None and (not text or text.endswith("\n")):
+        return
+    records = _parse_lines(text, path)
+    kept = [line for line, record in records if resume_step is None or record["step"] <= resume_step]
+    dropped = [line for line, record in records if resume_step is not None and record["step"] > resume_step]
+    if dropped:  # kept aside, not deleted: they may be all that is left of a run's later steps
+        aside = run_path(run_dir, name.replace(".jsonl", ".rolled_back.jsonl"))
+        with open(aside, "a", encoding="utf-8") as handle:
+            handle.write("".join(line + "\n" for line in dropped))
+            handle.flush()
+            os.fsync(handle.fileno())
+        print(
+            f"note: {path}: {len(dropped)} line(s) after step {resume_step}, the checkpoint resumed, "
+            f"appended to {aside}",
+            file=sys.stderr,
+        )
+    tmp = run_path(run_dir, name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def _parse_lines(text: str, path: Path) -> list[tuple[str, dict[str, Any]]]:
@@ -142,42 +177,20 @@ class MetricsLogger:
         config: Mapping[str, Any] | None = None,
         project: str = "gspo",
         resume_step: int | None = None,
+        completions_per_step: int = 0,
     ):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_path(self.run_dir, METRICS_FILE)
-        self._prepare_file(resume_step)
+        self.completions_path = run_path(self.run_dir, COMPLETIONS_FILE)
+        self.completions_per_step = completions_per_step
+        for name in (METRICS_FILE, COMPLETIONS_FILE):  # both end at the step resumed, as if never killed
+            _prepare_file(self.run_dir, name, resume_step)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        self._completions: Any = None  # opened by the first completions written
         self._trackers: list[Tracker] = open_trackers(
             self.run_dir, report_to, config=config, project=project, resume_step=resume_step
         )
-
-    def _prepare_file(self, resume_step: int | None) -> None:
-        """Drop a truncated last line, and on resume the lines after ``resume_step``, atomically."""
-        if not self.path.is_file():
-            return
-        text = self.path.read_text(encoding="utf-8")
-        if resume_step is None and (not text or text.endswith("\n")):
-            return
-        records = _parse_lines(text, self.path)
-        kept = [line for line, record in records if resume_step is None or record["step"] <= resume_step]
-        dropped = [
-            line for line, record in records if resume_step is not None and record["step"] > resume_step
-        ]
-        if dropped:  # kept aside, not deleted: they may be all that is left of a run's later steps
-            aside = run_path(self.run_dir, ROLLED_BACK_FILE)
-            with open(aside, "a", encoding="utf-8") as handle:
-                handle.write("".join(line + "\n" for line in dropped))
-                handle.flush()
-                os.fsync(handle.fileno())
-            print(
-                f"note: {self.path}: {len(dropped)} line(s) after step {resume_step}, the checkpoint resumed, "
-                f"appended to {aside}",
-                file=sys.stderr,
-            )
-        tmp = run_path(self.run_dir, METRICS_FILE + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-        os.replace(tmp, self.path)
 
     def log(
         self, step: int, metrics: Mapping[str, float | int | torch.Tensor], *, kind: str = "train"
@@ -201,16 +214,30 @@ class MetricsLogger:
             tracker.log(step, named)
 
     def log_samples(self, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
-        """A table of completions (rows of gspo.run.trackers.SAMPLE_COLUMNS) for the trackers that
-        have tables; metrics.jsonl holds numbers only."""
+        """A step's completions, rows of gspo.run.trackers.SAMPLE_COLUMNS: the first
+        ``completions_per_step`` as lines of ``run_dir/completions.jsonl`` (flushed, as metrics), and all
+        of them as a table for the trackers that have tables; metrics.jsonl holds numbers only."""
+        kept = rows[: self.completions_per_step]
+        if kept:
+            if self._completions is None:
+                self._completions = open(self.completions_path, "a", encoding="utf-8")  # noqa: SIM115
+            lines = [
+                json.dumps(
+                    {"step": int(step), **{c: _json_row_value(row[c]) for c in SAMPLE_COLUMNS if c != "step"}}
+                )
+                for row in kept
+            ]
+            self._completions.write("".join(line + "\n" for line in lines))
+            self._completions.flush()
         for tracker in self._trackers:
             tracker.log_samples(step, rows)
 
     def close(self, summary: Mapping[str, Any] | None = None) -> None:
-        """Close the file and end the tracker runs; ``summary``: the finished run's numbers and summary
+        """Close the files and end the tracker runs; ``summary``: the finished run's numbers and summary
         text for the trackers (None: the run stopped, e.g. `gspo serve` shutting down)."""
-        if not self._file.closed:
-            self._file.close()
+        for handle in (self._file, self._completions):
+            if handle is not None and not handle.closed:
+                handle.close()
         trackers, self._trackers = self._trackers, []
         for tracker in trackers:
             tracker.close(summary)

@@ -28,6 +28,7 @@ RUN_MARKER = ".gspo_run"
 RUN_FILES = (
     "config.yaml",
     "metrics.jsonl",
+    "completions.jsonl",
     "summary.md",
     "tensorboard",
     "wandb",
@@ -54,6 +55,7 @@ RESUMABLE = frozenset(
         "checkpoint.keep",
         "report_to",
         "progress",
+        "completions_per_step",
         "reward_timeout",
         "rollout.openai.timeout",
         "rollout.openai.concurrency",

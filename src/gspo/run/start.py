@@ -126,6 +126,7 @@ class Run:
                 config=to_dict(self.config),
                 project=self.config.project,
                 resume_step=resume_step,
+                completions_per_step=self.config.completions_per_step,
             )
             if is_main()
             else SilentLogger()

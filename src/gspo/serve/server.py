@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from gspo.config import Config, ConfigError, load_config, validate
+from gspo.config import Config, ConfigError, ServeConfig, load_config, validate
 from gspo.config.checks import LOOPBACK
 from gspo.rollout.engine import Engine
 from gspo.run.resume import resume_config
@@ -179,18 +179,29 @@ def serve(
         + (", API key required" if key else ""),
         flush=True,
     )
-    # stdout carries the one line above (scripts read the address from it); the request log goes to stderr,
-    # so a reader that stops after that line cannot block the server on a full pipe
-    logging = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
-    logging["handlers"]["access"]["stream"] = "ext://sys.stderr"
-    config = uvicorn.Config(
-        create_app(service), log_level="info", log_config=logging, timeout_graceful_shutdown=5
-    )
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(create_app(service), resolved.serve))
     try:
         server.run(sockets=[sock])
     finally:
         close_service(service)
+
+
+def uvicorn_config(app: Any, serve: ServeConfig) -> Any:
+    """How uvicorn runs `gspo serve`: its start-up and error lines, and a line per request only with
+    serve.access_log (an agent's training sends thousands, which buried the client's own output)."""
+    import uvicorn
+
+    # stdout carries the server's address line (scripts read it); uvicorn's log goes to stderr, so a
+    # reader that stops after that line cannot block the server on a full pipe
+    logging = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    logging["handlers"]["access"]["stream"] = "ext://sys.stderr"
+    return uvicorn.Config(
+        app,
+        log_level="info",
+        log_config=logging,
+        access_log=serve.access_log,
+        timeout_graceful_shutdown=5,
+    )
 
 
 @dataclass

@@ -24,7 +24,7 @@ from gspo.run.start import Run, run_attribute
 from gspo.serve.driver import Driver
 from gspo.serve.protocol import ServeError, TrainRequest
 from gspo.serve.records import RecordStore
-from gspo.serve.updates import Snapshot, prepare_update, resolve, run_update
+from gspo.serve.updates import Snapshot, completion_rows, prepare_update, resolve, run_update
 
 REMEMBERED_CALLS = 64
 """Train calls whose answers are kept (and checkpointed) by request_id, so a retried call is not applied twice."""
@@ -76,12 +76,13 @@ class TrainService:
                 return self.answers[request.request_id] | {"repeated": True}
             rebuilt = resolve(request, self.records, self.version, serve.max_staleness)  # versions moved?
             update = prepare_update(request, rebuilt, self.config, self.policy, self.spec, self.version)
-            return await self._apply(request, update)
+            rows = completion_rows(request, rebuilt, self.run.tokenizer, self.config.completions_per_step)
+            return await self._apply(request, update, rows)
         finally:
             self.state = "idle"
             self._lock.release()
 
-    async def _apply(self, request: TrainRequest, update: Any) -> dict[str, Any]:
+    async def _apply(self, request: TrainRequest, update: Any, rows: list[dict[str, Any]]) -> dict[str, Any]:
         wait = self.config.serve.during_update == "wait"
         t0 = time.perf_counter()
         if wait:
@@ -108,7 +109,7 @@ class TrainService:
                 "checkpoint": None,
                 "request_id": request.request_id,
             }
-            path = await self._record_step(metrics, request.request_id, answer)
+            path = await self._record_step(metrics, request.request_id, answer, rows)
             for record in update.completions:  # the step is taken: none of them trains again
                 record.trained_in = self.version
             answer["checkpoint"] = str(path) if path is not None else None
@@ -128,13 +129,18 @@ class TrainService:
         )
 
     async def _record_step(
-        self, metrics: dict[str, float], request_id: str | None, answer: dict[str, Any]
+        self,
+        metrics: dict[str, float],
+        request_id: str | None,
+        answer: dict[str, Any],
+        rows: list[dict[str, Any]],
     ) -> Path | None:
-        """Version + 1, its metrics logged, its answer remembered, and (durable) its checkpoint on disk; a
-        checkpoint that fails undoes the step."""
+        """Version + 1, its metrics and completions logged, its answer remembered, and (durable) its
+        checkpoint on disk; a checkpoint that fails undoes the step."""
         self.version += 1
         self.last_metrics = metrics
         self.logger.log(self.version, metrics)
+        self.logger.log_samples(self.version, [{"step": self.version, **row} for row in rows])
         self._remember(request_id, answer)  # before the checkpoint, which keeps it
         every = self.config.checkpoint.every
         if not (self.config.serve.durable or (every and self.version % every == 0)):

@@ -363,6 +363,23 @@ def prepare_update(
     return Update(samples, records, relayout, replace(spec, old_logprobs=mode), seed, metrics, report)
 
 
+def completion_rows(
+    request: TrainRequest, rebuilt: list[Rebuilt], tokenizer: Any, limit: int
+) -> list[dict[str, Any]]:
+    """The first `limit` completions a train call trains, one row per turn as `gspo train` logs its
+    samples (gspo.run.metrics.MetricsLogger.log_samples): the prompt the engine continued, the text it
+    answered, the trajectory's reward."""
+    rows: list[dict[str, Any]] = []
+    for item in rebuilt:
+        reward = request.groups[item.group].trajectories[item.index].reward
+        for record in item.records:
+            if len(rows) == limit:
+                return rows
+            prompt = tokenizer.decode(list(record.prompt_ids))
+            rows.append({"prompt": prompt, "completion": record.content, "reward": reward})
+    return rows
+
+
 def run_update(policy: Policy, update: Update, snapshot: Snapshot) -> dict[str, float]:
     """The updates of a train call (gspo.learning.step, as `gspo train`'s); on any failure (or a
     non-finite loss or gradient) the policy is put back as it was and the error raised."""

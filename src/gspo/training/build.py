@@ -4,17 +4,19 @@ and the old-policy log-probs choice (the run folder and the policy: gspo.run).""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import math
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from gspo.config import Config, ConfigError
+from gspo.config.loading import code_file
 from gspo.core.layout import TokenSequence, make_micro_batches
 from gspo.learning.learner import place
 from gspo.learning.policy import Policy, UpdateSpec, score
@@ -25,6 +27,7 @@ from gspo.rollout.data import (
     arithmetic_task,
     format_prompt,
     load_examples,
+    rows_examples,
     split_eval,
 )
 from gspo.rollout.reasoning_gym import reasoning_gym_task
@@ -32,13 +35,17 @@ from gspo.rollout.rewards import RewardFunction, resolve_reward, with_timeout
 from gspo.rollout.samplers import Sampler, tokenize_prompts
 from gspo.rollout.user_code import CodeFileError
 from gspo.rollout.vllm_engine import VLLMSampler
+from gspo.run.paths import run_path
 
 
-def build_examples(config: Config) -> tuple[list[Example], list[Example]]:
-    """The (train, eval) problems of the configured task; deterministic for `task.seed`."""
+def build_examples(config: Config, given: list[Example] | None = None) -> tuple[list[Example], list[Example]]:
+    """The (train, eval) problems of the configured task, or of the examples `given` (rows passed in
+    memory); deterministic for `task.seed`."""
     task = config.task
     try:
-        if task.name == "file":
+        if given is not None:
+            examples = given
+        elif task.name == "file":
             if task.data_path is not None and not Path(task.data_path).exists():
                 raise FileNotFoundError(
                     f"task.data_path: data file not found: {task.data_path} (a path in a config file is read "
@@ -77,15 +84,60 @@ def build_examples(config: Config) -> tuple[list[Example], list[Example]]:
         raise ConfigError(f"task: {error} (see task.num_train, task.num_eval)") from error
 
 
+RewardFunctions = Mapping[str, RewardFunction] | Sequence[RewardFunction] | RewardFunction
+"""Python reward functions: by name, or a list (or one) named by their own names, as TRL's reward_funcs."""
+
+
+def named_rewards(functions: RewardFunctions | None) -> dict[str, RewardFunction]:
+    """`functions` by name: a mapping as it is, a list of functions (or one) by each function's __name__.
+    A name that is not a function's own (a lambda's, a partial's), a repeated name, or an item that is not
+    callable is a ConfigError naming the item and the fix."""
+    if functions is None:
+        return {}
+    if isinstance(functions, Mapping):
+        named = dict(functions)
+    elif isinstance(functions, (str, bytes)):
+        raise ConfigError(
+            f"reward_functions={functions!r} is a name: reward_functions takes the functions themselves; a "
+            f"built-in or a file's function goes in config.rewards (e.g. rewards={{{functions!r}: 1.0}})"
+        )
+    else:
+        listed = [functions] if callable(functions) else list(functions)
+        named = {}
+        for index, function in enumerate(listed):
+            name = getattr(function, "__name__", None) if callable(function) else None
+            if callable(function) and name in (None, "<lambda>"):
+                what = "a lambda" if name else f"a {type(function).__name__}"
+                raise ConfigError(
+                    f"reward_functions[{index}] is {what}, which has no name of its own: name it with a "
+                    "dict, reward_functions={'my_reward': f, ...}"
+                )
+            if name in named:
+                raise ConfigError(
+                    f"reward_functions[{index}]: two functions are named {name!r} (metrics and the eval "
+                    "accuracy name each reward): name them with a dict, reward_functions={'a': f, 'b': g}"
+                )
+            named[name or index] = function
+    for name, function in named.items():
+        if not callable(function):
+            key = function if isinstance(function, str) else "exact_answer"
+            raise ConfigError(
+                f"reward_functions[{name!r}] is a {type(function).__name__}, not a function: a built-in or a "
+                f"file's function goes in config.rewards (e.g. rewards={{{key!r}: 1.0}})"
+            )
+    return named
+
+
 def resolve_rewards(
-    config: Config, custom: Mapping[str, RewardFunction] | None
+    config: Config, custom: RewardFunctions | None
 ) -> list[tuple[str, RewardFunction, float]]:
     """(name, function, weight) of the run's rewards, in order; the first is the eval accuracy.
 
-    `custom` (Python callables by name) replaces config.rewards, as TRL's reward_funcs do: the run's
-    rewards are exactly these, each weighing config.rewards[name] where the config names it, else 1.0.
+    `custom` (Python callables: by name, or a list named by their own names) replaces config.rewards, as
+    TRL's reward_funcs do: the run's rewards are exactly these, each weighing config.rewards[name] where the
+    config names it, else 1.0.
     """
-    custom = dict(custom or {})
+    custom = named_rewards(custom)
     weights = {name: config.rewards.get(name, 1.0) for name in custom} if custom else dict(config.rewards)
     labels = {name: name for name in custom} if custom else reward_labels(list(weights))
     resolved = []
@@ -93,9 +145,11 @@ def resolve_rewards(
         try:
             function = custom[name] if name in custom else resolve_reward(name)
         except (CodeFileError, FileNotFoundError) as error:  # the file: missing, or failing when run
-            raise CodeFileError(f"rewards.{name}: {error}") from error
+            where = " (read from the working directory when named on the command line, else from the folder of the config file that names it)"
+            missing = where if isinstance(error, FileNotFoundError) else ""
+            raise CodeFileError(f"{as_written(name, error)}{missing}") from error
         except (ValueError, TypeError, ImportError) as error:  # unknown name, no such function, ...
-            raise ConfigError(f"rewards.{name}: {error}") from error
+            raise ConfigError(as_written(name, error)) from error
         except (Exception, SystemExit) as error:  # a module (module:function) that fails when imported
             raise CodeFileError(
                 f"rewards.{name}: importing it raised {type(error).__name__}: {error}"
@@ -103,6 +157,67 @@ def resolve_rewards(
         label = labels[name]
         resolved.append((label, with_timeout(function, config.reward_timeout, label), weight))
     return resolved
+
+
+def as_written(name: str, error: BaseException) -> str:
+    """ "rewards.KEY: error" for a reward that failed to load, its file's path as the user most likely wrote
+    it: relative to the working directory when the file lies inside it (loading made it absolute)."""
+    file = code_file(name)
+    text = str(error)
+    if file is not None and file.is_absolute() and file.is_relative_to(Path.cwd()):
+        relative = str(file.relative_to(Path.cwd()))
+        name, text = name.replace(str(file), relative, 1), text.replace(str(file), relative)
+    return f"rewards.{name}: {text}"
+
+
+DATA_FILE = "data.jsonl"
+"""Where a run keeps the rows it was given in memory (`data=`), for --resume and gspo eval to read."""
+
+
+def data_task(config: Config, data: Any, run_dir: Path, *, resumed: bool) -> tuple[list[Example], Config]:
+    """The examples of rows given in memory (a datasets.Dataset, a list of dicts), and the config whose
+    task reads them back from RUN/data.jsonl (`write_data` writes it once the run folder is claimed)."""
+    task = config.task
+    if resumed:
+        raise ConfigError(
+            f"data= with resume: a resumed run reads the rows it was given from its own {DATA_FILE} "
+            "(task.data_path in its config.yaml): leave out data="
+        )
+    if task.data_path is not None or task.name not in ("arithmetic", "file"):
+        named = f"task.data_path={task.data_path!r}" if task.data_path else f"task.name={task.name!r}"
+        raise ConfigError(
+            f"data= gives the task's rows, and {named} names others: keep one (data= is task.name=file with "
+            f"the rows kept in the run folder's {DATA_FILE})"
+        )
+    examples = rows_examples(data, prompt_field=task.prompt_field, answer_fields=task.answer_fields)
+    path = os.path.abspath(run_dir / DATA_FILE)
+    return examples, dataclasses.replace(config, task=dataclasses.replace(task, name="file", data_path=path))
+
+
+def write_data(run_dir: Path, text: str) -> None:
+    """RUN/data.jsonl, atomically: a kill leaves no half file for --resume to read."""
+    path = run_path(run_dir, DATA_FILE)
+    tmp = run_path(run_dir, DATA_FILE + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def check_train_arguments(config: Any, overrides: Sequence[str]) -> None:
+    """`train`'s config argument: a Config, a YAML file's path, or None; a misplaced argument (rows, a
+    Config with overrides, which would be ignored) is a ConfigError naming where it goes."""
+    if config is None or isinstance(config, (str, Path)):
+        return
+    if not isinstance(config, Config):
+        rows = hasattr(config, "column_names") or isinstance(config, list)
+        raise ConfigError(
+            f"train's first argument is the config (a Config, or a YAML file's path), got a "
+            f"{type(config).__name__}" + (": rows go in train(config, data=rows)" if rows else "")
+        )
+    if overrides:
+        raise ConfigError(
+            "overrides= go with a config file's path, train('config.yaml', overrides=[...]); a Config takes "
+            "its values in Python (config.train.lr = 3e-6) or Config(train={'lr': 3e-6})"
+        )
 
 
 def reward_labels(names: list[str]) -> dict[str, str]:

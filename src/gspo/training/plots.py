@@ -231,10 +231,9 @@ def summary_text(records: Sequence[dict[str, Any]]) -> str:
         return "\n".join([*lines, "No metrics logged.", ""])
 
     steps = sorted({r["step"] for r in train})
-    if steps:
-        lines.append(f"- Updates (train steps logged): {len(steps)}, steps {steps[0]} to {steps[-1]}")
-    else:
-        lines.append("- Updates (train steps logged): 0")
+    # a step is a rollout batch (gspo train) or a train call (gspo serve): the README's words for them
+    trained = "- Rollout batches (or gspo serve train calls) trained"
+    lines.append(f"{trained}: {len(steps)}, steps {steps[0]} to {steps[-1]}" if steps else f"{trained}: 0")
 
     accuracy = [(r["step"], r["accuracy"]) for r in evals if _finite(r.get("accuracy"))]
     if accuracy:

@@ -15,23 +15,22 @@ import functools
 import sys
 import time
 import warnings
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from gspo.config import Config, ConfigError, load_config
+from gspo.config import Config, ConfigError, load_config, validate
 from gspo.core.seeds import sample_seed, step_seed
 from gspo.learning.batch import Sample
 from gspo.learning.policy import UpdateSpec
 from gspo.learning.step import learn_from_samples
 from gspo.parallel.collectives import all_gather_cat, all_reduce_sum, raise_together
 from gspo.parallel.group import barrier, is_main, rank, rank_slice, shutdown, world_size
-from gspo.rollout.data import Example, PromptStream, format_prompt
+from gspo.rollout.data import Example, PromptStream, format_prompt, jsonl_lines
 from gspo.rollout.openai import ServerError
-from gspo.rollout.rewards import RewardError, RewardFunction
+from gspo.rollout.rewards import RewardError
 from gspo.rollout.samplers import HFSampler, Sampler
 from gspo.rollout.trajectories import TrajectoryGroup, trajectory_samples
 from gspo.run import lock
@@ -43,11 +42,15 @@ from gspo.run.start import open_folder, run_attribute, start_run
 from gspo.run.trust import check_run_folder_config, code_rewards, rewards_override, users_code_files
 from gspo.training import evaluation
 from gspo.training.build import (
+    RewardFunctions,
     build_examples,
     check_examples,
     check_sizes,
+    check_train_arguments,
+    data_task,
     resolve_rewards,
     sampler_is_current,
+    write_data,
 )
 from gspo.training.pipeline import Drawn, Pipeline, Request, draw, sampling_side
 from gspo.training.samplers import setup_sampler
@@ -55,14 +58,18 @@ from gspo.training.stalls import StallWatch
 
 
 def skip_notice(config: Config, spec: UpdateSpec) -> str:
-    """The terminal's one line on whether zero-advantage samples are left out of the updates, and why."""
+    """The terminal's first line, in words a newcomer reads: whether the completions that teach nothing
+    (all of their group scored the same) are left out of the updates, and the key that says so."""
     if spec.skip_zero_advantage:
-        state = "on (exact: the loss has no KL term)"
+        state = "skipped in the updates, which changes no weight and saves their time"
     elif config.train.skip_zero_advantage == "auto":
-        state = "off (train.beta > 0: the KL term depends on every sample)"
+        state = "trained anyway: the KL term (train.beta > 0) depends on every one"
     else:
-        state = "off"
-    return f"train.skip_zero_advantage: zero-advantage samples left out of the updates: {state}"
+        state = "trained anyway"
+    return (
+        "gspo: completions that scored the same as the rest of their group teach nothing; they are "
+        f"{state} (train.skip_zero_advantage)"
+    )
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -72,8 +79,11 @@ class RunInterrupted(KeyboardInterrupt):
 class Trainer:
     """A run: its config and folder, the policy, the sampler, the prompt stream, the step counter, the logger.
 
-    ``reward_functions``: Python callables by name that replace config.rewards (the first is the eval
-    accuracy; each weighs config.rewards[name] where the config names it, else 1.0).
+    ``reward_functions``: Python callables that replace config.rewards, by name or a list named by their
+    own names (the first is the eval accuracy; each weighs config.rewards[name] where the config names it,
+    else 1.0). ``data``: the task's rows in memory (a `datasets.Dataset` or a list of dicts, read with
+    task.prompt_field and task.answer_fields) instead of task.data_path; the run keeps them in
+    RUN/data.jsonl, which its config names, so that `--resume` and `gspo eval RUN` read the same rows.
     ``sampler``: a `Sampler` of your own (e.g. an OpenAIBackend with weight sync) instead of rollout.engine's.
     ``force``: resume even when ``config`` changes keys the checkpoint was trained with (gspo.run.resume).
     ``from_step``: resume the checkpoint of that step instead of the latest (one that is damaged: an
@@ -84,20 +94,28 @@ class Trainer:
         self,
         config: Config,
         *,
-        reward_functions: Mapping[str, RewardFunction] | None = None,
+        reward_functions: RewardFunctions | None = None,
+        data: Any = None,
         resume: str | Path | None = None,
         sampler: Sampler | None = None,
         force: bool = False,
         from_step: int | None = None,
     ) -> None:
+        validate(config)  # a config built in Python: what relates its keys (each key is checked when set)
         # the folder locked and a resume checked before any reward file is imported
         folder = open_folder(config, resume, force=force, from_step=from_step)
+        given = None
+        if data is not None:  # the rows, and the config that reads them back from the run folder
+            given, config = data_task(config, data, folder.path, resumed=resume is not None)
         self.rewards = resolve_rewards(config, reward_functions)
         if reward_functions:  # config.yaml names the rewards this run uses (eval and resume look there)
             config = dataclasses.replace(config, rewards={name: weight for name, _, weight in self.rewards})
-        self.train_examples, self.eval_examples = build_examples(config)
+        self.train_examples, self.eval_examples = build_examples(config, given)
         check_examples(self.rewards, self.train_examples + self.eval_examples)
+        rows = jsonl_lines(given, config.task.prompt_field) if given is not None else None
         self.home = start_run(config, folder)  # the folder claimed now that the inputs are checked
+        if rows is not None and is_main():
+            write_data(self.run_dir, rows)
         check_sizes(config, self.tokenizer, self.policy.model, self.train_examples, self.eval_examples)
         lag = config.rollout.lag
         # lag > 0: the sampling side draws from its own copy of the weights, in a thread of its own
@@ -264,6 +282,10 @@ class Trainer:
         assert path is not None
         return path
 
+    def train(self) -> dict[str, Any]:
+        """`run`, under the name TRL's trainers use."""
+        return self.run()
+
     def run(self) -> dict[str, Any]:
         """Train to train.steps, evaluating and checkpointing on the way, then `finish`. A reward function's
         error, or Ctrl-C, stops the run with what it kept: the run folder and its latest checkpoint, which
@@ -396,7 +418,8 @@ def train(
     config: Config | str | Path | None = None,
     *,
     overrides: list[str] | tuple[str, ...] = (),
-    reward_functions: Mapping[str, RewardFunction] | None = None,
+    reward_functions: RewardFunctions | None = None,
+    data: Any = None,
     resume: str | Path | None = None,
     force: bool = False,
     trust_run_code: bool = False,
@@ -409,11 +432,12 @@ def train(
     ``overrides`` name them again, or ``reward_functions`` replaces them, or the user started this run in
     this folder with those files, unchanged (gspo.run.own_runs), or ``trust_run_code``
     (gspo.run.trust). The code files the user names are recorded as theirs for this run. ``from_step``:
-    resume that step's checkpoint instead of the latest.
+    resume that step's checkpoint instead of the latest. ``reward_functions`` and ``data``: as `Trainer`'s.
 
     >>> from gspo import train, load_config
-    >>> result = train(load_config("configs/tiny.yaml"), reward_functions={"mine": my_reward})  # doctest: +SKIP
+    >>> result = train(load_config("configs/tiny.yaml"), reward_functions=[my_reward])  # doctest: +SKIP
     """
+    check_train_arguments(config, overrides)
     if resume is not None:
         config = resume_config(resume, overrides, force=force)
         check_run_folder_config(
@@ -428,7 +452,12 @@ def train(
     trainer = None
     try:
         trainer = Trainer(
-            config, reward_functions=reward_functions, resume=resume, force=force, from_step=from_step
+            config,
+            reward_functions=reward_functions,
+            data=data,
+            resume=resume,
+            force=force,
+            from_step=from_step,
         )
         files = users_code_files(trainer.config, overrides, resumed=resume is not None)
         if is_main() and (refusal := record(trainer.run_dir, files)):

@@ -1,0 +1,197 @@
+"""A TRL user's first attempts in Python, each met: a config from keyword arguments, checked as values are
+set; rewards as a list of functions; a `datasets.Dataset` as the data; `Trainer.train()`. Each misuse is one
+line that names the fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gspo import Config, Trainer, train
+from gspo.config import ConfigError, load_config
+from gspo.rollout.data import DataError
+from gspo.rollout.rewards import correct_number, number_format
+from gspo.run.metrics import read_metrics
+from gspo.training.build import build_examples, resolve_rewards
+
+datasets = pytest.importorskip("datasets", reason="the dev extra installs datasets")
+
+ROWS = [
+    {"prompt": f"What is {a} + {b}? Answer with just the number.", "answer": str(a + b), "id": i}
+    for i, (a, b) in enumerate((a, b) for a in range(6) for b in range(4))
+]
+
+
+def one_line(error: pytest.ExceptionInfo) -> str:
+    message = str(error.value)
+    assert "\n" not in message, message
+    return message
+
+
+# ---- a config from keyword arguments, checked as it is set --------------------------------------------
+def test_a_config_is_built_from_keyword_arguments_and_sections_as_mappings() -> None:
+    config = Config(seed=3, train={"lr": 3e-6, "objective": "grpo"}, rollout={"openai": {"concurrency": 2}})
+    assert (config.seed, config.train.lr, config.train.objective) == (3, 3e-6, "grpo")
+    assert config.rollout.openai.concurrency == 2 and config.rollout.group_size == 8  # the rest: defaults
+    assert load_config(None, ["seed=3", "train.lr=3e-6", "train.objective=grpo"]).train == config.train
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (
+            lambda: Config(learning_rate=1e-5),
+            "unknown config key 'learning_rate'; did you mean 'train.lr' (TRL's learning_rate)? "
+            "Config(train={'lr': 1e-05})",
+        ),
+        (
+            lambda: Config(num_generations=16),
+            "did you mean 'rollout.group_size' (TRL's num_generations)? Config(rollout={'group_size': 16})",
+        ),
+        (
+            lambda: Config(group_size=4),
+            "did you mean 'rollout.group_size'? Config(rollout={'group_size': 4})",
+        ),
+        (lambda: Config(train={"lrr": 1e-5}), "unknown config key 'train.lrr'; did you mean 'lr'?"),
+        (lambda: Config(train={"lr": "fast"}), "train.lr: expected a number, got 'fast'"),
+        (lambda: Config(rollout={"group_size": 1}), "rollout.group_size must be at least 2, got 1"),
+        (lambda: Config(train=5), "train: expected a mapping of its fields, got 5"),
+    ],
+)
+def test_a_wrong_keyword_argument_is_one_line_naming_the_key_to_use(build, message: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        build()
+    assert message in one_line(error)
+
+
+def test_an_assignment_is_checked_at_once_naming_the_field() -> None:
+    """`c.train.lr = "abc"` was taken, and failed deep inside the run."""
+    config = Config()
+    config.train.lr = 3e-6
+    config.train.steps = 5
+    assert (config.train.lr, config.train.steps) == (3e-6, 5)
+    config.train.lr = 1  # an integer where a number goes: widened, as a YAML file's
+    assert config.train.lr == 1.0 and isinstance(config.train.lr, float)
+    refusals = [
+        (("train", "lr", "abc"), "train.lr: expected a number, got 'abc'"),
+        (("train", "lr", -1.0), "train.lr must be > 0, got -1.0"),
+        (("rollout.openai", "url", "ftp://x"), "rollout.openai.url must be an http:// or https:// address"),
+        (("train", "learning_rate", 1e-5), "unknown config key 'train.learning_rate'; did you mean 'lr'"),
+        (("", "seed", "1"), "seed: expected an integer, got '1'"),
+        (("task", "data_path", datasets.Dataset.from_list(ROWS)), "go to train(config, data=rows)"),
+    ]
+    for (section, name, value), message in refusals:
+        target = config
+        for part in filter(None, section.split(".")):
+            target = getattr(target, part)
+        with pytest.raises(ConfigError) as error:
+            setattr(target, name, value)
+        assert message in one_line(error), (name, value)
+    assert config.train.lr == 1.0 and config.seed == 0  # a refused value leaves the old one
+
+
+# ---- rewards: a mapping, or a list of functions -----------------------------------------------------
+def _brevity(prompts, completions, **_):
+    return [float(len(c) < 3) for c in completions]
+
+
+def test_rewards_are_a_mapping_or_a_list_of_functions_named_by_their_names(tmp_path: Path) -> None:
+    config = load_config(None, [f"output_dir={tmp_path}", "rewards={number_format: 2.0}"])
+    listed = resolve_rewards(config, [number_format, _brevity])
+    assert [(name, weight) for name, _, weight in listed] == [("number_format", 2.0), ("_brevity", 1.0)]
+    by_name = resolve_rewards(config, {"short": _brevity})
+    assert [(name, weight) for name, _, weight in by_name] == [("short", 1.0)]
+    assert [name for name, _, _ in resolve_rewards(config, _brevity)] == ["_brevity"]  # one function
+
+
+@pytest.mark.parametrize(
+    ("functions", "message"),
+    [
+        ([lambda p, c, **_: [0.0] * len(c)], "reward_functions[0] is a lambda, which has no name of its own"),
+        ([_brevity, _brevity], "reward_functions[1]: two functions are named '_brevity'"),
+        (["exact_answer"], "reward_functions[0] is a str, not a function: a built-in"),
+        ({"exact": "exact_answer"}, "config.rewards (e.g. rewards={'exact_answer': 1.0})"),
+        ("exact_answer", "reward_functions='exact_answer' is a name"),
+    ],
+)
+def test_a_reward_that_is_not_a_named_function_is_one_line_naming_the_fix(functions, message: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        resolve_rewards(Config(), functions)
+    assert message in one_line(error)
+
+
+# ---- a datasets.Dataset as the data; Trainer.train() ------------------------------------------------
+def _small(run_dir: Path, **keys) -> Config:
+    """A run of seconds, written in Python: the tiny model, 2 steps of 4 prompts x 4 completions."""
+    config = Config(model={"tiny": "llama"}, output_dir=str(run_dir), report_to=[], progress=False, **keys)
+    config.task.num_eval = 6
+    config.rollout = {"prompts_per_step": 4, "group_size": 4, "max_new_tokens": 2}
+    config.train = {"steps": 2, "minibatches": 2, "lr": 1e-2}
+    config.eval = {"every": 0, "max_new_tokens": 2}
+    return config
+
+
+@pytest.mark.slow
+def test_a_dataset_trains_and_the_run_folder_keeps_its_rows_for_resume_and_eval(tmp_path: Path) -> None:
+    """The rows of an in-memory Dataset train, and go into RUN/data.jsonl, which the run's config names:
+    `gspo eval RUN` and `--resume` read the same examples, in the same split. Trainer.train() is run().
+    The sampled completions of each step are in RUN/completions.jsonl."""
+    run = tmp_path / "run"
+    dataset = datasets.Dataset.from_list(ROWS)
+    trainer = Trainer(_small(run), reward_functions=[number_format, correct_number], data=dataset)
+    result = trainer.train()
+    assert result["run_dir"] == str(run) and trainer.step == 2
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["task"]["name"] == "file" and saved["task"]["data_path"] == str(
+        (run / "data.jsonl").resolve()
+    )
+    assert list(saved["rewards"]) == ["number_format", "correct_number"]
+    kept = [json.loads(line) for line in (run / "data.jsonl").read_text().splitlines()]
+    assert kept == [{"prompt": r["prompt"], "answer": r["answer"]} for r in ROWS]  # the columns used
+    reloaded = build_examples(load_config(run / "config.yaml"))
+    assert [e.prompt for e in reloaded[0]] == [e.prompt for e in trainer.train_examples]
+    assert [e.fields for e in reloaded[1]] == [e.fields for e in trainer.eval_examples]
+    # completions: every one of each step (16 <= completions_per_step), their rewards the step's mean
+    rows = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1] * 16 + [2] * 16
+    assert set(rows[0]) == {"step", "prompt", "completion", "reward"}
+    for step in (1, 2):
+        (metrics,) = [m for m in read_metrics(run) if m["kind"] == "train" and m["step"] == step]
+        rewards = [r["reward"] for r in rows if r["step"] == step]
+        assert sum(rewards) / 16 == pytest.approx(metrics["reward_mean"], abs=1e-6)
+    assert all("What is" in r["prompt"] for r in rows)
+
+
+def test_data_misuses_are_one_line_naming_the_fix(tmp_path: Path) -> None:
+    dataset = datasets.Dataset.from_list(ROWS)
+    cases = [
+        (lambda: train(dataset), ConfigError, "train's first argument is the config"),
+        (
+            lambda: train(_small(tmp_path / "a"), data="rows.jsonl"),
+            DataError,
+            "a file goes in task.data_path",
+        ),
+        (
+            lambda: train(_small(tmp_path / "c", task={"name": "count_letter"}), data=dataset),
+            ConfigError,
+            "data= gives the task's rows, and task.name='count_letter' names others",
+        ),
+        (
+            lambda: train(_small(tmp_path / "b"), data=dataset.rename_column("prompt", "question")),
+            DataError,
+            "data: row 1 has no field 'prompt' (or it is null); the row has fields ['answer', 'id', "
+            "'question'] (set task.prompt_field",
+        ),
+        (
+            lambda: train(Config(), overrides=["train.lr=1e-5"]),
+            ConfigError,
+            "overrides= go with a config file's path",
+        ),
+    ]
+    for call, kind, message in cases:
+        with pytest.raises(kind) as error:
+            call()
+        assert message in one_line(error)
