@@ -27,6 +27,7 @@ from gspo.core.objectives import LossInputs, LossSpec, compute_loss
 from gspo.core.registry import OBJECTIVES
 from gspo.core.seeds import sample_seed, step_seed
 from gspo.learning.batch import Sample
+from gspo.learning.policy import UpdateSpec, update_choices, with_correction
 from gspo.learning.step import learn_from_samples
 from gspo.rollout.data import batch_fields
 from gspo.rollout.rewards import compute_rewards
@@ -309,3 +310,17 @@ def test_lag_is_refused_where_a_copy_per_rank_cannot_sample(tmp_path):
 
     with pytest.raises(ConfigError, match=r"distributed.sequence_parallel=2 does not support rollout.lag=1"):
         load_config(TINY, [f"output_dir={tmp_path}", "rollout.lag=1", "distributed.sequence_parallel=2"])
+
+
+def test_correction_bounds_apply_where_auto_chooses_a_correction_and_nowhere_else(tmp_path):
+    """train.sampler_correction_max with "auto": the bound of the correction chosen for stale samples; with
+    fresh samples "auto" is none and the bound is set aside, not an error."""
+    config = tiny_config(tmp_path, "train.sampler_correction_max=1.5")
+    spec = UpdateSpec.from_config(config, layout="padded", pad_id=0)
+    fresh = with_correction(config, spec, *update_choices(config, torch.float32, exact=True, stale=False))
+    stale = with_correction(config, spec, *update_choices(config, torch.float32, exact=True, stale=True))
+    assert (fresh.loss.sampler_correction, fresh.loss.sampler_correction_max) == ("none", None)
+    assert fresh.old_logprobs == "sampler"
+    assert (stale.loss.sampler_correction, stale.loss.sampler_correction_max) == ("sequence_truncate", 1.5)
+    assert stale.old_logprobs == "recompute"
+    assert stale.loss.correction().high == 1.5

@@ -23,7 +23,7 @@ from conftest import TINY_NUMERICS, tiny_config
 from gspo import LossInputs, LossOutputs, LossSpec, compute_loss
 from gspo.cli import main
 from gspo.config import ConfigError, load_config
-from gspo.core.surrogates import ObjectiveError, register_objective
+from gspo.core.surrogates import LOSSES, ObjectiveError, register_objective
 from gspo.rollout.user_code import load_function
 from gspo.run.build import setup_objective
 from gspo.run.trust import UntrustedRunFolder, check_run_folder_config
@@ -289,6 +289,40 @@ def test_a_whole_loss_trains_through_gspo_train_as_the_built_in(tmp_path):
         # Bound: the loss and its gradient agree to a few ulps (above), the model's sums are the same:
         # gradients within the tiny model's bound, 2 steps of 2 AdamW updates at lr 1e-3
         assert_adam_close(x, y, lr=1e-3, updates=4, rho=tiny_gradient_rtol())
+
+
+def test_a_whole_loss_sampling_ahead_is_given_the_sampler_logprobs_to_correct_with(tmp_path):
+    """rollout.lag=1 with a whole loss: gspo applies no correction around it ("auto" is none), and the loss
+    is handed the sampler's log-probs of every trained token, so it can weigh stale samples itself."""
+    path = tmp_path / "seen.py"
+    path.write_text(
+        textwrap.dedent(
+            """
+            import torch
+
+            import gspo
+
+            SEEN = []
+
+
+            @gspo.objective(level="sequence", whole=True)
+            def seen(spec, inputs):
+                valid = inputs.segment_ids >= 0
+                SEEN.append((spec.sampler_correction, inputs.sampler_logp, valid))
+                loss = torch.where(valid, inputs.logp - inputs.old_logp, 0.0).sum()
+                return gspo.LossOutputs(loss, {})
+            """
+        )
+    )
+    config = tiny_config(tmp_path / "run", "eval.every=0", "train.steps=2", "rollout.lag=1")
+    config.train.objective = f"{path}:seen"
+    _two_steps(config)
+    module = LOSSES[config.train.objective].__globals__  # the module the run loaded
+    assert len(module["SEEN"]) >= 2
+    for correction, sampler_logp, valid in module["SEEN"]:
+        assert correction == "none"
+        assert sampler_logp is not None and torch.isfinite(sampler_logp[valid]).all()
+        assert (sampler_logp[valid] < 0).all()  # log-probs of sampled tokens, not a placeholder
 
 
 def test_what_gspo_applies_around_terms_is_refused_for_a_whole_loss(objective_file):

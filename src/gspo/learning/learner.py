@@ -26,6 +26,7 @@ from gspo.core.layout import MicroBatch, TokenSequence, make_micro_batches
 from gspo.core.mismatch import mismatch_metrics, sampler_log_ratios
 from gspo.core.objectives import LossInputs, compute_loss, loss_normalizer
 from gspo.core.sequence_parallel import split_micro_batch
+from gspo.core.surrogates import LOSSES
 from gspo.learning.batch import Batch
 from gspo.learning.policy import Policy, UpdateSpec, score
 from gspo.learning.reduction import reduce_metrics
@@ -341,8 +342,10 @@ def _loss_inputs(
         adv = advantages[[ids[i] for i in mb.indices]].to(logp.device)
     else:  # per completion token, laid out like logp: (R*L,)
         adv = place([advantages[i] for i in ids], mb)
-    # the sampler's log-probs weigh the correction; without one, OPSM measures against the old ones
-    sampled = minibatch.sampled[j] if spec.loss.sampler_correction != "none" else None
+    # the sampler's log-probs weigh the correction (a whole loss's own too); without one, OPSM measures
+    # against the old ones
+    own = spec.loss.sampler_correction != "none" or spec.loss.objective in LOSSES
+    sampled = minibatch.sampled[j] if own else None
     ref = None if minibatch.ref is None else minibatch.ref[j]
     return LossInputs(
         logp,

@@ -16,6 +16,7 @@ from gspo.core.layout import MicroBatch
 from gspo.core.objectives import LossSpec
 from gspo.core.registry import REGISTRY
 from gspo.core.sequence_parallel import lm_logprobs
+from gspo.core.surrogates import LOSSES
 from gspo.learning.embedding_rows import TiedRows
 from gspo.models.moe import is_moe
 from gspo.parallel.group import world_size
@@ -67,8 +68,12 @@ class UpdateSpec:
         and train.old_logprobs as resolved at start-up ("auto" is neither) and the tokenizer's pad_id."""
         fields = _same_named(cls, config.rollout) | _same_named(cls, config.train)
         loss = _same_named(LossSpec, config.train)
-        if loss["sampler_correction"] == "auto":  # resolved per step (update_choices): none until then
-            loss["sampler_correction"] = "none"
+        if loss["sampler_correction"] == "auto":  # resolved per step (with_correction): none until then
+            loss |= {
+                "sampler_correction": "none",
+                "sampler_correction_min": None,
+                "sampler_correction_max": None,
+            }
         fields["sequence_parallel"] = config.distributed.sequence_parallel
         fields |= {
             "layout": layout,
@@ -89,6 +94,8 @@ def update_choices(
     older records). The correction "auto" is then the decoupled objective's truncated behaviour weight,
     pi_prox / pi_behav with pi_prox recomputed at the current weights: sequence_truncate for the sequence
     objectives and gspo_token, token_truncate for the token ones; else (or with old_logprobs=sampler) none.
+    A whole loss (``@gspo.objective(whole=True)``) applies its own: "auto" is none there, and the loss is
+    given the sampler's log-probs (LossInputs.sampler_logp) to weigh stale samples with.
     ``exact``: the samples were drawn whole by the current weights (the trainer's own model, vLLM within
     tolerance of it, a server's records of the current version at the training temperature; a callable is
     asked only when needed). The sampler's log-probs then serve as the old policy's when the trainer
@@ -96,7 +103,9 @@ def update_choices(
     token-by-token decoding and the trainer's whole-sequence forward round differently: on the default run
     every sequence's log-ratio left GSPO's 3e-4 band."""
     correction, mode = config.train.sampler_correction, config.train.old_logprobs
-    if correction == "auto":
+    if correction == "auto" and config.train.objective in LOSSES:
+        correction = "none"
+    elif correction == "auto":
         sequence = (
             REGISTRY[config.train.objective].level == "sequence" or config.train.objective == "gspo_token"
         )
@@ -107,6 +116,22 @@ def update_choices(
         current = correction == "none" and fp32 and not stale and (exact() if callable(exact) else exact)
         mode = "sampler" if current else "recompute"
     return mode, correction
+
+
+def with_correction(config: Config, spec: UpdateSpec, mode: str, correction: str) -> UpdateSpec:
+    """``spec`` with train.old_logprobs and train.sampler_correction as update_choices resolved them: the
+    correction's bounds are train.sampler_correction_min / _max where one applies; "auto" resolved to none
+    drops them (they bound the correction "auto" chooses for stale samples)."""
+    bounds = (config.train.sampler_correction_min, config.train.sampler_correction_max)
+    if correction == "none":
+        bounds = (None, None)
+    loss = dataclasses.replace(
+        spec.loss,
+        sampler_correction=correction,
+        sampler_correction_min=bounds[0],
+        sampler_correction_max=bounds[1],
+    )
+    return dataclasses.replace(spec, old_logprobs=mode, loss=loss)
 
 
 def skips_zero_advantage(config: Config) -> bool:

@@ -24,7 +24,7 @@ import functools
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,7 +33,7 @@ from gspo.config import Config
 from gspo.core.layout import TokenSequence
 from gspo.core.seeds import step_seed
 from gspo.learning.batch import Batch, Sample
-from gspo.learning.policy import Policy, UpdateSpec, update_choices
+from gspo.learning.policy import Policy, UpdateSpec, update_choices, with_correction
 from gspo.learning.step import learn_from_samples
 from gspo.serve.protocol import FLOAT32_MAX, ServeError, TrainRequest, TrajectoryIn
 from gspo.serve.records import Record, RecordStore
@@ -354,13 +354,13 @@ def prepare_update(
     stale = any(r.versions[0] < version for r in records)  # drawn (partly) by an older version
     exact = drawn_whole_now(config, records, version)
     mode, correction = update_choices(config, policy.compute_dtype, exact=exact, stale=stale)
-    spec = replace(spec, loss=replace(spec.loss, sampler_correction=correction))
+    spec = with_correction(config, spec, mode, correction)
     report = [
         {"group": r.group, "trajectory": r.index, "segments": len(r.segments), "breaks": r.breaks}
         for r in split
     ]
     seed = step_seed(config.seed, version)  # as gspo train's: the version is the step
-    return Update(samples, records, relayout, replace(spec, old_logprobs=mode), seed, metrics, report)
+    return Update(samples, records, relayout, spec, seed, metrics, report)
 
 
 def completion_rows(
