@@ -71,6 +71,17 @@ NUMERICS_MODULES = {
 runs again under other summation orders (scripts/test-numerics.sh)."""
 
 
+@pytest.fixture(autouse=True)
+def quiet_progress_lines(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests capture stderr, which is no terminal: a run there prints a progress line per rollout batch
+    (gspo.training.trainer.Trainer._progress_lines), which tests of one-line errors do not expect. Off,
+    but in tests marked `progress_lines`."""
+    if request.node.get_closest_marker("progress_lines") is None:
+        from gspo.training.trainer import Trainer
+
+        monkeypatch.setattr(Trainer, "_progress_lines", lambda self: False)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Marks the `numerics` tests (NUMERICS_MODULES); skips the `llama_cpp` tests where llama-cpp-python is
     missing (the README's test command does not compile it: CI's second stage does), and keeps the `slow`

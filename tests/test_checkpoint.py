@@ -62,7 +62,7 @@ def test_a_run_killed_at_every_phase_of_a_checkpoint_save_resumes_to_the_uninter
 ) -> None:
     common = [
         str(TINY),
-        "train.steps=2",
+        "train.steps=3",
         "checkpoint.every=1",
         "checkpoint.keep=3",
         "eval.every=0",
@@ -72,18 +72,20 @@ def test_a_run_killed_at_every_phase_of_a_checkpoint_save_resumes_to_the_uninter
     ref, run = tmp_path / "ref", tmp_path / "run"
     assert forkserver(tmp_path / "ref.log", argv=["train", *common, f"output_dir={ref}"]) == 0
     # Each kill continues the same run: a fresh start, then `--resume`s, and a last resume that finishes it.
+    # Checkpoints are written in the background while the next batch is drawn (gspo.run.start.Run.save):
+    # each kill lands in the writing thread, the run's own thread sampling beside it.
     kills = [
-        ("step_000000", "before_rename", None),  # no checkpoint yet: --resume starts the run again
-        ("step_000000", "after_rename", 0),  # no `latest` yet: the complete folder is found
-        ("step_000001", "mid_write", 0),
-        ("step_000001", "before_rename", 0),
-        ("step_000001", "after_pointer", 1),
-        ("step_000002", "after_rename", 1),  # `latest` still names step 1, a complete step 2 lies beside
+        ("step_000001", "before_rename", None),  # no checkpoint yet: --resume starts the run again
+        ("step_000001", "after_rename", 1),  # no `latest` yet: the complete folder is found
+        ("step_000002", "mid_write", 1),
+        ("step_000002", "before_rename", 1),
+        ("step_000002", "after_pointer", 2),
+        ("step_000003", "after_rename", 2),  # `latest` still names step 2, a complete step 3 lies beside
         (
-            "step_000002",
+            "step_000003",
             "after_aside",
-            1,
-        ),  # so the resumed run re-saves step 2: a kill with the old copy aside
+            2,
+        ),  # so the resumed run re-saves step 3: a kill with the old copy aside
     ]
     for i, (name, phase, step) in enumerate(kills):
         argv = ["train", *common, f"output_dir={run}"] if i == 0 else ["train", "--resume", str(run)]
@@ -98,7 +100,7 @@ def test_a_run_killed_at_every_phase_of_a_checkpoint_save_resumes_to_the_uninter
             assert _same_checkpoint(latest, ref / "checkpoints" / f"step_{step:06d}"), (phase, name)
     log = tmp_path / "resumed.log"
     assert forkserver(log, argv=["train", "--resume", str(run)]) == 0, log.read_text()[-2000:]
-    for step in (0, 1, 2):
+    for step in (1, 2, 3):
         name = f"step_{step:06d}"
         assert _same_checkpoint(run / "checkpoints" / name, ref / "checkpoints" / name), name
     assert _lines(run) == _lines(ref)  # no line lost or written twice
@@ -279,7 +281,7 @@ def test_a_damaged_checkpoint_is_refused_by_resume_eval_and_export_and_an_earlie
         code, err = _gspo(capsys, *argv)
         assert (code, err.count("\n")) == (5, 0), err
         assert err.startswith(f"error: {weights} is damaged: its sha256 differs"), err
-        assert hint in err and "earlier complete steps: [0, 1]" in err, err
+        assert hint in err and "earlier complete steps: [1]" in err, err
     assert not (run / "export").exists() and not (run / "evals").exists()
     code, err = _gspo(capsys, "train", "--resume", str(run), "--from-step", "1")
     assert code == 0, err

@@ -7,6 +7,7 @@ import dataclasses
 import errno
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -138,13 +139,16 @@ def test_commands_print_no_third_party_warning_or_bar(tmp_path: Path) -> None:
     transformers' warnings and loading bars filtered, gspo's bar off without a terminal)."""
     config = _quiet_command("config", cwd=tmp_path)
     assert config.returncode == 0 and config.stderr == "", config.stderr
-    trained = _quiet_command("train", TINY, "output_dir=run", "lora.rank=4", "train.steps=2", cwd=tmp_path)
+    trained = _quiet_command(
+        "train", TINY, "output_dir=run", "lora.rank=4", "train.steps=2", "progress=false", cwd=tmp_path
+    )
     assert trained.returncode == 0 and trained.stderr == "", trained.stderr
     assert "held-out accuracy" in trained.stdout
     exported = _quiet_command("export", "run", "--format", "hf", cwd=tmp_path)
     assert exported.returncode == 0 and exported.stderr == "", exported.stderr
 
 
+@pytest.mark.progress_lines
 def test_progress_shows_on_a_terminal_only(monkeypatch) -> None:
     class Stderr:
         def __init__(self, tty: bool) -> None:
@@ -154,10 +158,30 @@ def test_progress_shows_on_a_terminal_only(monkeypatch) -> None:
             return self.tty
 
     trainer = SimpleNamespace(config=SimpleNamespace(progress=True))
-    for tty, progress, shown in [(True, True, True), (False, True, False), (True, False, False)]:
+    for tty, progress, bar, lines in [
+        (True, True, True, False),
+        (False, True, False, True),
+        (True, False, False, False),
+        (False, False, False, False),
+    ]:
         monkeypatch.setattr(sys, "stderr", Stderr(tty))
         trainer.config.progress = progress
-        assert gspo.training.trainer.Trainer._show_progress(trainer) is shown
+        assert gspo.training.trainer.Trainer._show_progress(trainer) is bar
+        assert gspo.training.trainer.Trainer._progress_lines(trainer) is lines
+
+
+@pytest.mark.progress_lines
+def test_a_run_without_a_terminal_prints_a_line_per_rollout_batch(tmp_path: Path, capsys) -> None:
+    """Piped, under nohup or in an IDE: no bar, but a line per rollout batch and per evaluation."""
+    common = [str(TINY), "train.steps=3", "eval.every=2", "report_to=[]", "checkpoint.every=0"]
+    assert main(["train", *common, f"output_dir={tmp_path / 'lines'}"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    batches = [line for line in err if re.match(r"step \d/3: reward [\d.]+, clip [\d.]+, gen [\d.]+s", line)]
+    assert [line.split(":")[0] for line in batches] == ["step 1/3", "step 2/3", "step 3/3"], err
+    evals = [line.split(":")[0] for line in err if "eval accuracy" in line]
+    assert evals == ["step 0", "step 2", "step 3"], err
+    assert main(["train", *common, f"output_dir={tmp_path / 'quiet'}", "progress=false"]) == 0
+    assert not [line for line in capsys.readouterr().err.splitlines() if line.startswith("step ")]
 
 
 def test_a_runs_first_line_says_in_words_what_skipping_does() -> None:

@@ -128,7 +128,8 @@ def _gspo(*args: str, cwd: Path) -> str:
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> Path:
-    """Two steps of the tiny config, with every checkpoint kept and the trainer's evals at steps 0, 1, 2."""
+    """Two steps of the tiny config, with every checkpoint kept (steps 1 and 2: a run saves no step 0) and the
+    trainer's evals at steps 0, 1, 2."""
     run = tmp_path_factory.mktemp("eval") / "run"
     config = load_config(
         TINY,
@@ -140,7 +141,7 @@ def tiny_run(tmp_path_factory) -> Path:
 
 def test_gspo_eval_of_a_checkpoint_equals_the_trainers_own_evaluation(tiny_run: Path, tmp_path: Path) -> None:
     logged = {r["step"]: r for r in read_metrics(tiny_run) if r["kind"] == "eval"}
-    for step in (0, 2):
+    for step in (1, 2):
         out = _gspo("eval", str(tiny_run), "--step", str(step), cwd=tmp_path)
         assert f"report: {tiny_run / 'evals' / f'step_{step:06d}.json'}" in out
         assert "held-out split of task 'arithmetic', greedy" in out
@@ -205,7 +206,7 @@ def test_gspo_eval_errors_name_the_fix(tiny_run: Path, tmp_path: Path, capsys) -
         capture_output=True,
         text=True,
     )
-    assert result.returncode == EXIT_CODES["run folder"] and "steps on disk: [0, 1, 2]" in result.stderr
+    assert result.returncode == EXIT_CODES["run folder"] and "steps on disk: [1, 2]" in result.stderr
     assert "Traceback" not in result.stderr
     for args, kind, message in [
         ([str(tmp_path / "nothing")], "input", "no run folder, model directory or .gguf file"),

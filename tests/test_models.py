@@ -70,3 +70,35 @@ def test_a_folder_that_is_not_a_model_and_a_corrupt_gguf_get_one_clear_error(tmp
     )
     with pytest.raises(ModelError, match="this GGUF file cannot be read, it is truncated or corrupt"):
         load_model(ModelConfig(path=str(tmp_path / "model.gguf")))
+
+
+@pytest.mark.slow
+def test_the_gguf_is_dequantised_once_and_cached_by_its_content(tmp_path, monkeypatch) -> None:
+    """The embedded model from its cache (gspo.models.loading.gguf_cache) is the GGUF's, weights and
+    tokenizer; a damaged cache is dequantised again."""
+    from gspo.config import ModelConfig
+    from gspo.models import load_model
+    from gspo.models.loading import gguf_cache
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    config = ModelConfig()
+    cache = gguf_cache(default_model_file(), config)
+    assert not cache.exists()
+    first, tokenizer = load_model(config)
+    assert (cache / "model.safetensors").is_file()
+    again, cached_tokenizer = load_model(config)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(first.state_dict().values(), again.state_dict().values(), strict=True)
+    )
+    messages = [{"role": "user", "content": "What is 7 + 2? Answer with just the number."}]
+    for tok in (tokenizer, cached_tokenizer):
+        assert tok.apply_chat_template(messages, add_generation_prompt=True) == tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True
+        )
+    (cache / "model.safetensors").write_bytes(b"damaged")
+    repaired, _ = load_model(config)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(first.state_dict().values(), repaired.state_dict().values(), strict=True)
+    )

@@ -157,7 +157,7 @@ def test_a_run_with_only_incomplete_checkpoints_is_refused_not_restarted(two_ste
         (checkpoint / "trainer_state.pt").unlink()
     before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
     with pytest.raises(
-        RunFolderError, match=r"has no complete checkpoint, only incomplete ones \(step_000000"
+        RunFolderError, match=r"has no complete checkpoint, only incomplete ones \(step_000001"
     ):
         train(resume=run)
     with pytest.raises(RunFolderError, match=r"has no complete checkpoint, only incomplete ones"):

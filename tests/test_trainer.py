@@ -336,3 +336,17 @@ def test_cli_runs_the_tiny_config_end_to_end(tmp_path: Path, capsys) -> None:
     AutoModelForCausalLM.from_pretrained(latest_checkpoint(run) / "model")
     capsys.readouterr()
     assert main(["plot", str(run)]) == 0 and "reward.png" in capsys.readouterr().out
+
+
+def test_how_often_a_run_evaluates_changes_nothing_it_trains_on(tmp_path: Path) -> None:
+    """Evaluations draw from a seed stream of their own (gspo.core.seeds.evaluation_seed)."""
+    params, lines = {}, {}
+    for every in (0, 1):
+        trainer = Trainer(tiny_config(tmp_path / f"every{every}", "train.steps=3", f"eval.every={every}"))
+        trainer.run()
+        params[every] = [p.detach().clone() for p in trainer.policy.model.parameters()]
+        lines[every] = [r for r in _train_metrics(tmp_path / f"every{every}") if r["kind"] == "train"]
+    assert lines[0] == lines[1]
+    assert all(torch.equal(a, b) for a, b in zip(params[0], params[1], strict=True))
+    evals = [r for r in read_metrics(tmp_path / "every1") if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 1, 2, 3]

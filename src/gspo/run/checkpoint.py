@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import io
 import json
 import os
 import pickle
@@ -137,9 +136,8 @@ def save_checkpoint(
     try:
         tmp.mkdir()
         save_model(model, tokenizer, tmp / "model")
-        buffer = io.BytesIO()
-        torch.save({**state, "step": step}, buffer)
-        (tmp / STATE_FILE).write_bytes(buffer.getbuffer())
+        with open(tmp / STATE_FILE, "wb") as handle:  # streamed: no copy of the optimizer state in memory
+            torch.save({**state, "step": step}, handle)
         if config is not None:
             save_config(config, tmp / CONFIG_FILE)
         _sync_tree(tmp)

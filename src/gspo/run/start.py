@@ -12,7 +12,8 @@ and opens the metrics log. `Run.save` writes a checkpoint; `Run.spec_for` resolv
 
 from __future__ import annotations
 
-import dataclasses
+import functools
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +24,7 @@ import transformers
 
 from gspo.config import Config, save_config, to_dict, validate_setup
 from gspo.core.seeds import seed_everything
-from gspo.learning.policy import Policy, UpdateSpec, update_choices
+from gspo.learning.policy import Policy, UpdateSpec, update_choices, with_correction
 from gspo.parallel.group import barrier, init_from_env, is_main, resolve_device, seed_rank, world_size
 from gspo.parallel.state import rank_states
 from gspo.run import lock
@@ -88,6 +89,8 @@ class Run:
     step: int = field(default=0)
     saved_step: int | None = field(default=None)
     logger: MetricsLogger | SilentLogger | None = field(default=None, repr=False)
+    _writer: threading.Thread | None = field(default=None, repr=False)
+    _write_error: BaseException | None = field(default=None, repr=False)
 
     @property
     def path(self) -> Path:
@@ -106,8 +109,7 @@ class Run:
         .update_choices): ``exact``, whether the samples' log-probs are the current weights' own (a callable
         is asked only if needed); ``stale``, whether some were drawn by an older version."""
         mode, correction = update_choices(self.config, self.policy.compute_dtype, exact=exact, stale=stale)
-        loss = dataclasses.replace(self.spec.loss, sampler_correction=correction)
-        return dataclasses.replace(self.spec, old_logprobs=mode, loss=loss)
+        return with_correction(self.config, self.spec, mode, correction)
 
     def restore(self) -> dict[str, Any]:
         """Put back the checkpoint the run resumes (optimizer, schedule, this rank's random streams, the
@@ -134,22 +136,55 @@ class Run:
         return extra
 
     def save(
-        self, step: int | None = None, *, rng: dict[str, Any] | None = None, **extra: Any
+        self,
+        step: int | None = None,
+        *,
+        rng: dict[str, Any] | None = None,
+        background: bool = False,
+        **extra: Any,
     ) -> Path | None:
         """A checkpoint of the run at ``step`` (default: the run's) with ``rng`` (default: now) and ``extra``
         (the prompt stream, the server's version); every rank calls it, and each rank's random streams and
-        stream position go into it. Returns the latest checkpoint's path once all ranks are done."""
+        stream position go into it. Returns the latest checkpoint's path once all ranks are done.
+
+        ``background`` (one process): written by a thread while the run samples its next batch, which only
+        reads the weights; `wait` joins it, and comes before anything changes them (an update). Until it is
+        renamed into place it is not the latest checkpoint (gspo.run.checkpoint). Returns None then."""
+        self.wait()  # one write at a time
         step = self.step if step is None else step
         rng = rng if rng is not None else rng_state()
         if world_size() > 1:  # every rank's own random streams and data position
             extra["ranks"] = rank_states({"rng": rng, **extra})
-        save_policy(self.path, step, self.policy, self.tokenizer, self.config, rng=rng, **extra)
-        barrier()  # complete before any rank goes on
+        write = functools.partial(
+            save_policy, self.path, step, self.policy, self.tokenizer, self.config, rng=rng
+        )
         self.saved_step = step
+        if background and world_size() == 1:
+            self._writer = threading.Thread(target=self._write, args=(write, extra), name="gspo-checkpoint")
+            self._writer.start()
+            return None
+        write(**extra)
+        barrier()  # complete before any rank goes on
         return latest_checkpoint(self.path)
+
+    def _write(self, write: Callable[..., Any], extra: dict[str, Any]) -> None:
+        try:
+            write(**extra)
+        except BaseException as error:  # raised by `wait`, in the run's own thread
+            self._write_error = error
+
+    def wait(self) -> None:
+        """Join a checkpoint written in the background (`save`), raising what it raised."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        error, self._write_error = self._write_error, None
+        if error is not None:
+            raise error
 
     def release(self) -> None:
         """Let another process continue the run: its folder is written in full."""
+        self.wait()
         lock.release(self.path)
 
 

@@ -73,8 +73,10 @@ def evaluate(
     system_prompt: str | None = None,
     samples: int | None = None,
     temperature: float = 1.0,
+    seed: int | None = None,
 ) -> Evaluation:
-    """Complete every example (greedy, or `samples` draws at `temperature`) and score it (module docstring)."""
+    """Complete every example (greedy, or `samples` draws at `temperature`) and score it (module docstring).
+    seed: the draws' (None: from torch's global generator)."""
     if samples is not None and samples < 1:
         raise ValueError(f"samples={samples}: draw at least one completion per problem")
     k = samples or 1
@@ -86,6 +88,7 @@ def evaluate(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         greedy=samples is None,
+        seed=seed,
     )
     total, per_function = compute_rewards(
         rewards,

@@ -9,6 +9,7 @@ gspo.learning.step's `learn_from_samples`, which `gspo serve` calls too.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -22,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from gspo.config import Config, ConfigError, load_config, validate
-from gspo.core.seeds import sample_seed, step_seed
+from gspo.core.seeds import evaluation_seed, sample_seed, step_seed
 from gspo.learning.batch import Sample
 from gspo.learning.policy import UpdateSpec
 from gspo.learning.step import learn_from_samples
@@ -237,6 +238,7 @@ class Trainer:
         """Samples -> batch -> old-policy log-probs and updates (gspo.learning.step), then the sampler
         takes the new weights."""
         spec = spec or self.spec
+        self.home.wait()  # a checkpoint written in the background reads the weights this step changes
         metrics = {**metrics, "lr": self.policy.scheduler.get_last_lr()[0]}
         metrics |= learn_from_samples(self.policy, spec, samples, seed=step_seed(self.config.seed, self.step))
         if spec.old_logprobs == "sampler" and metrics["num_trained"] > 0:
@@ -261,7 +263,9 @@ class Trainer:
 
     # ---- evaluation ---------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
-        """Greedy completions on the held-out split, scored by the run's rewards (gspo.training.evaluation)."""
+        """Greedy completions on the held-out split, scored by the run's rewards (gspo.training.evaluation),
+        drawn with a seed of their own (gspo.core.seeds.evaluation_seed): how often a run evaluates changes
+        nothing it trains on."""
         sampler = HFSampler(
             self.policy.model, self.tokenizer, self.config.eval.batch_size, lambda: generating(self.policy)
         )
@@ -271,16 +275,16 @@ class Trainer:
             self.rewards,
             max_new_tokens=self.config.eval.max_new_tokens,
             system_prompt=self.config.task.system_prompt,
+            seed=evaluation_seed(self.config.seed, self.step),
         ).metrics
 
     # ---- the loop -----------------------------------------------------------------------------------
-    def checkpoint(self, rng: dict[str, Any] | None = None) -> Path:
+    def checkpoint(self, rng: dict[str, Any] | None = None, *, background: bool = False) -> Path | None:
         """A checkpoint of this step with ``rng`` (default: now), the batches drawn ahead and the prompt
-        stream's position (gspo.training.pipeline.Pipeline.state) as the state a resumed run continues from."""
+        stream's position (gspo.training.pipeline.Pipeline.state) as the state a resumed run continues from.
+        ``background``: written while the next batch is drawn (gspo.run.start.Run.save); returns None."""
         state = self.pipeline.state(self.step)
-        path = self.home.save(rng=rng, stream=state["stream"], ahead=state["ahead"])
-        assert path is not None
-        return path
+        return self.home.save(rng=rng, stream=state["stream"], ahead=state["ahead"], background=background)
 
     def train(self) -> dict[str, Any]:
         """`run`, under the name TRL's trainers use."""
@@ -314,6 +318,8 @@ class Trainer:
 
     def _kept(self, then: str, command: str) -> str:
         """What a stopped run kept, and the command that continues it."""
+        with contextlib.suppress(Exception):  # a checkpoint in flight: done, or not the latest
+            self.home.wait()
         latest = latest_checkpoint(self.run_dir)
         if latest is None:
             return f"{self.run_dir} holds no checkpoint yet: {then} `{command}`, which starts it again"
@@ -321,9 +327,10 @@ class Trainer:
 
     def _run_steps(self) -> dict[str, Any]:
         cfg = self.config
-        if self.step == 0 and not self.resumed:  # a resumed step-0 checkpoint has both already
+        if self.step == 0 and not self.resumed:
+            # no checkpoint at step 0: it would be the initial model, which a run stopped before its first
+            # checkpoint starts from again anyway (gspo.run.folder), to the same results
             self._log_eval()
-            self.checkpoint()  # step 0: a resumable point exists before any update
         stalls = StallWatch(cfg.train.warn_after_flat_steps, cfg.rollout.prompts_per_step)
         show = self._show_progress()
         bar = tqdm(total=cfg.train.steps, initial=self.step, disable=not show, desc="gspo", unit="step")
@@ -332,6 +339,7 @@ class Trainer:
             try:
                 metrics = self.train_step()
             except (RewardError, ServerError):
+                self.home.wait()  # a checkpoint in flight completes first
                 if self.step != started:  # the engine did not take the update (a weight sync): keep it
                     self.checkpoint()
                     raise
@@ -344,41 +352,54 @@ class Trainer:
             for warning in stalls.update(self.step, metrics):
                 if is_main():
                     tqdm.write(f"warning: {warning}", file=sys.stderr)
-            bar.update(1)
-            bar.set_postfix(
-                reward=f"{metrics['reward_mean']:.3f}",
-                clip=f"{metrics.get('clip_frac_token', 0.0):.3f}",
-                gen=f"{metrics['time_rollout']:.1f}s",
-                old=f"{metrics['time_old_logprobs']:.1f}s",
-                upd=f"{metrics['time_update']:.1f}s",
+            shown = {
+                "reward": f"{metrics['reward_mean']:.3f}",
+                "clip": f"{metrics.get('clip_frac_token', 0.0):.3f}",
+                "gen": f"{metrics['time_rollout']:.1f}s",
+                "old": f"{metrics['time_old_logprobs']:.1f}s",
+                "upd": f"{metrics['time_update']:.1f}s",
                 **stalls.postfix(),
-            )
+            }
+            bar.update(1)
+            bar.set_postfix(**shown)
+            if self._progress_lines():  # piped, under nohup, in an IDE: a line per rollout batch
+                fields = ", ".join(f"{key} {value}" for key, value in shown.items())
+                print(f"step {self.step}/{cfg.train.steps}: {fields}", file=sys.stderr, flush=True)
             last = self.step == cfg.train.steps
             if last or (cfg.eval.every and self.step % cfg.eval.every == 0):
                 self._log_eval()
             if last or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
-                self.checkpoint()
+                self.checkpoint(background=True)  # written as the next batch is drawn
         bar.close()
         return self.finish()
 
     def _show_progress(self) -> bool:
-        """The progress bar and eval lines: interactive runs only (a terminal), so logs and pipes stay quiet."""
+        """The progress bar: interactive runs only (a terminal)."""
         return self.config.progress and is_main() and sys.stderr.isatty()
+
+    def _progress_lines(self) -> bool:
+        """Progress as plain lines, one per rollout batch and evaluation: runs without a terminal (piped,
+        under nohup, in an IDE), unless progress=false."""
+        return self.config.progress and is_main() and not sys.stderr.isatty()
 
     def _log_eval(self) -> None:
         if not self.eval_examples:  # task.num_eval=0: nothing held out, nothing to measure
             return
         result = self.evaluate()
         self.logger.log(self.step, result, kind="eval")
+        line = (
+            f"step {self.step}: eval accuracy {result['accuracy']:.3f} (reward {result['reward_mean']:.3f})"
+        )
         if self._show_progress():
-            tqdm.write(
-                f"step {self.step}: eval accuracy {result['accuracy']:.3f} (reward {result['reward_mean']:.3f})"
-            )
+            tqdm.write(line)
+        elif self._progress_lines():
+            print(line, file=sys.stderr, flush=True)
 
     def finish(self) -> dict[str, Any]:
         """End the run as `gspo train` does: a checkpoint of the last step (unless it has one), the metrics
         closed, plots/*.png and summary.md written, the run folder's lock released. Returns the run folder, the first and last eval
         accuracy (None without evaluations) and the summary's path; every rank calls it."""
+        self.home.wait()
         if self.home.saved_step != self.step:
             self.checkpoint()
         self.pipeline.close()
