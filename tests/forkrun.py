@@ -23,6 +23,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot  # preloaded once for the runs' plots
 
 import gspo.cli
+import gspo.files
 import gspo.run.checkpoint as checkpoint
 import gspo.training.trainer
 
@@ -62,7 +63,7 @@ def install_kill(phase: str, name: str) -> None:
         if phase == "mid_write" and Path(directory).parent.name == f".tmp_{name}":
             _die()
 
-    checkpoint.os = KillingOs()
+    checkpoint.os = gspo.files.os = KillingOs()  # `latest` is written by gspo.files' replacement
     checkpoint.save_model = save_model
 
 

@@ -375,8 +375,8 @@ def test_every_commands_user_errors_have_their_kinds_exit_code(
     assert code == EXIT_CODES["run folder"] and "metrics.jsonl: line 2 is not a metrics line" in _one_line(
         err
     )
-    code, err = _gspo(capsys, "train", "--trust-run-code")
-    assert code == EXIT_CODES["usage"] and "--trust-run-code goes with --resume RUN_DIR" in _one_line(err)
+    code, err = _gspo(capsys, "train", "--trust-run-folder")
+    assert code == EXIT_CODES["usage"] and "--trust-run-folder goes with --resume RUN_DIR" in _one_line(err)
     for argv in (
         ["eval", str(two_step_run), "--temperature", "0"],
         ["eval", str(two_step_run), "--temperature", "nan"],
@@ -519,4 +519,78 @@ def test_a_reward_file_on_the_command_line_is_named_as_written(tmp_path: Path, c
     assert _one_line(err).startswith(
         "error: rewards.nope.py:f: reward file not found: nope.py (read from the working directory when named "
         "on the command line"
+    )
+
+
+_FULL_DISK = """\
+import resource, shutil, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit, a write fails (EFBIG) instead of killing
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), resource.RLIM_INFINITY))
+if sys.argv[2] == "full":  # the disk says it is full: the short write is a full disk's
+    shutil.disk_usage = lambda path: shutil._ntuple_diskusage(10**9, 10**9, 0)
+from gspo.cli import main
+raise SystemExit(main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize(
+    ("limit", "disk", "argv", "said"),
+    [
+        (  # numpy's "4096 requested and 2096 written" (no errno) was an OSError traceback, exit 1
+            64 * 2**10,
+            "full",
+            ["export", "{run}", "--format", "gguf", "--output", "{out}/model.gguf"],
+            "error: the disk is full ({out}/model.gguf.tmp): free some space, or set --output to a folder on "
+            "another disk",
+        ),
+        (
+            64 * 2**10,
+            "not full",
+            ["export", "{run}", "--format", "gguf", "--output", "{out}/model.gguf"],
+            "error: the write failed (",
+        ),
+        (
+            512,
+            "not full",
+            ["eval", "{run}", "--output", "{out}/report.json"],
+            "error: the file is larger than this process may write (ulimit -f) ({out}/report.json.tmp): raise "
+            "the limit, or set --output elsewhere",
+        ),
+    ],
+)
+def test_a_write_that_fails_in_eval_or_export_is_one_line_naming_output_and_leaves_no_temporary_file(
+    two_step_run: Path, tmp_path: Path, limit: int, disk: str, argv: list[str], said: str
+) -> None:
+    """A real process whose writes fail past a file-size limit (a full disk's short write, without root):
+    exit 6, the option that chooses where it writes, and nothing left of the write (a .tmp was)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1"}
+    args = [arg.format(run=two_step_run, out=out) for arg in argv]
+    result = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK, str(limit), disk, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert (result.returncode, result.stderr.count("\n")) == (EXIT_CODES["disk"], 1), result.stderr
+    assert result.stderr.startswith(said.format(out=out)), result.stderr
+    assert list(out.iterdir()) == []
+
+
+def test_lora_target_modules_that_name_no_module_are_a_config_error_listing_the_models(
+    tmp_path: Path, capsys
+) -> None:
+    """peft's NoMatchingPeftModuleError was a traceback, exit 1."""
+    code, err = _run(
+        capsys, TINY, f"output_dir={tmp_path / 'run'}", "lora.rank=4", "lora.target_modules=[nonexistent]"
+    )
+    assert code == EXIT_CODES["config"], err
+    assert err.startswith(
+        "error: lora.target_modules=['nonexistent']: Target modules {'nonexistent'} not found"
+    )
+    assert err.endswith(
+        "This model's linear layers are named down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, "
+        "v_proj: list some of those"
     )

@@ -409,3 +409,51 @@ def test_yaml_nested_past_the_readers_depth_is_an_error_at_its_place(tmp_path: P
         match=r"^override 'train\.adam_betas=\[+\.\.\.': the value is not valid YAML: line 1, column 101",
     ):
         load_config(None, [f"train.adam_betas={deep}"])
+
+
+def test_a_key_set_twice_is_refused_naming_both_lines(tmp_path: Path) -> None:
+    """PyYAML keeps the last of two `train:` sections: the first one's lr was silently lost."""
+    path = tmp_path / "twice.yaml"
+    path.write_text("train:\n  lr: 0.5\nseed: 3\ntrain:\n  steps: 4\n")
+    with pytest.raises(
+        ConfigError,
+        match=r"twice\.yaml: not valid YAML: line 4, column 1: 'train' is set twice \(first on line 1\): YAML "
+        r"would keep only the last one; merge them into one",
+    ):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"'a\.py:f' is set twice"):  # in an override's value too
+        load_config(None, ["rewards={a.py:f: 1, a.py:f: 2}"])
+
+
+def test_a_config_path_says_what_it_is_and_a_config_file_has_a_ceiling(tmp_path: Path) -> None:
+    """A folder "did not exist"; a 50 MB file (one comment) was read for 68 s and accepted."""
+    from gspo.config.loading import CONFIG_MAX_BYTES
+
+    with pytest.raises(ConfigError, match=r"is a folder, not a YAML file"):
+        load_config(tmp_path)
+    with pytest.raises(ConfigError, match=r"does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    big = tmp_path / "big.yaml"
+    big.write_text("# " + "x" * CONFIG_MAX_BYTES + "\nseed: 1\n")
+    with pytest.raises(ConfigError, match=r"holds 1,048,587 bytes, more than a config file's 1,048,576"):
+        load_config(big)
+
+
+def test_a_list_is_refused_by_its_length_before_its_entries_are_read(tmp_path: Path) -> None:
+    """A 5M-entry lora.target_modules took 266 s and 4.2 GB before its refusal: a list or mapping longer
+    than LIST_MAX is refused before any entry is checked (or its names compared with the model's)."""
+    import time
+
+    from gspo.config.values import LIST_MAX
+
+    names = ", ".join(f"m{i}" for i in range(100_000))  # a 0.7 MB file: within the file's ceiling
+    path = tmp_path / "long.yaml"
+    path.write_text(f"lora:\n  rank: 4\n  target_modules: [{names}]\n")
+    started = time.perf_counter()
+    with pytest.raises(
+        ConfigError, match=r"^lora\.target_modules holds 100,000 entries, more than the 1,024"
+    ):
+        load_config(path)
+    assert time.perf_counter() - started < 30  # the YAML reader's own time; nothing after it
+    with pytest.raises(ConfigError, match=r"^rewards holds 1,025 entries"):
+        load_config(None, ["rewards={" + ", ".join(f"r{i}: 1" for i in range(LIST_MAX + 1)) + "}"])

@@ -364,3 +364,14 @@ def test_arithmetic_operands_beyond_a_machine_word_draw_distinct_problems():
     for example in examples:
         expression = example.prompt.removeprefix("What is ").split("?")[0]
         assert str(eval(expression)) == example.fields["answer"]  # the operands and + only
+
+
+def test_a_lone_surrogate_names_the_file_the_row_and_the_field(tmp_path) -> None:
+    """JSON's "\\ud800" escape reads as a lone surrogate, which no tokenizer can encode."""
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"prompt": "fine", "answer": "1"}\n{"prompt": "2+\\ud8003", "answer": "5"}\n')
+    with pytest.raises(
+        DataError,
+        match=r"data\.jsonl: row 2: field 'prompt' holds a lone surrogate \(U\+D800 at character 2\)",
+    ):
+        load_examples(path)

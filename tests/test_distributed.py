@@ -575,3 +575,39 @@ def test_optimizer_state_round_trip_changes_nothing_and_keeps_missing_state_miss
         opt.step()
     for a, b in zip(model.parameters(), resumed_model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_an_error_on_rank_0_alone_stops_both_ranks_and_the_launcher_exits_with_its_code(tmp_path):
+    """A tampered trackers.json, read by rank 0 alone: the other rank waited in its next collective, and
+    torchrun printed its own traceback and exited 1. gspo.torchrun exits with the documented code, and the
+    error is one line."""
+    run = tmp_path / "run"
+    launch = [
+        sys.executable,
+        "-m",
+        "gspo.torchrun",
+        "--standalone",
+        "--nproc_per_node",
+        str(WORLD),
+        "-m",
+        "gspo",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
+    train = [
+        *launch,
+        "train",
+        str(TINY),
+        f"output_dir={run}",
+        "train.steps=1",
+        "report_to=[]",
+        "eval.every=0",
+    ]
+    done = subprocess.run(train, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    (run / "trackers.json").write_text("{not json")
+    resume = [*launch, "train", "--resume", str(run), "train.steps=2"]
+    done = subprocess.run(resume, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 5, done.stderr[-4000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "trackers.json is not the trackers file gspo writes" in errors[0], done.stderr
+    assert "Traceback" not in done.stderr

@@ -302,3 +302,95 @@ def test_the_old_tensorboard_key_loads_as_report_to(tmp_path):
         load_config(both)
     with pytest.raises(ConfigError, match=r"report_to\[0\]: 'neptune' is not one of 'tensorboard', 'wandb'"):
         load_config(None, ["report_to=[neptune]"])
+
+
+# ---- a tracker that cannot start: one line, a bounded wait, no secret --------------------------------------
+def _refused(capsys, tmp_path, tracker: str) -> tuple[int, str, float]:
+    started = time.monotonic()
+    code = main(
+        ["train", str(TINY), f"output_dir={tmp_path / 'run'}", f"report_to=[{tracker}]", "train.steps=1"]
+    )
+    err = capsys.readouterr().err.strip()
+    return code, err, time.monotonic() - started
+
+
+def test_wandb_without_a_key_is_one_config_line(tmp_path, monkeypatch, capsys):
+    """No key and no WANDB_MODE: wandb's UsageError traceback after 10 s."""
+    pytest.importorskip("wandb", reason="report_to=[wandb] needs pip install 'gspo[wandb]'")
+    for name in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc of the user's
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path))
+    code, err, _ = _refused(capsys, tmp_path, "wandb")
+    assert (code, err.count("\n")) == (3, 0), err
+    assert err.startswith("error: report_to: wandb could not start its run (UsageError: ")
+    assert err.endswith(
+        "set WANDB_API_KEY (or run `wandb login`), or WANDB_MODE=offline for a local run, or remove wandb from report_to"
+    )
+
+
+def test_mlflow_with_nothing_listening_waits_a_bounded_time_and_never_shows_the_password(
+    tmp_path, monkeypatch, capsys
+):
+    """258 s of MLflow's retries and 5 tracebacks, the URI's password among them: now TRACKER_TIMEOUT
+    seconds (3 here) and one line; a malformed URI or a store that cannot be is one line at once."""
+    import socket
+
+    import gspo.run.trackers as trackers
+
+    pytest.importorskip("mlflow", reason="report_to=[mlflow] needs pip install 'gspo[mlflow]'")
+    monkeypatch.setattr(trackers, "TRACKER_TIMEOUT", 3.0)
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://alice:PASSWORD@127.0.0.1:{port}")
+    code, err, took = _refused(capsys, tmp_path, "mlflow")
+    assert (code, err.count("\n")) == (3, 0), err
+    assert err.startswith(
+        "error: report_to: mlflow did not start its run within 3 s: check MLFLOW_TRACKING_URI"
+    )
+    assert "PASSWORD" not in err and took < 60
+    for uri in ("file:///proc/nope", "http//not a uri", "databricks://alice:PASSWORD@nowhere"):
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        code, err, _ = _refused(capsys, tmp_path, "mlflow")
+        assert (code, err.count("\n")) == (3, 0), err
+        assert err.startswith("error: report_to: mlflow could not start its run (") and "PASSWORD" not in err
+
+
+def test_a_tracker_that_hangs_or_fails_is_one_line_within_the_bound_whatever_its_package(
+    tmp_path, monkeypatch, capsys
+):
+    """gspo's side of the two tests above, with a stand-in tracker (no package needed): a start that never
+    answers stops the run after TRACKER_TIMEOUT seconds, one that raises with a password in its message is
+    one line without it."""
+    import threading
+
+    import gspo.run.start
+    import gspo.run.trackers as trackers
+
+    release = threading.Event()
+
+    class Hangs:
+        def __init__(self, *args) -> None:
+            release.wait(120)  # a server that never answers (ended below)
+
+    class Fails:
+        def __init__(self, *args) -> None:
+            raise ConnectionError("Max retries exceeded: http://alice:PASSWORD@127.0.0.1:9/api (refused)")
+
+    for module in (trackers, gspo.run.start):
+        monkeypatch.setattr(module, "check_installed", lambda report_to: None)
+    monkeypatch.setattr(trackers, "TRACKER_TIMEOUT", 2.0)
+    try:
+        monkeypatch.setattr(trackers, "MlflowTracker", Hangs)
+        code, err, took = _refused(capsys, tmp_path, "mlflow")
+        assert (code, err.count("\n")) == (3, 0), err
+        assert err.startswith("error: report_to: mlflow did not start its run within 2 s: check ")
+        assert took < 60  # the model and data load first: seconds; the wait is bounded by the 2 s above
+    finally:
+        release.set()
+    monkeypatch.setattr(trackers, "MlflowTracker", Fails)
+    code, err, _ = _refused(capsys, tmp_path, "mlflow")
+    assert (code, err.count("\n")) == (3, 0), err
+    assert err.startswith("error: report_to: mlflow could not start its run (ConnectionError: ")
+    assert "http://***@127.0.0.1:9/api" in err and "PASSWORD" not in err

@@ -135,6 +135,21 @@ def test_corrupt_middle_line_raises(tmp_path):
         read_metrics(tmp_path)
 
 
+def test_a_step_past_64_bits_is_not_a_metrics_line(tmp_path, capsys):
+    """`gspo plot` keeps steps in 64-bit arrays: a step of 2**64 was an OverflowError traceback."""
+    from gspo.cli import EXIT_CODES, main
+
+    (tmp_path / "metrics.jsonl").write_text(
+        f'{{"step": 1, "kind": "train", "loss": 1}}\n{{"step": {2**64}, "kind": "train", "loss": 1}}\n'
+        '{"step": 3, "kind": "train", "loss": 1}\n'
+    )
+    assert main(["plot", str(tmp_path)]) == EXIT_CODES["run folder"]
+    err = capsys.readouterr().err
+    assert (
+        err.count("\n") == 1 and "line 2 is not a metrics line (not an object with an integer 'step')" in err
+    )
+
+
 def test_tensorboard_events_hold_the_logged_scalars(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -260,3 +275,58 @@ def test_read_metrics_round_trips_json(tmp_path):
     with MetricsLogger(tmp_path, report_to=()) as logger:
         logger.log(7, {"x": 1.5})
     assert json.loads(_lines(tmp_path)[0]) == read_metrics(tmp_path / "metrics.jsonl")[0]
+
+
+def test_plot_reads_metrics_as_a_stream_in_bounded_memory(tmp_path, capsys):
+    """`gspo plot` of 400,000 lines held every record (148 s and 4.5 GB): now one line at a time, each
+    plotted line thinned to at most 2 x POINTS_MAX points, the summary kept as sums and extremes."""
+    import tracemalloc
+
+    from gspo.cli import main
+    from gspo.training.plots import POINTS_MAX, scan_run
+
+    steps = 100_000
+    with open(tmp_path / "metrics.jsonl", "w") as out:
+        for step in range(1, steps + 1):
+            values = {"reward_mean": step / steps, "loss": 1.0, "clip_frac_seq": 0.5, "time_update": 0.01}
+            out.write(json.dumps({"step": step, "kind": "train", **values, "padding": "x" * 400}) + "\n")
+            if step % 100 == 0:
+                out.write(json.dumps({"step": step, "kind": "eval", "accuracy": step / steps}) + "\n")
+    tracemalloc.start()
+    try:
+        scan = scan_run(tmp_path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 2**20, peak  # the file is 45 MB; holding its records took hundreds
+    assert POINTS_MAX <= len(scan.lines["train", "reward_mean"].steps) < 2 * POINTS_MAX
+    assert len(scan.lines["eval", "accuracy"].steps) == steps // 100  # below the ceiling: every point
+    assert main(["plot", str(tmp_path)]) == 0
+    summary = (tmp_path / "summary.md").read_text()
+    assert "Rollout batches (or gspo serve train calls) trained: 100000, steps 1 to 100000" in summary
+    assert "Eval accuracy: first 0.0010 (step 100), last 1.0000 (step 100000), best 1.0000" in summary
+    assert "Total time: 1000.0 s (update 1000.0 s)" in summary
+
+
+def test_a_metrics_line_past_the_ceiling_is_refused_as_it_is_read(tmp_path, capsys):
+    """One 300 MB metrics line took 1.6 GB: a line longer than LINE_MAX is not gspo's, refused having
+    read LINE_MAX bytes of it."""
+    import tracemalloc
+
+    from gspo.cli import EXIT_CODES, main
+    from gspo.run.metrics import LINE_MAX, MetricsError
+    from gspo.training.plots import scan_run
+
+    with open(tmp_path / "metrics.jsonl", "w") as out:
+        out.write(json.dumps({"step": 1, "kind": "train", "loss": 1.0}) + "\n")
+        out.write(json.dumps({"step": 2, "kind": "train", "note": "a" * (40 * LINE_MAX)}) + "\n")
+    tracemalloc.start()
+    try:
+        with pytest.raises(MetricsError, match=r"line 2 is longer than 1,048,576 bytes"):
+            scan_run(tmp_path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * LINE_MAX, peak
+    assert main(["plot", str(tmp_path)]) == EXIT_CODES["run folder"]
+    assert capsys.readouterr().err.count("\n") == 1

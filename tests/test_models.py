@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -97,8 +98,46 @@ def test_the_gguf_is_dequantised_once_and_cached_by_its_content(tmp_path, monkey
             messages, add_generation_prompt=True
         )
     (cache / "model.safetensors").write_bytes(b"damaged")
+    # the temporary folder of this process's write, planted with a hard link to a file elsewhere: the cache
+    # is written into a new folder of its own, never through what was there
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"the user's own file")
+    planted = cache.with_name(f".tmp-{cache.name}-{os.getpid()}")
+    planted.mkdir()
+    os.link(outside, planted / "config.json")
     repaired, _ = load_model(config)
     assert all(
         torch.equal(a, b)
         for a, b in zip(first.state_dict().values(), repaired.state_dict().values(), strict=True)
     )
+    assert outside.read_bytes() == b"the user's own file" and not planted.exists()
+
+
+def test_a_config_json_of_a_model_far_larger_than_its_weights_is_refused_before_it_is_built(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint whose config.json claims 2 trillion parameters: transformers allocated what it described
+    (20 GB, then the OOM killer) before finding that the weights do not fit. Counted on the meta device."""
+    import json
+    import resource
+
+    from gspo.models import tiny_model
+
+    tokenizer = tiny_tokenizer()
+    save_model(tiny_model("llama", len(tokenizer), 0), tokenizer, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config |= {"hidden_size": 32768, "intermediate_size": 131072, "num_hidden_layers": 160}
+    config |= {"num_attention_heads": 256, "num_key_value_heads": 8}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    # 4 GiB more address space at most: without the check, the model's allocation fails here, not the machine
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    with open("/proc/self/statm") as statm:
+        size = int(statm.read().split()[0]) * resource.getpagesize()
+    resource.setrlimit(resource.RLIMIT_AS, (size + 4 * 2**30, hard))
+    try:
+        with pytest.raises(
+            ModelError, match=r"config\.json describes a model of 2,105,889,914,880 parameters"
+        ):
+            load_model(ModelConfig(path=str(tmp_path)))
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))

@@ -178,3 +178,32 @@ def test_resume_needs_the_checkpoints_own_config_or_force(two_step_run, tmp_path
     assert load_trainer_state(latest_checkpoint(run))["step"] == 2  # refused: nothing ran
     train(resume=run, overrides=["train.steps=3", "progress=false"], force=True)
     assert load_trainer_state(latest_checkpoint(run))["step"] == 3
+
+
+def test_a_refused_resume_names_a_key_only_one_config_has_as_absent(
+    two_step_run: Path, tmp_path: Path, capsys
+) -> None:
+    """A reward that only one of the two configs names was shown as `<object object at 0x...>`."""
+    from gspo.cli import main
+
+    run = tmp_path / "run"
+    shutil.copytree(two_step_run, run)
+    code = main(["serve", "--resume", str(run), "rewards={digit_fraction: 1.0}", "serve.port=0"])
+    err = capsys.readouterr().err
+    assert code == 3 and "object at 0x" not in err, err
+    assert "rewards.correct_number: 1.0 -> (absent)" in err
+
+
+def test_an_incomplete_checkpoint_moved_aside_is_said_to_lack_what_it_lacked(tmp_path: Path, capsys) -> None:
+    """The note always said "(no trainer_state.pt)": it was asked after the folder had moved."""
+    from gspo.models import tiny_model, tiny_tokenizer
+    from gspo.run.checkpoint import save_checkpoint
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_model("llama", len(tokenizer), 0)
+    incomplete = tmp_path / "run" / "checkpoints" / "step_000001"
+    incomplete.mkdir(parents=True)
+    (incomplete / "trainer_state.pt").write_bytes(b"state")  # its model folder is what it lacks
+    save_checkpoint(tmp_path / "run", 1, model=model, tokenizer=tokenizer, state={})
+    err = capsys.readouterr().err
+    assert "was incomplete (no model/config.json or model/adapter_config.json): moved to" in err, err

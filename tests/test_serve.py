@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -34,10 +35,10 @@ from gspo.client import Client, Episode, EpisodeGroup, completion_id
 from gspo.config import ConfigError, load_config
 from gspo.core.layout import make_micro_batches
 from gspo.learning.policy import score
-from gspo.run.lock import LOCK_FILE
+from gspo.run.lock import LOCK_FILE, holder_if_locked
 from gspo.run.resume import RUN_MARKER
 from gspo.serve.chat import parse_tool_calls
-from gspo.serve.server import build_service, serve_config, start_in_thread
+from gspo.serve.server import api_key, build_service, serve_config, start_in_thread
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -757,3 +758,72 @@ def test_the_agent_guess_example_has_a_smoke_mode(tmp_path: Path) -> None:
     results = json.loads((tmp_path / "results.json").read_text())
     assert [e["step"] for e in results["evals"]] == [0, 1] and [t["step"] for t in results["train"]] == [1]
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"]["tiny"] == "llama"
+
+
+def test_the_servers_own_key_is_refused_at_start_by_its_variables_name_when_no_client_could_send_it(
+    tmp_path, monkeypatch
+) -> None:
+    """The server started with keys a client cannot send (401 or 400 forever) or sends stripped; a
+    client's key has been refused this way since the round before. A real `gspo serve` process first (a
+    server that takes the key would serve on, and the wait below would fail), then the other keys."""
+    secret = "sk-serve-SECRET0123"
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": str(ROOT / "src"),
+        "GSPO_TEST_KEY": secret + "\r",
+    }
+    argv = ["serve", "serve.api_key_env=GSPO_TEST_KEY", "serve.port=0", f"output_dir={tmp_path / 'run'}"]
+    result = subprocess.run(
+        [sys.executable, "-m", "gspo", *argv], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert (result.returncode, result.stderr.count("\n")) == (3, 1), result.stderr
+    assert result.stderr.startswith(
+        "error: the environment variable GSPO_TEST_KEY (serve.api_key_env) holds whitespace, control or "
+        "non-ASCII characters (a bearer token is printable ASCII); it is not shown"
+    )
+    assert "SECRET" not in result.stdout + result.stderr and not (tmp_path / "run").exists()
+    for key in [f"{secret}é", "sk-serve\rSECRET", f"sk serve {secret}", f"{secret}\x07", f" {secret}"]:
+        monkeypatch.setenv("GSPO_TEST_KEY", key)
+        with pytest.raises(
+            ConfigError, match=r"^the environment variable GSPO_TEST_KEY \(serve\.api_key_env\)"
+        ) as error:
+            api_key(load_config(None, ["serve.api_key_env=GSPO_TEST_KEY"]))
+        assert "SECRET" not in str(error.value)
+
+
+def test_sigterm_stops_the_server_cleanly_and_releases_its_lock(tmp_path: Path) -> None:
+    """uvicorn raised SIGTERM again after its graceful shutdown, which killed the process before it released
+    its lock: the next start said that the holder "ended without releasing it (killed?)"."""
+    run = tmp_path / "run"
+    process, url = _serve_process(
+        str(TINY), f"output_dir={run}", "serve.port=0", "report_to=[]", cwd=tmp_path
+    )
+    try:
+        assert httpx.get(url.removesuffix("/v1") + "/health").status_code == 200
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0, (tmp_path / "server.log").read_text()[-2000:]
+    finally:
+        process.kill()
+    assert (run / LOCK_FILE).read_bytes() == b""  # released: no holder's record left behind
+    assert holder_if_locked(run) is None
+
+
+def test_a_lone_surrogate_is_a_400_naming_the_field_not_the_tokenizers_internal_error(server) -> None:
+    """json.loads reads "\\ud800" as a lone surrogate, which the tokenizer refused with "TextEncodeInput must
+    be Union[TextInputSequence, ...]", under "the chat template cannot render them"."""
+    for path, body, field in [
+        (
+            "/chat/completions",
+            {"messages": [{"role": "user", "content": "2+\ud8003"}]},
+            "messages[0].content",
+        ),
+        ("/completions", {"prompt": ["ok", "2+\udc00"]}, "prompt"),
+    ]:
+        text = json.dumps({"model": "gspo", "max_tokens": 2, **body})  # ASCII, the surrogate as "\ud800"
+        response = httpx.post(
+            server.url + path, content=text, headers={"Content-Type": "application/json"}, timeout=60
+        )
+        error = response.json()["error"]
+        assert (response.status_code, error["param"]) == (400, field), error
+        assert "holds a lone surrogate (U+D" in error["message"] and "TextEncodeInput" not in error["message"]

@@ -52,6 +52,12 @@ def test_a_completion_is_trained_once_across_train_calls(server) -> None:
     assert first["version"] == server.service.trainer.version
     # the same call again is its stored answer; the same completions under another id are refused
     assert _post(server, "/train", {"groups": [_group(ids)], "request_id": "call-a"}).json()["repeated"]
+    # the same id with other groups: a 409 that says they were not trained (it returned the old answer)
+    other = _post(server, "/train", {"groups": [_group(_completions(server, 2))], "request_id": "call-a"})
+    error = other.json()["error"]
+    assert (other.status_code, error["code"], error["param"]) == (409, "request_id_reused", "request_id")
+    assert "these groups were not trained" in error["message"]
+    assert server.service.trainer.version == first["version"]
     for request_id in ("call-b", None):
         message = _refused(
             server,

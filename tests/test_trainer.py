@@ -261,7 +261,7 @@ def test_cli_reports_config_errors_clearly(tmp_path: Path, capsys, monkeypatch: 
 
 
 KILLER = """
-import os, signal
+import os, signal, time
 from pathlib import Path
 from gspo.rollout.rewards import correct_number
 
@@ -270,6 +270,11 @@ def reward(prompts, completions, **fields):
     n = int(counter.read_text()) + 1 if counter.exists() else 1
     counter.write_text(str(n))
     if n == int(os.environ.get("KILL_AT", "0")):
+        # the previous step's checkpoint is written in the background while this batch is drawn: the kill
+        # waits for it to be the latest, so the run always dies with it in place (a loaded machine lagged)
+        latest, deadline = Path(os.environ["KILL_AFTER"]), time.monotonic() + 120
+        while time.monotonic() < deadline and not (latest.is_file() and latest.read_text() == "step_000002"):
+            time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGKILL)  # a real SIGKILL in the middle of a step
     return correct_number(prompts, completions, **fields)
 """
@@ -292,6 +297,7 @@ def test_sigkill_and_resume_equals_an_uninterrupted_run(
     env_kill = {
         "KILL_COUNTER": str(tmp_path / "count"),
         "KILL_AT": "5",
+        "KILL_AFTER": str(tmp_path / "resumed" / "checkpoints" / "latest"),
     }  # reward calls: eval 0, steps 1-2, eval 2, step 3
     killed = _cli(
         "train", str(TINY), f"output_dir={tmp_path / 'resumed'}", *common, cwd=tmp_path, env=env_kill
@@ -299,7 +305,7 @@ def test_sigkill_and_resume_equals_an_uninterrupted_run(
     assert killed.returncode == -9, killed.stderr
     assert load_trainer_state(latest_checkpoint(tmp_path / "resumed"))["step"] == 2
     resumed = _cli(  # our own reward file: trusted (a run folder's code is not, by default)
-        "train", "--resume", str(tmp_path / "resumed"), "--trust-run-code", cwd=tmp_path, env=env_kill
+        "train", "--resume", str(tmp_path / "resumed"), "--trust-run-folder", cwd=tmp_path, env=env_kill
     )  # counter > 3 now
     assert resumed.returncode == 0, resumed.stderr
 

@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -79,9 +80,9 @@ def test_reward_code_a_run_folder_names_runs_only_when_the_user_names_it(
         code, err = _gspo(capsys, *argv)
         assert code == EXIT_CODES["config"], err
         assert f"names the reward '{spec}', Python code that gspo would import" in err
-        assert f"'rewards={{{spec}: 1}}' on the command line, or --trust-run-code" in err
+        assert f"'rewards={{{spec}: 1}}' on the command line, or --trust-run-folder" in err
         assert not marker.exists()  # refused before anything was imported
-    code, err = _gspo(capsys, "eval", str(run), "--output", "r.json", "--trust-run-code")
+    code, err = _gspo(capsys, "eval", str(run), "--output", "r.json", "--trust-run-folder")
     assert code == 0, err
     assert marker.exists()
     marker.unlink()
@@ -118,36 +119,50 @@ def test_a_reward_named_by_a_relative_path_or_replaced_from_python_is_the_users(
 
 
 @contextlib.contextmanager
-def _recording_server() -> Iterator[tuple[str, list[dict[str, str]]]]:
-    """A server that records each request's headers and answers 500."""
+def _recording_server() -> Iterator[tuple[str, list[dict[str, str]], list[str]]]:
+    """A server that records each connection it accepts (its peer), each request's headers (and its path,
+    as ":path"), and answers 500."""
     seen: list[dict[str, str]] = []
+    connections: list[str] = []
+
+    class Listener(ThreadingHTTPServer):
+        def verify_request(self, request, client_address) -> bool:
+            connections.append(f"{client_address[0]}:{client_address[1]}")  # before a byte is read
+            return True
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
-            seen.append({k.lower(): v for k, v in self.headers.items()})
+            seen.append({k.lower(): v for k, v in self.headers.items()} | {":path": self.path})
             self.send_response(500)
             self.send_header("Content-Length", "2")
             self.end_headers()
             self.wfile.write(b"{}")
 
+        do_GET = do_POST
+
         def log_message(self, *args) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server = Listener(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1", seen
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1", seen, connections
     finally:
         server.shutdown()
         server.server_close()
 
 
-def _point_at(run: Path, url: str, variable: str) -> None:
-    """What a shared folder's author could write: the run's config and its checkpoint's, alike."""
+def _plant(run: Path, settings: dict[str, object]) -> None:
+    """What a shared folder's author could write: dotted keys set in the run's config and its checkpoints'
+    alike, their manifests rewritten to match."""
     for path in [run / "config.yaml", *run.glob("checkpoints/step_*/config.yaml")]:
         config = yaml.safe_load(path.read_text())
-        config["rollout"]["engine"] = "openai"
-        config["rollout"]["openai"] |= {"url": url, "api_key_env": variable, "timeout": 2.0}
+        for key, value in settings.items():
+            *sections, leaf = key.split(".")
+            node = config
+            for section in sections:
+                node = node[section]
+            node[leaf] = value
         path.write_text(yaml.safe_dump(config, sort_keys=False))
     for checkpoint in run.glob("checkpoints/step_*"):
         reseal(checkpoint)
@@ -159,16 +174,17 @@ def test_a_run_folder_cannot_send_a_credential_to_a_server_of_its_choice(
     run = tmp_path / "run"
     shutil.copytree(two_step_run, run)
     monkeypatch.setenv("SOME_TOKEN", "ghp-secret-123")
-    with _recording_server() as (url, seen):
-        _point_at(run, url, "SOME_TOKEN")
+    with _recording_server() as (url, seen, _):
+        openai = {"url": url, "api_key_env": "SOME_TOKEN", "timeout": 2.0}
+        _plant(run, {"rollout.engine": "openai", **{f"rollout.openai.{k}": v for k, v in openai.items()}})
         code, err = _gspo(capsys, "train", "--resume", str(run), "train.steps=3")
         assert code == EXIT_CODES["config"], err
-        assert f"sends rollouts to rollout.openai.url='{url}': a run folder does not choose" in err
+        assert f"names rollout.openai.url='{url}', the server gspo sends its prompts" in err
         assert seen == []  # nothing was sent, so no key
         code, err = _gspo(capsys, "train", "--resume", str(run), "train.steps=3", f"rollout.openai.url={url}")
         assert (
             code == EXIT_CODES["config"]
-            and "names the environment variable 'SOME_TOKEN' as the API key" in err
+            and "names rollout.openai.api_key_env='SOME_TOKEN', the environment variable whose secret" in err
         )
         assert seen == []
         # named by the user: the key goes to the origin the user named (which answers 500 here)
@@ -392,3 +408,285 @@ def test_a_store_of_another_user_or_writable_by_others_is_ignored(
     assert code == 0, err
     assert "note: this run is not recorded as yours" in err
     assert store.read_text() == before
+
+
+# ---- servers and paths outside the run folder (gspo.run.trust.REACHES) ----------------------------------
+def test_a_run_folder_cannot_choose_the_vllm_server_or_its_weights_folder(
+    two_step_run: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """A planted rollout.vllm.url was contacted without a flag (/health, /server_info, a reload_weights
+    naming the folder's weights_dir, then the prompts); now a real listener there receives nothing, and
+    nothing is written to the planted weights folder, until the user names both."""
+    import gspo.training.samplers
+
+    # vLLM's package is not needed to talk to a server by URL: without this, a venv without it stops
+    # before any request, and the listener would see nothing whatever the rule
+    monkeypatch.setattr(gspo.training.samplers, "require_vllm", lambda: None)
+    run, weights = tmp_path / "run", tmp_path / "weights"
+    shutil.copytree(two_step_run, run)
+    with _recording_server() as (url, seen, connections):
+        planted = {
+            "rollout.vllm.url": url,
+            "rollout.vllm.weights_dir": str(weights),
+            "rollout.vllm.timeout": 1.0,
+        }
+        _plant(run, {"rollout.engine": "vllm_server", **planted})
+        resume = ["train", "--resume", str(run), "train.steps=3"]
+        code, err = _gspo(capsys, *resume)
+        assert (code, err.count("\n")) == (EXIT_CODES["config"], 0), err
+        assert f"names rollout.vllm.url='{url}', the vLLM server gspo sends its prompts" in err
+        assert f"pass rollout.vllm.url={url} on the command line to confirm it, or --trust-run-folder" in err
+        code, err = _gspo(capsys, *resume, f"rollout.vllm.url={url}")
+        assert code == EXIT_CODES["config"] and f"names rollout.vllm.weights_dir='{weights}'" in err, err
+        assert (connections, seen) == ([], []) and not weights.exists()  # not even a connection
+        # named, or trusted: the server is asked (the listener answers 500: no vLLM server there)
+        for named in (
+            [f"rollout.vllm.url={url}", f"rollout.vllm.weights_dir={weights}"],
+            ["--trust-run-folder"],
+        ):
+            code, err = _gspo(capsys, *resume, *named)
+            assert code == EXIT_CODES["server"] and f"no vLLM server answers at {url}" in err, err
+            assert connections and seen and seen[0][":path"] == "/health"
+            seen.clear()
+            connections.clear()
+
+
+def test_a_server_that_is_not_vllm_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    """The listener of the planted-URL finding answers /health, and /server_info without vLLM's config:
+    that was `KeyError: 'vllm_config'`."""
+    from gspo.rollout.openai import ServerError
+    from gspo.rollout.vllm_server import ExternalVLLMServer
+
+    class NotVLLM(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), NotVLLM)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    try:
+        with pytest.raises(ServerError) as raised:
+            ExternalVLLMServer(url, directory=tmp_path, timeout=5)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert str(raised.value).startswith(
+        f"the server at {url} (rollout.vllm.url) does not answer /server_info as vLLM does (no 'vllm_config'"
+    )
+
+
+def test_a_run_folder_cannot_choose_the_data_it_reads(two_step_run: Path, tmp_path: Path, capsys) -> None:
+    """A planted task.data_path (any file of the user's, or ../ of the folder) was read and copied into
+    RUN/evals/step_N.json by `gspo eval RUN`; now it is read only when the user names it."""
+    run, secret = tmp_path / "run", tmp_path / "private.jsonl"
+    shutil.copytree(two_step_run, run)
+    secret.write_text("".join(json.dumps({"prompt": f"SECRET-{i}", "answer": "1"}) + "\n" for i in range(4)))
+    _plant(run, {"task.name": "file", "task.data_path": str(secret), "task.num_eval": 2})
+    for argv in (["eval", str(run)], ["train", "--resume", str(run), "train.steps=3"]):
+        code, err = _gspo(capsys, *argv)
+        assert (code, err.count("\n")) == (EXIT_CODES["config"], 0), err
+        assert f"names task.data_path='{secret}', the data gspo reads" in err
+    (run / "linked.jsonl").symlink_to(secret)  # inside by its name, outside by its target
+    _plant(run, {"task.data_path": str(run / "linked.jsonl")})
+    code, err = _gspo(capsys, "eval", str(run))
+    assert (code, err.count("\n")) == (EXIT_CODES["config"], 0), err
+    assert not (run / "evals").exists()
+    code, err = _gspo(capsys, "eval", str(run), f"task.data_path={secret}")
+    assert code == 0, err
+    assert "SECRET-" in (run / "evals" / "step_000002.json").read_text()  # named: read, as asked
+    # a file inside the folder is the folder's own (the rows of train(data=...) are kept in RUN/data.jsonl)
+    shutil.copy(secret, run / "data.jsonl")
+    _plant(run, {"task.data_path": str(run / "data.jsonl")})
+    code, err = _gspo(capsys, "eval", str(run), "--output", str(tmp_path / "inside.json"))
+    assert code == 0, err
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory) -> Path:
+    """A tiny LoRA run whose base model is a folder on disk (model.path): started by the user, so recorded
+    as theirs (gspo.run.own_runs)."""
+    from gspo.models import save_model, tiny_model
+
+    base = tmp_path_factory.mktemp("lora")
+    tokenizer = tiny_tokenizer()
+    save_model(tiny_model("llama", len(tokenizer), 0), tokenizer, base / "base")
+    overrides = [f"model.path={base / 'base'}", "model.tiny=null", "lora.rank=4", "train.steps=1"]
+    train(load_config(TINY, [f"output_dir={base / 'run'}", *overrides, "eval.every=0", "report_to=[]"]))
+    return base
+
+
+def test_a_run_folder_cannot_choose_the_base_model_it_loads(lora_run: Path, tmp_path: Path, capsys) -> None:
+    """A LoRA checkpoint loads its base weights from model.path: a folder's value (or an edited one in the
+    user's own run) is read only when named; the user's own run needs no flag."""
+    from gspo.run.trust import UntrustedRunFolder
+    from gspo.serve.server import serve_config
+
+    base, copy = lora_run / "base", tmp_path / "copy"
+    shutil.copytree(lora_run / "run", copy)
+    code, err = _gspo(capsys, "eval", str(lora_run / "run"), "--output", str(tmp_path / "own.json"))
+    assert code == 0, err  # the user's own run, as started
+    refusal = f"names model.path='{base}', the model gspo loads"
+    for argv in (["eval", str(copy)], ["export", str(copy), "--format", "hf"]):
+        code, err = _gspo(capsys, *argv)
+        assert (code, err.count("\n")) == (EXIT_CODES["config"], 0), err
+        assert refusal in err
+    with pytest.raises(UntrustedRunFolder, match=refusal):
+        serve_config(None, [], copy)
+    assert not (copy / "evals").exists() and not (copy / "export").exists()
+    for argv in (["eval", str(copy)], ["export", str(copy), "--format", "hf"]):
+        code, err = _gspo(capsys, *argv, f"model.path={base}")
+        assert code == 0, err
+    _plant(lora_run / "run", {"model.path": str(copy / "export" / "step_000001-hf")})
+    code, err = _gspo(capsys, "eval", str(lora_run / "run"), "--output", str(tmp_path / "edited.json"))
+    assert code == EXIT_CODES["config"] and f"(you started this run with model.path={base})" in err, err
+
+
+@pytest.mark.parametrize(
+    ("linked", "argv", "exit_code"),
+    [
+        ("summary.md", ["plot", "{run}"], 0),
+        ("plots/reward.png", ["plot", "{run}"], 0),
+        ("metrics.jsonl", ["train", "--resume", "{run}", "train.steps=3"], 0),
+        ("config.yaml", ["train", "--resume", "{run}", "train.steps=3"], 0),
+        ("checkpoints/latest", ["train", "--resume", "{run}", "train.steps=3"], 0),
+        ("metrics.rolled_back.jsonl", ["train", "--resume", "{run}", "--from-step", "1"], 0),
+        ("completions.jsonl", ["train", "--resume", "{run}", "train.steps=3"], 0),
+        ("completions.rolled_back.jsonl", ["train", "--resume", "{run}", "--from-step", "1"], 0),
+        ("evals/step_000002.json", ["eval", "{run}"], 0),
+        ("export/step_000002-hf/config.json", ["export", "{run}", "--format", "hf", "--force"], 0),
+        (".gspo_lock", ["train", "--resume", "{run}", "train.steps=3"], 5),  # the one file written in place
+    ],
+)
+def test_a_hard_link_in_a_run_folder_changes_nothing_outside_it(
+    two_step_run: Path, tmp_path: Path, capsys, linked: str, argv: list[str], exit_code: int
+) -> None:
+    """A hard link is an ordinary file, so `run_path` cannot see it: `gspo plot` rewrote the file outside
+    that `summary.md` shared its inode with. Every write under a run folder now goes to a new file renamed
+    over the target (gspo.files), so the outside file stays byte for byte as it was."""
+    run, outside = tmp_path / "run", tmp_path / "outside.txt"
+    shutil.copytree(two_step_run, run)
+    if linked.startswith("export/"):  # an earlier export to write over
+        assert _gspo(capsys, "export", str(run), "--format", "hf")[0] == 0
+    (run / "plots").mkdir(exist_ok=True)
+    (run / "evals").mkdir(exist_ok=True)
+    # the run's own content where gspo reads it first (config.yaml, latest), so the command gets that far
+    before = (run / linked).read_bytes() if (run / linked).is_file() else b"the user's own file\n"
+    outside.write_bytes(before)
+    (run / linked).unlink(missing_ok=True)
+    os.link(outside, run / linked)
+    code, err = _gspo(capsys, *(arg.format(run=run) for arg in argv))
+    assert code == exit_code, err
+    assert outside.read_bytes() == before
+    if exit_code:
+        assert err.count("\n") == 0 and f"{run / linked} is not a file of gspo's own (2 names" in err
+    else:
+        assert (run / linked).stat().st_nlink == 1  # gspo's own file now
+
+
+# ---- chat templates from a folder are data (gspo.models.templates) ---------------------------------------
+@pytest.mark.parametrize(
+    ("template", "seconds", "why"),
+    [
+        (  # 10^10 iterations (`gspo eval RUN` ran until killed at 90 s); no output, so that a fast machine
+            # cannot reach the memory budget first
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+            2.0,
+            "did not render within 2 s",
+        ),
+        (  # a string doubled 40 times: 2^40 bytes, without a byte of output; time enough to reach the
+            # memory budget on a loaded machine (copying 2 GiB takes about a second)
+            "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+            40.0,
+            "needed more than 1 GiB to render",
+        ),
+        (  # stopped by Jinja's sandbox, as a traceback (jinja2.exceptions.SecurityError)
+            "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+            2.0,
+            "failed: SecurityError: access to attribute '__class__' of 'str' object is unsafe.",
+        ),
+    ],
+)
+def test_a_planted_chat_template_renders_under_a_budget_or_is_refused_with_one_line(
+    two_step_run: Path, tmp_path: Path, capsys, monkeypatch, template: str, seconds: float, why: str
+) -> None:
+    import resource
+
+    from gspo.models import templates
+
+    monkeypatch.setattr(templates, "TEMPLATE_SECONDS", seconds)
+    run = tmp_path / "run"
+    shutil.copytree(two_step_run, run)
+    model = run / "checkpoints" / "step_000002" / "model"
+    (model / "chat_template.jinja").write_text(template)
+    reseal(model.parent)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # guards, so that a render in this process fails the test rather than the machine: 4 GiB more address
+    # space at most, and an alarm after 90 s
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    with open("/proc/self/statm") as statm:
+        size = int(statm.read().split()[0]) * resource.getpagesize()
+    resource.setrlimit(resource.RLIMIT_AS, (size + 4 * 2**30, hard))
+    signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(90)
+    try:
+        code, err = _gspo(capsys, "eval", str(run))
+    finally:
+        signal.alarm(0)
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    assert (code, err.count("\n")) == (EXIT_CODES["input"], 0), err
+    assert err.startswith(f"error: the chat template of {model} {why}"), err
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 200 * 2**10  # KiB: not here
+    assert not (run / "evals").exists()
+
+
+def _alarm(signum, frame) -> None:
+    raise TimeoutError("the chat template rendered for 90 s in the test's own process")
+
+
+# ---- trackers.json and secrets in messages -----------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        ("{not json", "not JSON: Expecting property name"),
+        ('["wandb"]', "a list, not a mapping"),
+        ('{"wandb": {"id": 1}}', "wandb's run id {'id': 1} is not a run id"),
+        ('{"mlflow": "../../elsewhere"}', "mlflow's run id '../../elsewhere' is not a run id"),
+    ],
+)
+def test_a_tampered_trackers_json_is_a_run_folder_error(
+    two_step_run: Path, tmp_path: Path, capsys, content: str, why: str
+) -> None:
+    """pydantic's ValidationError or a JSONDecodeError traceback: now one line, the run folder's code."""
+    run = tmp_path / "run"
+    shutil.copytree(two_step_run, run)
+    (run / "trackers.json").write_text(content)
+    code, err = _gspo(capsys, "train", "--resume", str(run), "train.steps=3")
+    assert (code, err.count("\n")) == (EXIT_CODES["run folder"], 0), err
+    assert f"trackers.json is not the trackers file gspo writes ({why}" in err
+
+
+def test_credentials_in_a_url_are_left_out_of_every_message(tmp_path: Path, capsys, monkeypatch) -> None:
+    """A URL's password reached stderr (a tracker's traceback; gspo's own refusal of a URL with credentials
+    quoted it); so could a secret a library copies into its advice."""
+    from gspo.cli import redact
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "databricks://alice:hunter2x@workspace")
+    monkeypatch.setenv("SOME_API_TOKEN", "tok-0123456789abcdef")
+    said = "put-secret alice hunter2x@x-host, http://bob:s3cret@10.0.0.1/v1, token tok-0123456789abcdef"
+    assert redact(said) == "put-secret alice ***@x-host, http://***@10.0.0.1/v1, token ***"
+    code, err = _gspo(
+        capsys,
+        "train",
+        str(TINY),
+        f"output_dir={tmp_path / 'run'}",
+        "rollout.engine=openai",
+        "rollout.openai.url=http://alice:PASSWORD123@127.0.0.1:9/v1",
+    )
+    assert code == EXIT_CODES["config"] and "http://***@127.0.0.1:9/v1" in err, err
+    assert "PASSWORD123" not in err

@@ -245,7 +245,7 @@ def test_a_run_folder_s_objective_code_runs_only_when_named(objective_file, tmp_
     check_run_folder_config(
         config, [f"train.objective={tmp_path / 'planted.py'}:my_gspo"], folder=tmp_path / "run"
     )
-    check_run_folder_config(config, [], folder=tmp_path / "run", trust_run_code=True)
+    check_run_folder_config(config, [], folder=tmp_path / "run", trust_run_folder=True)
 
 
 # ---- a whole loss of your own ----------------------------------------------------------------------------

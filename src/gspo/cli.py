@@ -16,6 +16,7 @@ import math
 import os
 import shlex
 import sys
+import traceback
 import typing
 import warnings
 from collections.abc import Callable, Iterator
@@ -81,22 +82,33 @@ COMMAND_ERRORS = {
 Any command exits 0 on success and 1 on a bug in gspo."""
 
 
-def _disk_message(error: OSError) -> str:
+def _disk_message(error: OSError, option: str) -> str:
+    """The disk error's line; `option` is where the command writes (output_dir, or eval's and export's
+    --output)."""
     where = f" ({error.filename})" if error.filename else ""
     if error.errno in (errno.ENOSPC, errno.EDQUOT):
-        return f"the disk is full{where}: free some space, or set output_dir to a folder on another disk"
+        return f"the disk is full{where}: free some space, or set {option} to a folder on another disk"
     if error.errno == errno.EROFS:
-        return f"the file system is read-only{where}: set output_dir to a writable folder"
-    return f"permission denied{where}: set output_dir to a folder you can write to"
+        return f"the file system is read-only{where}: set {option} to a writable folder"
+    if error.errno == errno.EIO:  # a short write that a library reported without a reason (gspo.files)
+        return f"{error.strerror}{where}: check the disk, or set {option} to a folder on another disk"
+    if error.errno == errno.EFBIG:
+        return f"the file is larger than this process may write (ulimit -f){where}: raise the limit, or set {option} elsewhere"
+    return f"permission denied{where}: set {option} to a folder you can write to"
 
 
 class UsageError(ValueError):
     """The command line itself: options that do not go together, a value out of range."""
 
 
-def classify(error: BaseException) -> tuple[str, str] | None:
-    """(kind, one-line message) of a user's error, or None for a bug."""
+OUTPUT_OPTION = {"eval": "--output", "export": "--output"}
+"""Where each command writes, as its disk errors name it (default: output_dir)."""
+
+
+def classify(error: BaseException, command: str | None = None) -> tuple[str, str] | None:
+    """(kind, one-line message) of a user's error in `command`, or None for a bug."""
     from gspo.models import ModelError
+    from gspo.models.templates import TemplateError
     from gspo.rollout.data import DataError
     from gspo.rollout.openai import AlignmentError, ServerError
     from gspo.rollout.rewards import RewardError
@@ -106,23 +118,32 @@ def classify(error: BaseException) -> tuple[str, str] | None:
     from gspo.run.metrics import MetricsError
     from gspo.run.paths import RunPathError
     from gspo.run.resume import RunFolderError
+    from gspo.run.trackers import TrackersFileError
 
     kinds: list[tuple[str, tuple[type[BaseException], ...]]] = [
         ("interrupted", (KeyboardInterrupt,)),
         ("usage", (UsageError,)),
         ("config", (ConfigError,)),
-        ("input", (DataError, ModelError, CodeFileError, FileNotFoundError)),
+        ("input", (DataError, ModelError, TemplateError, CodeFileError, FileNotFoundError)),
         (
             "run folder",
-            (RunFolderError, RunPathError, RunInUse, CheckpointError, MetricsError, FileExistsError),
+            (
+                RunFolderError,
+                RunPathError,
+                RunInUse,
+                CheckpointError,
+                MetricsError,
+                TrackersFileError,
+                FileExistsError,
+            ),
         ),
         ("reward", (RewardError,)),
         ("server", (ServerError, AlignmentError)),
         ("package", (ImportError,)),
     ]
-    disk = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+    disk = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG, errno.EIO)
     if isinstance(error, OSError) and error.errno in disk:
-        return "disk", _disk_message(error)
+        return "disk", _disk_message(error, OUTPUT_OPTION.get(command or "", "output_dir"))
     for kind, types in kinds:
         if isinstance(error, types):
             message = " ".join(str(error).split()) or type(error).__name__
@@ -150,7 +171,7 @@ def _train(args: argparse.Namespace) -> int:
         raise UsageError("--resume reads RUN_DIR/config.yaml; pass only key=value overrides with it")
     given_flags = (
         ("--force", args.force),
-        ("--trust-run-code", args.trust_run_code),
+        ("--trust-run-folder", args.trust_run_folder),
         ("--from-step", args.from_step is not None),
     )
     for flag, given in given_flags:
@@ -161,7 +182,7 @@ def _train(args: argparse.Namespace) -> int:
         overrides=overrides,
         resume=args.resume,
         force=args.force,
-        trust_run_code=args.trust_run_code,
+        trust_run_folder=args.trust_run_folder,
         from_step=args.from_step,
     )
     if launched_rank() != 0:  # under torchrun rank 0 speaks for the run
@@ -202,10 +223,11 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_CODES["usage"]
-    if args.force and not args.resume:
-        print("error: --force goes with --resume RUN_DIR", file=sys.stderr)
-        return EXIT_CODES["usage"]
-    serve(config, overrides, resume=args.resume, force=args.force)
+    for flag, given in (("--force", args.force), ("--trust-run-folder", args.trust_run_folder)):
+        if given and not args.resume:
+            print(f"error: {flag} goes with --resume RUN_DIR", file=sys.stderr)
+            return EXIT_CODES["usage"]
+    serve(config, overrides, resume=args.resume, force=args.force, trust_run_folder=args.trust_run_folder)
     return 0
 
 
@@ -246,7 +268,7 @@ def _eval(args: argparse.Namespace) -> int:
         data=args.data,
         samples=args.samples,
         temperature=args.temperature,
-        trust_run_code=args.trust_run_code,
+        trust_run_folder=args.trust_run_folder,
     )
     print(summary_line(result, header))
     path = args.output or default_report_path(header, args.samples)
@@ -263,6 +285,12 @@ def _export(args: argparse.Namespace) -> int:
 
     if args.format == "hf" and args.quant is not None:
         raise UsageError("--quant applies to --format gguf only")
+    others = [o for o in args.overrides if o.partition("=")[0].strip() != "model.path"]
+    if others:
+        raise UsageError(
+            f"gspo export takes one key=value, model.path=PATH (the base model of a run folder's LoRA "
+            f"checkpoint, or the GGUF whose metadata it copies), not {others[0]!r}"
+        )
     path = export_run(
         args.run_dir,
         format=args.format,
@@ -270,6 +298,8 @@ def _export(args: argparse.Namespace) -> int:
         step=args.step,
         output=args.output,
         force=args.force,
+        overrides=args.overrides,
+        trust_run_folder=args.trust_run_folder,
     )
     print(path)
     return 0
@@ -279,16 +309,17 @@ def _plot(args: argparse.Namespace) -> int:
     from gspo.run.lock import RunInUse, holder_if_locked
     from gspo.run.metrics import metrics_path
     from gspo.run.resume import RunFolderError
-    from gspo.training.plots import plot_run, write_summary
+    from gspo.training.plots import plot_run, scan_run, write_summary
 
     if not metrics_path(args.run_dir).is_file():
         raise RunFolderError(f"{args.run_dir} holds no metrics.jsonl: it is not a gspo run folder")
     holder = holder_if_locked(args.run_dir)
     if holder is not None:  # it writes the plots and the summary itself when it ends
         raise RunInUse(f"{args.run_dir} is being trained by {holder}: its plots are drawn when the run ends")
-    for path in plot_run(args.run_dir):
+    scan = scan_run(args.run_dir)  # metrics.jsonl read once, as a stream, for both
+    for path in plot_run(args.run_dir, scan):
         print(path)
-    print(write_summary(args.run_dir))
+    print(write_summary(args.run_dir, scan))
     return 0
 
 
@@ -320,9 +351,18 @@ def _config(args: argparse.Namespace) -> int:
 
 
 TRUST_HELP = (
-    "import the reward files that the run folder's config names (read them first: a run folder from "
-    "someone else may hold any code); without it, name them again with rewards={...}"
+    "use the code, servers and outside paths that the run folder's config names (read them first: a run "
+    "folder from someone else may name any code, server or path); without it, name each again: "
+    "rewards={...}, rollout.vllm.url=..., task.data_path=... (docs/reliability.md)"
 )
+
+
+def _add_trust(parser: argparse.ArgumentParser) -> None:
+    """--trust-run-folder, and its former name --trust-run-code (from before it covered servers and paths)."""
+    parser.add_argument("--trust-run-folder", action="store_true", help=TRUST_HELP)
+    parser.add_argument(
+        "--trust-run-code", action="store_true", dest="trust_run_folder", help=argparse.SUPPRESS
+    )
 
 
 def _count(low: int) -> Callable[[str], int]:
@@ -357,7 +397,7 @@ def _add_train(commands: typing.Any, common: argparse.ArgumentParser) -> None:
         help="with --resume: apply config changes beyond steps, eval/checkpoint cadence and logging, or "
         "resume a checkpoint without its own config (docs/reliability.md)",
     )
-    train.add_argument("--trust-run-code", action="store_true", help=TRUST_HELP)
+    _add_trust(train)
     train.add_argument(
         "--from-step",
         type=_count(0),
@@ -385,6 +425,7 @@ def _add_serve(commands: typing.Any, common: argparse.ArgumentParser) -> None:
     serving.add_argument(
         "--force", action="store_true", help="with --resume: apply config changes (as train)"
     )
+    _add_trust(serving)
     serving.set_defaults(func=_serve)
 
 
@@ -419,7 +460,7 @@ def _add_eval(commands: typing.Any, common: argparse.ArgumentParser) -> None:
         help="the JSON report (default: RUN_DIR/evals/step_N.json for a run folder; else only with --output)",
     )
     evaluate.add_argument("--force", action="store_true", help="overwrite an existing --output")
-    evaluate.add_argument("--trust-run-code", action="store_true", help=TRUST_HELP)
+    _add_trust(evaluate)
     evaluate.set_defaults(func=_eval)
 
 
@@ -429,6 +470,12 @@ def _add_export(commands: typing.Any, common: argparse.ArgumentParser) -> None:
         "export", parents=[common], help="a run's checkpoint as a Hugging Face directory or GGUF file"
     )
     export.add_argument("run_dir")
+    export.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="model.path=PATH",
+        help="the model file beside the checkpoint that a run folder's config names, named by you",
+    )
     export.add_argument(
         "--format",
         choices=["hf", "gguf"],
@@ -442,6 +489,7 @@ def _add_export(commands: typing.Any, common: argparse.ArgumentParser) -> None:
     export.add_argument(
         "--force", action="store_true", help="write over an existing --output (never into a checkpoint)"
     )
+    _add_trust(export)
     export.set_defaults(func=_export)
 
 
@@ -473,25 +521,44 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def redact(text: str) -> str:
+    """`text` without the credentials any URL in it holds (gspo.run.trackers.redact)."""
+    from gspo.run.trackers import redact as without_credentials
+
+    return without_credentials(text)
+
+
+def _print_redacted(kind: type[BaseException], error: BaseException, trace: typing.Any) -> None:
+    """sys.excepthook: the traceback Python prints, with the credentials of any URL in it left out (an
+    MLflow URI with a password, in a library's message or a frame's line)."""
+    print(redact("".join(traceback.format_exception(kind, error, trace))), end="", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # `gspo eval RUN --samples 4 key=value`: positionals after an option come back as extras
     args, extras = parser.parse_known_args(argv)
-    if extras and (args.command != "eval" or any(x.startswith("-") for x in extras)):
+    positionals = {"eval": "args", "export": "overrides"}.get(args.command)
+    if extras and (positionals is None or any(x.startswith("-") for x in extras)):
         parser.error(f"unrecognized arguments: {' '.join(extras)}")
     if extras:
-        args.args = [*args.args, *extras]
+        setattr(args, positionals, [*getattr(args, positionals), *extras])
+    if sys.excepthook is sys.__excepthook__:  # a bug's traceback (or --debug's) is printed without secrets
+        sys.excepthook = _print_redacted
     try:
         with _quiet_third_parties():
             return args.func(args)
     except BaseException as error:
         if args.debug or isinstance(error, SystemExit):
             raise
-        known = classify(error)
+        known = classify(error, args.command)
         if known is None:
             raise
         kind, message = known
-        print(f"error: {message}", file=sys.stderr)
+        from gspo.parallel.group import launched_rank
+
+        if launched_rank() == 0:  # under torchrun rank 0 says it: raise_together tells it
+            print(f"error: {redact(message)}", file=sys.stderr)
         return EXIT_CODES[kind]
 
 

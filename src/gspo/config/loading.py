@@ -7,6 +7,7 @@ expected type. The resolved config is written into the run folder as ``config.ya
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -23,6 +24,7 @@ from gspo.config.checks import validate
 from gspo.config.schema import Config
 from gspo.config.section import Section, unknown_key
 from gspo.config.values import ConfigError, shown
+from gspo.files import replace_file
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -161,8 +163,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     config = Config()
     if path is not None:
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
+        _check_config_file(path)
         try:
             data = _read_yaml(path.read_text(encoding="utf-8")) or {}
         except (yaml.YAMLError, UnicodeDecodeError) as error:
@@ -197,6 +198,29 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         _anchor_paths(config, _nest(key, True), None)
     validate(config)
     return config
+
+
+CONFIG_MAX_BYTES = 2**20
+"""A config file's ceiling: `gspo config`'s every key with its comment is about 20 KB; a larger file is not
+a config (a 50 MB one took 68 s to read before it was accepted)."""
+
+
+def _check_config_file(path: Path) -> None:
+    """A config path that is a readable file within `CONFIG_MAX_BYTES`, or a ConfigError saying what it is."""
+    if path.is_dir():
+        raise ConfigError(
+            f"config file {str(path)!r} is a folder, not a YAML file: name the config file in it"
+        )
+    if not path.exists():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} is not a regular file (a FIFO or a device?)")
+    size = path.stat().st_size
+    if size > CONFIG_MAX_BYTES:
+        raise ConfigError(
+            f"config file {str(path)!r} holds {size:,} bytes, more than a config file's {CONFIG_MAX_BYTES:,} "
+            "(every key with its comment is about 20 KB): is it the right file?"
+        )
 
 
 def code_file(name: str) -> Path | None:
@@ -273,10 +297,32 @@ _OPENS = (
 _CLOSES = (yaml.BlockEndToken, yaml.FlowMappingEndToken, yaml.FlowSequenceEndToken)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, refusing a mapping that names a key twice: PyYAML keeps the last one, so a
+    second `train:` section silently dropped the first (its lr among them)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            with contextlib.suppress(TypeError):  # an unhashable key: the constructor below says so
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        f"in the mapping from line {seen[key].line + 1}",
+                        seen[key],
+                        f"{shown(key)} is set twice (first on line {seen[key].line + 1}): YAML would keep only "
+                        "the last one; merge them into one",
+                        key_node.start_mark,
+                    )
+                seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(text: str) -> Any:
-    """yaml.safe_load, with nesting that would exhaust Python's recursion a YAML error at its place."""
+    """yaml.safe_load, with a key set twice in one mapping, and nesting that would exhaust Python's
+    recursion, YAML errors at their place."""
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: plain data only
     except RecursionError:
         pass
     depth = 0  # scanning is iterative: find where the nesting passes the limit
@@ -301,12 +347,9 @@ def _yaml_problem(error: Exception) -> str:
 
 
 def save_config(config: Config, path: str | Path) -> None:
-    """Write the resolved config as YAML, atomically: a kill leaves the old file or the new one, whole."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.unlink(missing_ok=True)  # a leftover, or a link planted there, is removed rather than written through
-    tmp.write_text(yaml.safe_dump(to_dict(config), sort_keys=False), encoding="utf-8")
-    os.replace(tmp, path)
+    """Write the resolved config as YAML, by replacement (gspo.files): a kill leaves the old file or the new
+    one, whole."""
+    replace_file(path, yaml.safe_dump(to_dict(config), sort_keys=False))
 
 
 def describe(cls: type = Config, indent: str = "") -> str:

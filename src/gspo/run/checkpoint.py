@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from gspo.config import Config, save_config
+from gspo.files import fsync, replace_file, write_error
 from gspo.learning.policy import Policy
 from gspo.models import save_model
 from gspo.models.loading import weights_problem
@@ -84,36 +85,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])  # the current GPU: the trainer selects it first
 
 
-def _sync(path: Path) -> None:
-    """fsync a file or folder, so that a rename after it never exposes unwritten data (power loss)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _sync_tree(root: Path) -> None:
     for folder, _, files in os.walk(root):
         for name in files:
-            _sync(Path(folder) / name)
-        _sync(Path(folder))
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = run_path(path.parent, path.name + ".tmp")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
-def _disk_full(root: Path) -> bool:
-    try:
-        return shutil.disk_usage(root).free < 16 * 2**20
-    except OSError:
-        return False
+            fsync(Path(folder) / name)
+        fsync(Path(folder))
 
 
 def save_checkpoint(
@@ -141,26 +117,26 @@ def save_checkpoint(
         if config is not None:
             save_config(config, tmp / CONFIG_FILE)
         _sync_tree(tmp)
-        _atomic_write(tmp / MANIFEST_FILE, json.dumps(_manifest(tmp), indent=1))  # last: it vouches for all
-        _sync(tmp)
+        # last: it vouches for all
+        replace_file(tmp / MANIFEST_FILE, json.dumps(_manifest(tmp), indent=1), sync=True)
+        fsync(tmp)
     except Exception as error:
         shutil.rmtree(tmp, ignore_errors=True)
         # torch and safetensors report a full disk as a bare "write failed": say what it is
-        if not (isinstance(error, OSError) and error.errno) and _disk_full(root):
-            raise OSError(errno.ENOSPC, f"No space left on device ({error})", str(root)) from error
+        translated = write_error(error, root / tmp.name)
+        if translated is not error:
+            raise translated from error
         raise
-    if final.exists() and not is_complete(final):  # not gspo's (it renames only complete copies): kept
-        kept = keep_aside(final)
-        print(
-            f"note: {final} was incomplete ({checkpoint_problem(final)}): moved to {kept.name}",
-            file=sys.stderr,
-        )
+    problem = checkpoint_problem(final) if final.exists() else None
+    if problem is not None:  # not gspo's (it renames only complete copies): kept
+        kept = keep_aside(final)  # what it lacked is said before it moves (after, it lacks everything)
+        print(f"note: {final} was incomplete ({problem}): moved to {kept.name}", file=sys.stderr)
     if final.exists():  # a re-save: keep the complete copy until the new one is in place
         shutil.rmtree(aside, ignore_errors=True)
         os.replace(final, aside)
     os.replace(tmp, final)
-    _sync(root)
-    _atomic_write(run_path(root, LATEST), name)
+    fsync(root)
+    replace_file(run_path(root, LATEST), name, sync=True)
     # only complete checkpoints are pruned, and gspo's own temporary copies: an incomplete step_* folder
     # was not written by gspo and may hold the only copy of some weights
     complete = sorted(

@@ -14,6 +14,7 @@ from datetime import datetime
 from pathlib import Path
 
 from gspo.config import Config
+from gspo.files import replace_file
 from gspo.parallel.collectives import broadcast_object
 from gspo.parallel.group import is_main
 from gspo.run.checkpoint import (
@@ -165,6 +166,6 @@ def start_fresh(run_dir: Path, command: str = "gspo train") -> None:
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
-    run_path(run_dir, RUN_MARKER).write_text(
-        "a gspo run folder: gspo train writes here, --resume continues it\n"
+    replace_file(
+        run_path(run_dir, RUN_MARKER), "a gspo run folder: gspo train writes here, --resume continues it\n"
     )

@@ -18,12 +18,13 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from gspo.run.paths import run_path
+from gspo.run.paths import RunPathError, run_path
 
 LOCK_FILE = ".gspo_lock"
 
@@ -60,7 +61,7 @@ def acquire(run_dir: str | Path, command: str) -> None:
     key = run_dir.resolve()
     if key in _held:
         return
-    fd = os.open(run_path(run_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_lock_file(run_path(run_dir, LOCK_FILE))
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -92,6 +93,21 @@ def acquire(run_dir: str | Path, command: str) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(record).encode(), 0)
     _held[key] = fd
+
+
+def _open_lock_file(path: Path) -> int:
+    """The lock file, opened for writing its record. It is the one file gspo writes in place (a lock must
+    stay one inode, so it cannot be replaced): it is written only when this is its one name, so a hard link
+    planted there (to a file elsewhere) is refused before a byte of that file changes."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    info = os.fstat(fd)
+    if stat.S_ISREG(info.st_mode) and info.st_nlink == 1:
+        return fd
+    os.close(fd)
+    raise RunPathError(
+        f"{path} is not a file of gspo's own ({info.st_nlink} names: a hard link to a file elsewhere?): gspo "
+        f"writes only its own files in a run folder; remove {path}"
+    )
 
 
 def release(run_dir: str | Path) -> None:

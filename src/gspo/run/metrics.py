@@ -24,12 +24,13 @@ import math
 import numbers
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from gspo.files import open_for_appending
 from gspo.learning.reduction import tensors_to_floats
 from gspo.run.paths import run_path
 from gspo.run.trackers import SAMPLE_COLUMNS, Tracker, open_trackers
@@ -87,61 +88,90 @@ def _json_row_value(value: Any) -> Any:
     return _json_value(float(value)) if isinstance(value, numbers.Real) else value
 
 
-def _prepare_file(run_dir: Path, name: str, resume_step: int | None) -> None:
-    """Drop a truncated last line of ``run_dir/name``, and on resume the lines after ``resume_step``
-    (appended to ``name``'s ``.rolled_back.jsonl``), atomically."""
+LINE_MAX = 2**20
+"""A metrics line's ceiling in bytes: gspo writes about 2 KB a line. A longer one is not gspo's, and is
+refused as it is read, a MiB at most in memory (one line of 300 MB took 1.6 GB)."""
+COMPLETIONS_LINE_MAX = 2**28
+"""A completions line's ceiling in bytes: a prompt and a completion of up to TOKENS_MAX (2**20) tokens
+each, JSON-escaped, fit in it."""
+
+
+def _kept_lines(run_dir: Path, name: str, resume_step: int | None, line_max: int) -> Iterator[str]:
+    """The lines of ``run_dir/name``, read as a stream, without a truncated last one, and on resume without
+    the lines after ``resume_step``: those are appended to ``name``'s ``.rolled_back.jsonl`` first (a kill in
+    between leaves them in both files, never in neither)."""
     path = run_path(run_dir, name)
     if not path.is_file():
-        return
-    text = path.read_text(encoding="utf-8")
-    if resume_step is None and (not text or text.endswith("\n")):
-        return
-    records = _parse_lines(text, path)
-    kept = [line for line, record in records if resume_step is None or record["step"] <= resume_step]
-    dropped = [line for line, record in records if resume_step is not None and record["step"] > resume_step]
-    if dropped:  # kept aside, not deleted: they may be all that is left of a run's later steps
-        aside = run_path(run_dir, name.replace(".jsonl", ".rolled_back.jsonl"))
-        with open(aside, "a", encoding="utf-8") as handle:
-            handle.write("".join(line + "\n" for line in dropped))
-            handle.flush()
-            os.fsync(handle.fileno())
-        print(
-            f"note: {path}: {len(dropped)} line(s) after step {resume_step}, the checkpoint resumed, "
-            f"appended to {aside}",
-            file=sys.stderr,
-        )
-    tmp = run_path(run_dir, name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-    os.replace(tmp, path)
+        return iter(())
+    if resume_step is not None:
+        dropped = [line + "\n" for line, record in _records(path, line_max) if record["step"] > resume_step]
+        if dropped:  # kept aside, not deleted: they may be all that is left of a run's later steps
+            aside = run_path(run_dir, name.replace(".jsonl", ".rolled_back.jsonl"))
+            with open_for_appending(aside, _lines_of(aside)) as handle:  # by replacement, as every write
+                handle.writelines(dropped)
+                handle.flush()
+                os.fsync(handle.fileno())
+            print(
+                f"note: {path}: {len(dropped)} line(s) after step {resume_step}, the checkpoint resumed, "
+                f"appended to {aside}",
+                file=sys.stderr,
+            )
+    kept = (
+        line
+        for line, record in _records(path, line_max)
+        if resume_step is None or record["step"] <= resume_step
+    )
+    return (line + "\n" for line in kept)
 
 
-def _parse_lines(text: str, path: Path) -> list[tuple[str, dict[str, Any]]]:
-    """(raw line, record) for each complete line of a metrics file.
+def _lines_of(path: Path) -> Iterator[str]:
+    """The lines of a file of gspo's (the rolled-back lines), one at a time; none when it is absent."""
+    if path.is_file():
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            yield from handle
+
+
+def _records(path: Path, line_max: int = LINE_MAX) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(raw line, record) for each complete line of a metrics (or completions) file, read as a stream.
 
     The last line may be cut short by a kill mid-write: it is dropped if it does not parse. Any other
-    line that does not parse is corruption, not an interrupted write, and raises.
+    line that does not parse, or is longer than `line_max`, is corruption, not an interrupted write, and
+    raises.
     """
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    records: list[tuple[str, dict[str, Any]]] = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-                raise ValueError("not an object with an integer 'step'")
-        except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply for json
-            if number == len(lines):
-                break  # truncated by a kill mid-write
-            why = str(e) if isinstance(e, ValueError) else "nested too deeply"
-            raise MetricsError(
-                f"{path}: line {number} is not a metrics line ({why}): {line[:100]!r}; gspo writes one JSON "
-                "object per line: restore the file or remove the line"
-            ) from None
-        records.append((line, record))
-    return records
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(iter(lambda: handle.readline(line_max + 1), b""), start=1):
+            if len(raw) > line_max:
+                raise MetricsError(
+                    f"{path}: line {number} is longer than {line_max:,} bytes, not a line gspo writes (about "
+                    "2 KB a metrics line): restore the file or remove the line"
+                )
+            line = raw.decode("utf-8", errors="replace").rstrip("\n")
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                step = record.get("step") if isinstance(record, dict) else None
+                # 64 bits: the plots keep steps in arrays of them
+                if not isinstance(step, int) or isinstance(step, bool) or not -(2**63) <= step < 2**63:
+                    raise ValueError("not an object with an integer 'step'")
+            except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply for json
+                if not handle.peek(1):
+                    return  # the last line, truncated by a kill mid-write
+                why = str(e) if isinstance(e, ValueError) else "nested too deeply"
+                raise MetricsError(
+                    f"{path}: line {number} is not a metrics line ({why}): {line[:100]!r}; gspo writes one JSON "
+                    "object per line: restore the file or remove the line"
+                ) from None
+            yield line, record
+
+
+def iter_metrics(run_dir: str | Path) -> Iterator[dict[str, Any]]:
+    """The records of ``run_dir/metrics.jsonl`` in file order, one at a time (memory: one line); a truncated
+    last line is skipped."""
+    path = metrics_path(run_dir)
+    if not path.is_file():
+        raise FileNotFoundError(f"no metrics file at {path}")
+    return (record for _, record in _records(path))
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -150,10 +180,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     >>> read_metrics("runs/demo")  # doctest: +SKIP
     [{'step': 1, 'kind': 'train', 'reward_mean': 0.25, ...}, {'step': 1, 'kind': 'eval', 'accuracy': 0.2}]
     """
-    path = metrics_path(run_dir)
-    if not path.is_file():
-        raise FileNotFoundError(f"no metrics file at {path}")
-    return [record for _, record in _parse_lines(path.read_text(encoding="utf-8"), path)]
+    return list(iter_metrics(run_dir))
 
 
 class MetricsLogger:
@@ -184,10 +211,15 @@ class MetricsLogger:
         self.path = run_path(self.run_dir, METRICS_FILE)
         self.completions_path = run_path(self.run_dir, COMPLETIONS_FILE)
         self.completions_per_step = completions_per_step
-        for name in (METRICS_FILE, COMPLETIONS_FILE):  # both end at the step resumed, as if never killed
-            _prepare_file(self.run_dir, name, resume_step)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
-        self._completions: Any = None  # opened by the first completions written
+        # files of this process's own, renamed over the old ones (both end at the step resumed, as if never
+        # killed): lines never go through a hard link planted there
+        self._file = open_for_appending(
+            self.path, _kept_lines(self.run_dir, METRICS_FILE, resume_step, LINE_MAX)
+        )
+        self._completions: Any = None  # opened by the first completions written, or now when there are some
+        if self.completions_path.is_file():
+            lines = _kept_lines(self.run_dir, COMPLETIONS_FILE, resume_step, COMPLETIONS_LINE_MAX)
+            self._completions = open_for_appending(self.completions_path, lines)
         self._trackers: list[Tracker] = open_trackers(
             self.run_dir, report_to, config=config, project=project, resume_step=resume_step
         )
@@ -220,7 +252,7 @@ class MetricsLogger:
         kept = rows[: self.completions_per_step]
         if kept:
             if self._completions is None:
-                self._completions = open(self.completions_path, "a", encoding="utf-8")  # noqa: SIM115
+                self._completions = open_for_appending(self.completions_path)
             lines = [
                 json.dumps(
                     {"step": int(step), **{c: _json_row_value(row[c]) for c in SAMPLE_COLUMNS if c != "step"}}

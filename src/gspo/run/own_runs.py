@@ -1,13 +1,14 @@
 """A per-user record of the runs this user started with code files of their own (reward functions and
-objectives named "file.py:function"), so that `gspo train --resume RUN` and `gspo eval RUN` of such a run
-need no `rewards={...}` or `--trust-run-code` on the same machine while those files are unchanged
-(gspo.run.trust).
+objectives named "file.py:function") or with servers and paths outside the run folder (gspo.run.trust's
+`REACHES`: rollout.vllm.url, task.data_path, ...), so that `gspo train --resume RUN` and `gspo eval RUN` of
+such a run need no `rewards={...}`, `key=value` or `--trust-run-folder` on the same machine while those files
+and values are unchanged (gspo.run.trust).
 
 The record lives outside run folders, which travel: $XDG_STATE_HOME/gspo/own_runs.json (by default
 ~/.local/state/gspo/), mapping each resolved run folder to the resolved path and sha256 of each code file
-its run was started with. A folder copied elsewhere resolves to another path and an edited file hashes to
-another digest: neither matches. A store that another user owns, or that others may write, is ignored and
-not written.
+its run was started with, and to the value of each such key (by its dotted name). A folder copied elsewhere
+resolves to another path, an edited file hashes to another digest, and an edited config.yaml names another
+value: none matches. A store that another user owns, or that others may write, is ignored and not written.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import hashlib
 import json
 import os
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 STORE_FILE = "own_runs.json"
@@ -46,8 +47,8 @@ def _untrusted(path: Path) -> str | None:
 
 
 def recorded_files(run_dir: str | Path) -> tuple[dict[str, str], str | None]:
-    """(resolved code file -> sha256) recorded for `run_dir` (empty when none), and why the store was
-    ignored (None when it was read or is absent)."""
+    """(resolved code file -> sha256, and dotted config key -> value) recorded for `run_dir` (empty when
+    none), and why the store was ignored (None when it was read or is absent)."""
     directory = store_dir()
     store = directory / STORE_FILE
     if not store.is_file():
@@ -59,13 +60,16 @@ def recorded_files(run_dir: str | Path) -> tuple[dict[str, str], str | None]:
     return runs.get(str(Path(run_dir).resolve()), {}), None
 
 
-def record(run_dir: str | Path, files: Iterable[Path]) -> str | None:
-    """Add `files` (their resolved paths and sha256) to `run_dir`'s record, and forget the records of run
-    folders that no longer exist. Returns why nothing was recorded, or None. Written to a temporary file
-    and renamed into place (mode 0600, folder 0700), under a lock on the folder: concurrent runs add
-    their own."""
+def record(
+    run_dir: str | Path, files: Iterable[Path], settings: Mapping[str, str] | None = None
+) -> str | None:
+    """Add `files` (their resolved paths and sha256) and `settings` (dotted config key -> value) to
+    `run_dir`'s record, and forget the records of run folders that no longer exist. Returns why nothing was
+    recorded, or None. Written to a temporary file and renamed into place (mode 0600, folder 0700), under a
+    lock on the folder: concurrent runs add their own."""
     files = [Path(file).resolve() for file in files]
-    if not files:
+    settings = dict(settings or {})
+    if not files and not settings:
         return None
     directory = store_dir()
     try:
@@ -79,7 +83,7 @@ def record(run_dir: str | Path, files: Iterable[Path]) -> str | None:
                 return problem
             runs = {run: entry for run, entry in _read(store).items() if Path(run).is_dir()}
             key = str(Path(run_dir).resolve())
-            runs[key] = runs.get(key, {}) | {str(file): file_digest(file) for file in files}
+            runs[key] = runs.get(key, {}) | {str(file): file_digest(file) for file in files} | settings
             tmp = directory / f".{STORE_FILE}.{os.getpid()}.tmp"
             tmp.unlink(missing_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -82,10 +82,18 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: value}
 
 
+class _Absent:
+    """A key one of two configs does not have (a reward, a dataset setting): shown as such in a refusal."""
+
+    def __repr__(self) -> str:
+        return "(absent)"
+
+
 def config_changes(saved: Config, requested: Config) -> list[tuple[str, Any, Any]]:
-    """(dotted key, saved value, requested value) for every key whose value differs, in key order."""
+    """(dotted key, saved value, requested value) for every key whose value differs, in key order; a key
+    that only one of them has is `_Absent` in the other."""
     a, b = _flatten(to_dict(saved)), _flatten(to_dict(requested))
-    missing = object()
+    missing = _Absent()
     return [
         (key, a.get(key, missing), b.get(key, missing))
         for key in sorted(set(a) | set(b))

@@ -25,6 +25,7 @@ import transformers
 from gspo.config import Config, save_config, to_dict, validate_setup
 from gspo.core.seeds import seed_everything
 from gspo.learning.policy import Policy, UpdateSpec, update_choices, with_correction
+from gspo.parallel.collectives import raise_together
 from gspo.parallel.group import barrier, init_from_env, is_main, resolve_device, seed_rank, world_size
 from gspo.parallel.state import rank_states
 from gspo.run import lock
@@ -121,18 +122,23 @@ class Run:
             self.step, extra = restore_state(self.folder.checkpoint, self.policy, self.config)
             self.saved_step = self.step
         resume_step = self.step if self.resumed else None
-        self.logger = (
-            MetricsLogger(
-                self.path,
-                report_to=self.config.report_to,
-                config=to_dict(self.config),
-                project=self.config.project,
-                resume_step=resume_step,
-                completions_per_step=self.config.completions_per_step,
+        failure = None
+        try:  # rank 0's alone (its trackers, trackers.json): every rank stops with its error, or none
+            self.logger = (
+                MetricsLogger(
+                    self.path,
+                    report_to=self.config.report_to,
+                    config=to_dict(self.config),
+                    project=self.config.project,
+                    resume_step=resume_step,
+                    completions_per_step=self.config.completions_per_step,
+                )
+                if is_main()
+                else SilentLogger()
             )
-            if is_main()
-            else SilentLogger()
-        )
+        except Exception as error:
+            failure = error
+        raise_together(failure)
         return extra
 
     def save(

@@ -17,15 +17,21 @@ own monotonic counter), so they land; MLflow and trackio keep both values in the
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import math
 import os
+import re
+import threading
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from gspo.config import ConfigError
+from gspo.config.values import shown
+from gspo.files import replace_file
 from gspo.run.paths import run_path, run_tree
 
 TENSORBOARD_DIR = "tensorboard"
@@ -80,7 +86,7 @@ def open_trackers(
     store the ids of the runs opened."""
     check_installed(report_to)
     ids_path = run_path(run_dir, TRACKERS_FILE)
-    ids = json.loads(ids_path.read_text(encoding="utf-8")) if ids_path.is_file() else {}
+    ids = read_ids(ids_path)
     opened: list[Tracker] = []
     for name in report_to:
         if name == "tensorboard":
@@ -89,14 +95,118 @@ def open_trackers(
                 opened.append(tracker)
             continue
         tracker_class = {"wandb": WandbTracker, "mlflow": MlflowTracker, "trackio": TrackioTracker}[name]
-        tracker = tracker_class(run_dir, project, dict(config or {}), ids.get(name))
+        start = functools.partial(tracker_class, run_dir, project, dict(config or {}), ids.get(name))
+        tracker = started(name, start)
         ids[name] = tracker.run_id
         opened.append(tracker)
     if set(ids) & set(report_to) - {"tensorboard"}:
-        tmp = ids_path.with_name(ids_path.name + ".tmp")
-        tmp.write_text(json.dumps(ids, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, ids_path)
+        replace_file(ids_path, json.dumps(ids, indent=1) + "\n")
     return opened
+
+
+class TrackerError(ConfigError):
+    """A tracker of report_to could not start its run (no key, no server, a bad URI), or did not answer in
+    time; the message says which and the fix, with any credentials in a URL left out."""
+
+
+class TrackersFileError(RuntimeError):
+    """RUN/trackers.json is not the file gspo writes (tampered or damaged): a run folder's error."""
+
+
+TRACKER_TIMEOUT = 60.0
+"""Seconds a tracker may take to start its run. W&B waited 109 s for a server it could not reach, MLflow
+retried for 258 s: a tracker that does not answer by then stops the run with one line instead."""
+
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+FIXES = {
+    "wandb": "set WANDB_API_KEY (or run `wandb login`), or WANDB_MODE=offline for a local run",
+    "mlflow": "check MLFLOW_TRACKING_URI (sqlite:///mlflow.db for a local store)",
+    "trackio": "check TRACKIO_DIR",
+}
+"""What to check when a tracker cannot start, besides removing it from report_to."""
+
+
+def read_ids(path: Path) -> dict[str, str]:
+    """The tracker run ids trackers.json holds ({} without one); a file gspo did not write so (JSON that is
+    not a mapping of tracker names to run ids) is a TrackersFileError naming it."""
+    if not path.is_file():
+        return {}
+    try:
+        ids = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as error:
+        raise TrackersFileError(_damaged(path, f"not JSON: {str(error)[:100]}")) from None
+    if not isinstance(ids, dict):
+        raise TrackersFileError(_damaged(path, f"a {type(ids).__name__}, not a mapping"))
+    for name, run_id in ids.items():
+        if name not in PACKAGES or name == "tensorboard":
+            raise TrackersFileError(_damaged(path, f"{shown(name)} is no tracker of report_to"))
+        if not (isinstance(run_id, str) and _RUN_ID.fullmatch(run_id)):
+            raise TrackersFileError(_damaged(path, f"{name}'s run id {shown(run_id)} is not a run id"))
+    return ids
+
+
+def _damaged(path: Path, why: str) -> str:
+    return (
+        f"{path} is not the trackers file gspo writes ({why}): restore it, or delete it to continue in new "
+        "tracker runs"
+    )
+
+
+def started(name: str, start: Callable[[], Tracker]) -> Tracker:
+    """``start()`` (a tracker's run, opened), within `TRACKER_TIMEOUT` seconds; its failure, or its silence,
+    as one TrackerError line with any URL's credentials left out (`redact`). The call runs in a daemon
+    thread that is abandoned at the deadline (a tracker's retries cannot be stopped from outside); it ends
+    with the process, which stops with the error."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(start())
+        except BaseException as error:  # reported below, in this thread's caller
+            outcome.append(error)
+
+    thread = threading.Thread(target=run, name=f"gspo-{name}-start", daemon=True)
+    thread.start()
+    thread.join(TRACKER_TIMEOUT)
+    fix = f"{FIXES[name]}, or remove {name} from report_to"
+    if not outcome:
+        raise TrackerError(f"report_to: {name} did not start its run within {TRACKER_TIMEOUT:g} s: {fix}")
+    if isinstance(outcome[0], BaseException):
+        error = outcome[0]
+        message = " ".join(str(error).split())[:300]
+        raise TrackerError(
+            redact(f"report_to: {name} could not start its run ({type(error).__name__}: {message}): {fix}")
+        )
+    return outcome[0]
+
+
+_CREDENTIALS = re.compile(
+    r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^/\s@:]*)(:(?P<password>[^/\s@]*))?@"
+)
+_SECRET_VARIABLE = re.compile(r"(KEY|TOKEN|PASSWORD|SECRET)$")
+
+
+def redact(text: str) -> str:
+    """`text` with the credentials of every URL in it left out ("http://alice:PASSWORD@host" becomes
+    "http://***@host"), and every secret of the environment: the password of a URL a variable holds and the
+    value of a variable named *KEY, *TOKEN, *PASSWORD or *SECRET, wherever a library's message puts them
+    (MLflow split a databricks:// URI's password into its advice)."""
+    text = _CREDENTIALS.sub(r"\g<scheme>***@", text)
+    for secret in sorted(_environment_secrets(), key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
+
+
+def _environment_secrets() -> set[str]:
+    found = set()
+    for name, value in os.environ.items():
+        if _SECRET_VARIABLE.search(name.upper()) and len(value) >= 8:  # shorter: "none", "1", placeholders
+            found.add(value)
+        found |= {
+            m["password"] for m in _CREDENTIALS.finditer(value) if m["password"] and len(m["password"]) >= 3
+        }
+    return found
 
 
 def flat_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

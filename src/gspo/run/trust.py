@@ -1,18 +1,22 @@
-"""A run folder is data: its config.yaml may name reward code and a server, but gspo runs that code, and
-sends requests and a key to that server, only when the user names them on the command line, or when the
-user started that run, in that folder, with those very files (gspo.run.own_runs).
+"""A run folder is data: its config.yaml may name reward code, servers and paths outside the folder, but
+gspo runs that code, connects to those servers and reads or writes those paths only when the user names
+them on the command line, passes --trust-run-folder, or started that run, in that folder, with those very
+files and values (gspo.run.own_runs).
 
 People share run folders the way they share checkpoints; whoever opens one (`gspo train --resume RUN`,
-`gspo eval RUN`) must not run its author's code or send its author their credentials. The checks run on
-the config before anything is imported or sent (docs/reliability.md).
+`gspo eval RUN`, `gspo export RUN`, `gspo serve --resume RUN`) must not run its author's code, send its
+author their prompts, weights or credentials, or read and write where its author chose. The checks run on
+the config before anything is imported, sent, read or written (docs/reliability.md).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -92,10 +96,103 @@ def _own_code(name: str, folder: Path) -> tuple[bool, str]:
 CODE_KEYS = {"train.objective": "the objective", "rollout.engine": "the sampler factory"}
 """The keys whose value may be code ("path/file.py:function", "module:function") besides the rewards."""
 
+REACHES = {
+    "rollout.openai.url": "the server gspo sends its prompts (and the API key) to",
+    "rollout.openai.api_key_env": "the environment variable whose secret gspo sends to that server as the API key",
+    "rollout.vllm.url": "the vLLM server gspo sends its prompts and the policy's weights to",
+    "rollout.vllm.weights_dir": "the folder gspo writes the policy's weights into",
+    "rollout.vllm.server_weights_dir": "the folder gspo tells the vLLM server to load weights from",
+    "rollout.vllm.nccl_address": "the address gspo opens its NCCL group on for the server's workers",
+    "task.data_path": "the data gspo reads, and copies into its evaluation reports",
+    "model.path": "the model gspo loads (a LoRA run's base weights, or the GGUF whose metadata it copies)",
+}
+"""The keys whose value reaches outside the run folder: a server gspo connects to, a path it reads or writes.
+A run folder's value is used only when the user names it (module docstring); docs/reliability.md's table."""
 
-def _value(config: Config, key: str) -> str:
-    section, _, name = key.partition(".")
-    return getattr(getattr(config, section), name)
+
+LOCAL_PATHS = ("rollout.vllm.weights_dir", "task.data_path", "model.path")
+"""The `REACHES` keys that are paths on this machine: one inside the run folder is the folder's own (the
+rows a run was given as `data=`, kept in RUN/data.jsonl), not a place outside it."""
+
+
+def _inside(path: str, folder: Path) -> bool:
+    """Whether `path`, its links followed, lies in `folder` (a `../` or a link out of it does not)."""
+    return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(folder))
+
+
+def _value(config: Config, key: str) -> Any:
+    return functools.reduce(getattr, key.split("."), config)
+
+
+def model_reaches(config: Config, *, copies_gguf: bool) -> list[str]:
+    """["model.path"] when gspo reads the file it names beside a checkpoint: a LoRA run's base weights, or
+    (``copies_gguf``: an export or llama_cpp's engine) the GGUF whose metadata and tokenizer it copies."""
+    model = config.model
+    if model.tiny is not None or model.path is None:
+        return []
+    gguf = copies_gguf and model.path.endswith(".gguf")
+    return ["model.path"] if config.lora.rank > 0 or gguf else []
+
+
+def used_reaches(config: Config) -> list[str]:
+    """The `REACHES` keys `config` makes `gspo train` use: its engine's server and weights folders, a data
+    file, the model file it reads beside a checkpoint (`model_reaches`)."""
+    rollout = config.rollout
+    used = []
+    if rollout.engine == "openai":
+        used.append("rollout.openai.url")
+        if rollout.openai.api_key_env != type(rollout.openai)().api_key_env:
+            used.append("rollout.openai.api_key_env")
+    vllm = rollout.vllm
+    if rollout.engine == "vllm_server" and vllm.url is not None:
+        used.append("rollout.vllm.url")
+        if vllm.weight_sync == "nccl":
+            used.append("rollout.vllm.nccl_address")
+        else:
+            folders = ("weights_dir", "server_weights_dir")
+            used += [f"rollout.vllm.{name}" for name in folders if getattr(vllm, name) is not None]
+    if config.task.name == "file" and config.task.data_path is not None:
+        used.append("task.data_path")
+    return used + model_reaches(config, copies_gguf=rollout.engine == "llama_cpp")
+
+
+def check_reaches(
+    config: Config,
+    overrides: Sequence[str],
+    *,
+    folder: Path,
+    trust_run_folder: bool = False,
+    keys: Iterable[str],
+) -> None:
+    """Refuse each of `keys` (`REACHES`) whose value comes from the run folder's config: unless the
+    overrides name it, it is a path inside the folder (`LOCAL_PATHS`), the user started this run with that
+    value (gspo.run.own_runs), or `trust_run_folder`."""
+    given = overridden_keys(overrides)
+    for key in [] if trust_run_folder else keys:
+        value = _value(config, key)
+        if key in given or (key in LOCAL_PATHS and _inside(str(value), folder)):
+            continue
+        recorded, problem = recorded_files(folder)
+        if key in recorded and recorded[key] == str(value):
+            continue
+        why = f" ({problem})" if problem else ""
+        if key in recorded:
+            why = f" (you started this run with {key}={recorded[key]})"
+        raise UntrustedRunFolder(
+            f"{folder / 'config.yaml'} names {key}={str(value)!r}, {REACHES[key]}: a run folder does not "
+            f"choose where gspo connects, nor what it reads or writes outside the folder{why}; pass "
+            f"{key}={value} on the command line to confirm it, or --trust-run-folder"
+        )
+
+
+def users_reaches(config: Config, overrides: Sequence[str], *, resumed: bool) -> dict[str, str]:
+    """The `REACHES` values the user named for a run they start, to record as theirs (gspo.run.own_runs):
+    all that `config` uses when it is theirs (a new run), else those the overrides name again."""
+    used = used_reaches(config)
+    if resumed:
+        given = overridden_keys(overrides)
+        used = [key for key in used if key in given]
+    return {key: str(_value(config, key)) for key in used}
 
 
 def check_code_keys(
@@ -103,15 +200,15 @@ def check_code_keys(
     overrides: Sequence[str],
     *,
     folder: Path,
-    trust_run_code: bool = False,
+    trust_run_folder: bool = False,
     keys: Sequence[str] = tuple(CODE_KEYS),
 ) -> None:
     """Refuse a run folder's train.objective or rollout.engine that is code ("file.py:function",
     "module:function") unless the user names it (an override of the key), started this run with it, or
-    `trust_run_code`."""
+    `trust_run_folder`."""
     for key in keys:
         name = _value(config, key)
-        if ":" not in name or trust_run_code or key in overridden_keys(overrides):
+        if ":" not in name or trust_run_folder or key in overridden_keys(overrides):
             continue
         own, why = _own_code(name, folder)
         if own:
@@ -119,7 +216,7 @@ def check_code_keys(
         raise UntrustedRunFolder(
             f"{folder / 'config.yaml'} names {CODE_KEYS[key]} {name!r}, Python code that gspo would import and "
             f"run: a run folder is data, so its code runs only when you name it yourself{why}. Read the code, "
-            f"then pass {key}={name} on the command line, or --trust-run-code"
+            f"then pass {key}={name} on the command line, or --trust-run-folder"
         )
 
 
@@ -128,38 +225,28 @@ def check_run_folder_config(
     overrides: Sequence[str],
     *,
     folder: Path,
-    trust_run_code: bool = False,
-    server: bool = True,
+    trust_run_folder: bool = False,
+    reaches: Iterable[str] | None = None,
+    rewards_replaced: bool = False,
 ) -> None:
-    """Refuse what a run folder's config names that the user has not: reward, objective and sampler code (unless
-    the overrides name it, the user started the run with it, or `trust_run_code`) and, with `server`, rollout.engine=openai's URL and key
-    variable (unless set by the overrides)."""
+    """Refuse what a run folder's config names that the user has not: reward, objective and sampler code,
+    and the servers and paths outside the folder it makes gspo use (`reaches`: those of `REACHES` the command
+    uses; None: every one `used_reaches` finds). Each passes when the overrides name it, the user started
+    the run with it (gspo.run.own_runs), or with `trust_run_folder`; the rewards pass too when
+    `rewards_replaced` (Python callables replace them: nothing of theirs is imported)."""
     source = folder / "config.yaml"
-    check_code_keys(config, overrides, folder=folder, trust_run_code=trust_run_code)
+    check_code_keys(config, overrides, folder=folder, trust_run_folder=trust_run_folder)
     mine = named_rewards(overrides)
     foreign = [name for name in code_rewards(config) if name not in mine]
-    for name in [] if trust_run_code else foreign:
+    for name in [] if trust_run_folder or rewards_replaced else foreign:
         own, why = _own_code(name, folder)
         if own:
             continue
         raise UntrustedRunFolder(
             f"{source} names the reward {name!r}, Python code that gspo would import and run: a run "
             f"folder is data, so its code runs only when you name it yourself{why}. Read the code, then pass "
-            f"{rewards_override(config)} on the command line, or --trust-run-code"
+            f"{rewards_override(config)} on the command line, or --trust-run-folder"
         )
-    openai = config.rollout.openai
-    if not server or config.rollout.engine != "openai":
-        return
-    keys = overridden_keys(overrides)
-    if "rollout.openai.url" not in keys:
-        raise UntrustedRunFolder(
-            f"{source} sends rollouts to rollout.openai.url={openai.url!r}: a run folder does not choose "
-            f"where gspo connects; pass rollout.openai.url={openai.url} on the command line to confirm it"
-        )
-    default = type(openai)().api_key_env
-    if openai.api_key_env != default and "rollout.openai.api_key_env" not in keys:
-        raise UntrustedRunFolder(
-            f"{source} names the environment variable {openai.api_key_env!r} as the API key: a run folder "
-            f"does not choose which secret is sent; pass rollout.openai.api_key_env={openai.api_key_env} on "
-            f"the command line to send it to {openai.url}"
-        )
+    used = used_reaches(config)
+    keys = used if reaches is None else [key for key in used if key in set(reaches)]
+    check_reaches(config, overrides, folder=folder, trust_run_folder=trust_run_folder, keys=keys)

@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from gspo.rollout.data import surrogate_problem
+
 
 class ServeError(Exception):
     """A request the server refuses: HTTP `status`, a one-line message, the field it is about (`param`)."""
@@ -70,12 +72,22 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
+def _text(value: Any) -> Any:
+    """`value` (a text, or texts inside lists and mappings), refused when it holds no text: a lone surrogate
+    (gspo.rollout.data.surrogate_problem), which the tokenizer failed on with an internal type message."""
+    if isinstance(value, str) and (problem := surrogate_problem(value)):
+        raise ValueError(problem)
+    for item in value.values() if isinstance(value, dict) else value if isinstance(value, list) else ():
+        _text(item)
+    return value
+
+
 class Message(BaseModel):
     """A chat message; keys beyond these are passed to the chat template (templates may read them)."""
 
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: Annotated[str | list[dict[str, Any]] | None, AfterValidator(_text)] = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -133,7 +145,7 @@ def prompt_shape(value: Any) -> str | list[str] | list[int] | list[list[int]]:
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Annotated[Any, AfterValidator(prompt_shape)]
+    prompt: Annotated[Any, AfterValidator(prompt_shape), AfterValidator(_text)]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: Literal[False] = False
     suffix: None = None

@@ -14,7 +14,9 @@ import contextlib
 import copy
 import ipaddress
 import os
+import signal
 import socket
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +27,11 @@ import torch
 from gspo.config import Config, ConfigError, ServeConfig, load_config, validate
 from gspo.config.checks import LOOPBACK
 from gspo.rollout.engine import Engine
+from gspo.rollout.openai import api_key_problem
+from gspo.run.own_runs import record
 from gspo.run.resume import resume_config
 from gspo.run.start import open_folder, start_run
-from gspo.run.trust import check_code_keys
+from gspo.run.trust import check_code_keys, check_reaches, model_reaches, users_code_files, users_reaches
 from gspo.serve.app import Service, create_app
 from gspo.serve.driver import Driver
 from gspo.serve.openai_api import Inference, prompt_char_limit
@@ -38,15 +42,25 @@ LISTEN_KEYS = ("serve.host", "serve.port", "serve.api_key_env", "serve.max_body_
 """How the server listens: on --resume these come from the command line, never from the run folder."""
 
 
-def serve_config(config: str | Path | None, overrides: list[str], resume: str | Path | None) -> Config:
+def serve_config(
+    config: str | Path | None,
+    overrides: list[str],
+    resume: str | Path | None,
+    *,
+    trust_run_folder: bool = False,
+) -> Config:
     """The config to serve: CONFIG plus overrides; with --resume the run's own, its listen keys from the
-    command line only (module docstring)."""
+    command line only (module docstring), its objective code and the base model of its LoRA checkpoint
+    used only when named again or trusted (gspo.run.trust)."""
     if resume is None:
         return load_config(config, overrides)
     listen = [o for o in overrides if o.partition("=")[0] in LISTEN_KEYS]
     resumed = resume_config(resume, [o for o in overrides if o not in listen])
-    # the server imports no reward or sampler code
-    check_code_keys(resumed, overrides, folder=Path(resume), keys=["train.objective"])
+    # the server imports no reward or sampler code, and contacts no server of the folder's
+    folder, trust = Path(resume), trust_run_folder
+    check_code_keys(resumed, overrides, folder=folder, keys=["train.objective"], trust_run_folder=trust)
+    reads = model_reaches(resumed, copies_gguf=False)
+    check_reaches(resumed, overrides, folder=folder, trust_run_folder=trust, keys=reads)
     given = load_config(None, listen)
     for key in LISTEN_KEYS:
         name = key.removeprefix("serve.")
@@ -56,13 +70,21 @@ def serve_config(config: str | Path | None, overrides: list[str], resume: str | 
 
 
 def api_key(config: Config) -> str | None:
-    """The key clients must send: the value of the variable serve.api_key_env names (None: no key)."""
+    """The key clients must send: the value of the variable serve.api_key_env names (None: no key), checked
+    as a client's key is (gspo.rollout.openai.api_key_problem): a key no client can send, or one a client
+    would send stripped, is refused at start by the variable's name, never echoed."""
     name = config.serve.api_key_env
     if name is None:
         return None
-    value = os.environ.get(name, "").strip()
+    value = os.environ.get(name, "")
     if not value:
         raise ConfigError(f"serve.api_key_env={name}, but ${name} is empty or not set: export the key in it")
+    why = api_key_problem(value)
+    if why is not None:
+        raise ConfigError(
+            f"the environment variable {name} (serve.api_key_env) {why}; it is not shown: set it to the key "
+            "alone, without a trailing newline or carriage return (clients could never send it)"
+        )
     return value
 
 
@@ -158,6 +180,7 @@ def serve(
     *,
     resume: str | Path | None = None,
     force: bool = False,
+    trust_run_folder: bool = False,
 ) -> None:
     """Run `gspo serve` until interrupted (SIGINT/SIGTERM: uvicorn's graceful shutdown)."""
     try:
@@ -166,10 +189,18 @@ def serve(
         raise ImportError(
             f"gspo serve needs the server packages: pip install 'gspo[serve]' ({error})"
         ) from None
-    resolved = serve_config(config, list(overrides), resume)
+    resolved = serve_config(config, list(overrides), resume, trust_run_folder=trust_run_folder)
     key = api_key(resolved)
     sock = bind(resolved.serve.host, resolved.serve.port)
     service = build_service(resolved, resume=resume, force=force, key=key)
+    # the code files and outside paths the user named are theirs for this run, as `gspo train` records them
+    resumed = resume is not None
+    files, named = (
+        users_code_files(resolved, overrides, resumed=resumed),
+        users_reaches(resolved, overrides, resumed=resumed),
+    )
+    if refusal := record(service.trainer.run_dir, files, named):
+        print(f"note: this run is not recorded as yours ({refusal})", file=sys.stderr)
     port = sock.getsockname()[1]
     host = resolved.serve.host
     shown = f"[{host}]" if ":" in host else host
@@ -180,9 +211,16 @@ def serve(
         flush=True,
     )
     server = uvicorn.Server(uvicorn_config(create_app(service), resolved.serve))
+    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again with the handler it found: with
+    # Python's default that killed the process before close_service, leaving the lock's record (and, with
+    # serve.durable=false, the last train calls unsaved). The handler found is this one, which unwinds.
+    previous = signal.signal(signal.SIGTERM, _stopped)
     try:
         server.run(sockets=[sock])
+    except Stopped:
+        pass  # a clean stop: exit 0 once the service is closed
     finally:
+        signal.signal(signal.SIGTERM, previous)
         close_service(service)
 
 
@@ -202,6 +240,14 @@ def uvicorn_config(app: Any, serve: ServeConfig) -> Any:
         access_log=serve.access_log,
         timeout_graceful_shutdown=5,
     )
+
+
+class Stopped(Exception):
+    """SIGTERM reached `gspo serve` after uvicorn's graceful shutdown."""
+
+
+def _stopped(signum: int, frame: Any) -> None:
+    raise Stopped
 
 
 @dataclass

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +30,12 @@ from gspo.serve.updates import Snapshot, completion_rows, prepare_update, resolv
 
 REMEMBERED_CALLS = 64
 """Train calls whose answers are kept (and checkpointed) by request_id, so a retried call is not applied twice."""
+
+
+def request_digest(request: TrainRequest) -> str:
+    """The sha256 of a train call's body without its request_id: what a repeated id must repeat."""
+    body = request.model_dump(mode="json", exclude={"request_id"})
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 @dataclass
@@ -62,7 +70,7 @@ class TrainService:
 
     async def train(self, request: TrainRequest) -> dict[str, Any]:
         if request.request_id is not None and request.request_id in self.answers:
-            return self.answers[request.request_id] | {"repeated": True}
+            return self._repeated(request)
         serve = self.config.serve
         resolve(request, self.records, self.version, serve.max_staleness)  # refuse at once what cannot train
         try:
@@ -73,7 +81,7 @@ class TrainService:
             ) from None
         try:
             if request.request_id is not None and request.request_id in self.answers:
-                return self.answers[request.request_id] | {"repeated": True}
+                return self._repeated(request)
             rebuilt = resolve(request, self.records, self.version, serve.max_staleness)  # versions moved?
             update = prepare_update(request, rebuilt, self.config, self.policy, self.spec, self.version)
             rows = completion_rows(request, rebuilt, self.run.tokenizer, self.config.completions_per_step)
@@ -108,6 +116,7 @@ class TrainService:
                 "old_logprobs": update.spec.old_logprobs,
                 "checkpoint": None,
                 "request_id": request.request_id,
+                "request_sha256": request_digest(request),
             }
             path = await self._record_step(metrics, request.request_id, answer, rows)
             for record in update.completions:  # the step is taken: none of them trains again
@@ -119,6 +128,22 @@ class TrainService:
                 self.driver.resume()
         self.calls += 1
         return answer
+
+    def _repeated(self, request: TrainRequest) -> dict[str, Any]:
+        """The stored answer of the call that used this request_id, when this call is that one again; a
+        409 when its body differs: its groups were not trained, and the client must hear it."""
+        answer = self.answers[request.request_id]
+        digest = answer.get("request_sha256")  # absent in answers checkpointed before digests
+        if digest is not None and digest != request_digest(request):
+            raise ServeError(
+                409,
+                f"request_id {request.request_id!r} was used by another train call (policy version "
+                f"{answer['version']}) with other groups: these groups were not trained; send them under a "
+                "new request_id",
+                param="request_id",
+                code="request_id_reused",
+            )
+        return answer | {"repeated": True}
 
     def _failed(self, what: str, error: BaseException) -> ServeError:
         self.last_error = f"{what} failed: {type(error).__name__}: {error}"

@@ -18,6 +18,7 @@ import torch
 from gspo.config import Config, ConfigError
 from gspo.config.loading import code_file
 from gspo.core.layout import TokenSequence, make_micro_batches
+from gspo.files import replace_file
 from gspo.learning.learner import place
 from gspo.learning.policy import Policy, UpdateSpec, score
 from gspo.rollout.data import (
@@ -195,11 +196,8 @@ def data_task(config: Config, data: Any, run_dir: Path, *, resumed: bool) -> tup
 
 
 def write_data(run_dir: Path, text: str) -> None:
-    """RUN/data.jsonl, atomically: a kill leaves no half file for --resume to read."""
-    path = run_path(run_dir, DATA_FILE)
-    tmp = run_path(run_dir, DATA_FILE + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    """RUN/data.jsonl, by replacement (gspo.files): a kill leaves no half file for --resume to read."""
+    replace_file(run_path(run_dir, DATA_FILE), text)
 
 
 def check_train_arguments(config: Any, overrides: Sequence[str]) -> None:

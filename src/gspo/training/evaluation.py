@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 
 from gspo.config import Config, ConfigError, load_config
+from gspo.files import replace_file
 from gspo.models import load_model
 from gspo.parallel.collectives import all_gather_list
 from gspo.parallel.group import rank, resolve_device, world_size
@@ -33,7 +33,7 @@ from gspo.rollout.samplers import HFSampler
 from gspo.run.build import load_checkpoint_policy
 from gspo.run.checkpoint import check_output, checkpoint_step, find_checkpoint
 from gspo.run.paths import run_path
-from gspo.run.trust import check_run_folder_config
+from gspo.run.trust import check_reaches, check_run_folder_config, model_reaches
 from gspo.training.build import build_examples, resolve_rewards
 
 EVALS_DIR = "evals"
@@ -150,24 +150,20 @@ def evaluate_target(
     data: str | None = None,
     samples: int | None = None,
     temperature: float = 1.0,
-    trust_run_code: bool = False,
+    trust_run_folder: bool = False,
 ) -> tuple[Evaluation, dict[str, Any]]:
     """`gspo eval`: (evaluation, report header). target: a run folder (its checkpoint of `step`, default
     the latest), a model directory, a .gguf file, or None (the config's model; by default the embedded one).
 
     The task, rewards and eval settings come from `config_file` (default: the run's config.yaml, else the
     defaults) and `overrides`; `data` evaluates every row of a JSONL/CSV/datasets file instead of the task's
-    held-out split. Reward code named by a run's config.yaml is imported only when the overrides name it
-    again, or with `trust_run_code` (gspo.run.trust).
+    held-out split. Reward code, data and a base model named by a run's config.yaml are used only when the
+    overrides name them again, or with `trust_run_folder` (gspo.run.trust).
     """
     header: dict[str, Any] = {"target": target}
     if target is not None and is_run_dir(target):
-        run_config = load_config(run_path(target, "config.yaml"))
-        config = load_config(config_file or run_path(target, "config.yaml"), overrides)
-        if config_file is None:  # the run folder's rewards: data, until the user names them
-            check_run_folder_config(
-                config, overrides, folder=Path(target), trust_run_code=trust_run_code, server=False
-            )
+        trust = trust_run_folder
+        run_config, config = _run_configs(target, config_file, overrides, data=data, trust_run_folder=trust)
         checkpoint = find_checkpoint(target, step)
         model, tokenizer = load_checkpoint_policy(run_config, checkpoint)
         header |= {"checkpoint": str(checkpoint), "step": checkpoint_step(checkpoint)}
@@ -203,6 +199,30 @@ def evaluate_target(
     return result, header
 
 
+def _run_configs(
+    target: str,
+    config_file: str | None,
+    overrides: Sequence[str],
+    *,
+    data: str | None,
+    trust_run_folder: bool,
+) -> tuple[Config, Config]:
+    """(the run's config, which loads its checkpoint; the evaluation's config) of a run folder target, the
+    folder's reward code, data and base model checked first (gspo.run.trust): data until the user names
+    them."""
+    # the model the checkpoint loads with: the run's, or the base model the user names (model.path=...)
+    model_given = [o for o in overrides if o.partition("=")[0].strip().startswith("model.")]
+    run_config = load_config(run_path(target, "config.yaml"), model_given)
+    config = load_config(config_file or run_path(target, "config.yaml"), overrides)
+    folder, trust = Path(target), trust_run_folder
+    if config_file is None:  # a config file of the user's is theirs: its rewards and data too
+        reads = () if data is not None else ("task.data_path",)
+        check_run_folder_config(config, overrides, folder=folder, trust_run_folder=trust, reaches=reads)
+    reads = model_reaches(run_config, copies_gguf=False)
+    check_reaches(run_config, overrides, folder=folder, trust_run_folder=trust, keys=reads)
+    return run_config, config
+
+
 def _problems(config: Config, data: str | None) -> tuple[list[Example], str]:
     """What `gspo eval` scores, and where it comes from: every row of `data`, else the task's held-out
     split."""
@@ -235,9 +255,7 @@ def write_report(
     check_output(path, force=force)
     path.parent.mkdir(parents=True, exist_ok=True)
     report = {**header, "metrics": evaluation.metrics, "per_problem": evaluation.problems}
-    tmp = run_path(path.parent, f".{path.name}.tmp")
-    tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
-    os.replace(tmp, path)
+    replace_file(path, json.dumps(report, indent=1, default=str) + "\n")
     return path
 
 

@@ -4,17 +4,23 @@
 KL, completion lengths, loss and grad norm, learning rate); a figure whose keys are all absent is skipped.
 Matplotlib is imported when a plot is drawn, through its object API with the Agg canvas, so plotting
 never changes the pyplot backend of a notebook that calls it.
+
+Both read ``metrics.jsonl`` as a stream, one line at a time: the plotted lines keep at most `POINTS_MAX`
+points each (a longer run is thinned evenly) and the summary keeps sums and extremes, so memory does not grow
+with the run (`gspo plot` of 400,000 lines took 4.5 GB when every record was held).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from array import array
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gspo.run.metrics import read_metrics
+from gspo.files import replace_file, replacing
+from gspo.run.metrics import iter_metrics
 from gspo.run.paths import run_path
 
 PLOTS_DIR = "plots"
@@ -130,29 +136,123 @@ def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _points(records: Sequence[dict[str, Any]], kind: str, key: str) -> tuple[list[int], list[float]]:
-    """(steps, values) sorted by step; a null value becomes NaN so the line shows a gap."""
-    pairs = sorted(
-        (r["step"], float(r[key]) if r[key] is not None else math.nan)
-        for r in records
-        if r.get("kind") == kind and key in r
+POINTS_MAX = 5_000
+"""Records of a kind plotted at least (at most twice that): a longer run is thinned to every 2nd, 4th, ...
+record (a panel 5.5 inches wide at 100 dpi has 550 columns), so memory stays bounded however many lines
+metrics.jsonl holds."""
+PREFIX_SERIES_MAX = 32
+"""Lines a "reward/" panel draws at most (one per reward function): a legend of more is unreadable."""
+
+
+class Points:
+    """One plotted line's points: (index of the record among its kind's, step, value); null is NaN, a gap."""
+
+    def __init__(self) -> None:
+        self.indices, self.steps, self.values = array("q"), array("q"), array("d")
+        self.finite = False
+
+    def add(self, index: int, step: int, value: Any) -> None:
+        finite = _finite(value)
+        self.finite = self.finite or finite
+        self.indices.append(index)
+        self.steps.append(step)
+        self.values.append(float(value) if finite else math.nan)
+
+    def thin(self, stride: int) -> None:
+        """Keep the points of every `stride`-th record."""
+        kept = [i for i, index in enumerate(self.indices) if index % stride == 0]
+        self.indices = array("q", (self.indices[i] for i in kept))
+        self.steps = array("q", (self.steps[i] for i in kept))
+        self.values = array("d", (self.values[i] for i in kept))
+
+    def sorted(self) -> tuple[list[int], list[float]]:
+        """(steps, values) sorted by step."""
+        pairs = sorted(zip(self.steps, self.values, strict=True))
+        return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+def _wanted(kind: str, key: str) -> bool:
+    """Whether some figure plots `key` of the records of `kind`."""
+    return any(
+        series.kind == kind
+        and (key == series.key or (series.key.endswith("/") and key.startswith(series.key)))
+        for _, panels in FIGURES
+        for panel in panels
+        for series in panel.series
     )
-    return [s for s, _ in pairs], [v for _, v in pairs]
 
 
-def _expand(series: Series, records: Sequence[dict[str, Any]]) -> list[tuple[str, Series]]:
+KEYS_MAX = 4096
+"""Distinct metric names remembered while reading (gspo logs about 60): a file of endless new names costs
+time, not memory."""
+
+
+@dataclass
+class Scan:
+    """What the plots and the summary need of a run's records, gathered in one pass (`scan_run`)."""
+
+    lines: dict[tuple[str, str], Points] = field(default_factory=dict)
+    """The plotted lines, by (kind, key)."""
+    summary: Summary = field(default_factory=lambda: Summary())
+    _plans: dict[tuple[Any, ...], tuple[list[str], list[str], list[str]]] = field(default_factory=dict)
+    _seen: dict[str, list[int]] = field(default_factory=dict)  # kind -> [records, stride, kept]
+
+    def add(self, record: dict[str, Any]) -> None:
+        # a run's lines share a few key sets: which keys are plotted or summed is worked out once per set
+        signature = (record.get("kind"), *record)
+        plan = self._plans.get(signature) or self._plan(record)
+        if len(self._plans) < KEYS_MAX:
+            self._plans[signature] = plan
+        plotted, times, clips = plan
+        self.summary.add(record, times, clips)
+        if not plotted:
+            return
+        kind = record["kind"]
+        seen = self._seen.setdefault(kind, [0, 1, 0])
+        index, seen[0] = seen[0], seen[0] + 1
+        if index % seen[1]:  # thinned out: every stride-th record of its kind is plotted
+            return
+        for key in plotted:
+            self.lines.setdefault((kind, key), Points()).add(index, record["step"], record[key])
+        seen[2] += 1
+        if seen[2] >= 2 * POINTS_MAX:
+            seen[1] *= 2
+            seen[2] = len(range(0, seen[0], seen[1]))
+            for (line_kind, _), points in self.lines.items():
+                if line_kind == kind:
+                    points.thin(seen[1])
+
+    def _plan(self, record: dict[str, Any]) -> tuple[list[str], list[str], list[str]]:
+        """(plotted keys, time keys, clip keys) of a record's key set."""
+        kind = record.get("kind")
+        plotted = []
+        for key in record:
+            rewards = sum(k.startswith("reward/") for _, k in self.lines)
+            prefixed = (
+                key.startswith("reward/") and (kind, key) not in self.lines and rewards >= PREFIX_SERIES_MAX
+            )
+            if isinstance(kind, str) and _wanted(kind, key) and not prefixed:
+                plotted.append(key)
+        times = [key for key in record if key.startswith("time_")]
+        clips = [key for key in record if key.startswith("clip_frac_")] if kind == "train" else []
+        return plotted, times, clips
+
+
+def scan_run(run_dir: str | Path) -> Scan:
+    """One pass over ``run_dir/metrics.jsonl``, read as a stream, for `plot_run` and `write_summary`."""
+    scan = Scan()
+    for record in iter_metrics(run_dir):
+        scan.add(record)
+    return scan
+
+
+def _expand(series: Series, lines: dict[tuple[str, str], Points]) -> list[tuple[str, Series]]:
     """(key, series) for each concrete key of ``series`` that has at least one finite value."""
     if series.key.endswith("/"):
-        keys = sorted(
-            {k for r in records if r.get("kind") == series.kind for k in r if k.startswith(series.key)}
-        )
+        keys = sorted(key for kind, key in lines if kind == series.kind and key.startswith(series.key))
     else:
         keys = [series.key]
-    return [
-        (key, series)
-        for key in keys
-        if any(r.get("kind") == series.kind and _finite(r.get(key)) for r in records)
-    ]
+    return [(key, series) for key in keys if (series.kind, key) in lines and lines[series.kind, key].finite]
 
 
 def _import_matplotlib() -> tuple[Any, Any, Any]:
@@ -168,19 +268,20 @@ def _import_matplotlib() -> tuple[Any, Any, Any]:
     return Figure, FigureCanvasAgg, MaxNLocator
 
 
-def plot_run(run_dir: str | Path) -> list[Path]:
-    """Write ``run_dir/plots/<group>.png`` for each metric group present in ``metrics.jsonl``.
+def plot_run(run_dir: str | Path, scan: Scan | None = None) -> list[Path]:
+    """Write ``run_dir/plots/<group>.png`` for each metric group present in ``metrics.jsonl`` (``scan``:
+    the file already read by `scan_run`).
 
     Returns the written paths, in the order of ``FIGURES``.
     """
     run_dir = Path(run_dir)
-    records = read_metrics(run_dir)
+    points = (scan or scan_run(run_dir)).lines
     figures = []
     for stem, panels in FIGURES:
         present = [
             (panel, lines)
             for panel in panels
-            if (lines := [x for s in panel.series for x in _expand(s, records)])
+            if (lines := [x for s in panel.series for x in _expand(s, points)])
         ]
         if present:
             figures.append((stem, present))
@@ -197,13 +298,11 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         axes = fig.subplots(1, len(present), squeeze=False)[0]
         for ax, (panel, lines) in zip(axes, present, strict=True):
             for key, series in lines:
-                steps, values = _points(records, series.kind, key)
+                steps, values = points[series.kind, key].sorted()
                 label = series.label or key
                 marker = "o" if series.kind == "eval" or len(steps) <= 20 else None
                 ax.plot(steps, values, series.style, marker=marker, markersize=3, label=label)
-            if panel.log_y and all(
-                v > 0 for k, s in lines for v in _points(records, s.kind, k)[1] if _finite(v)
-            ):
+            if panel.log_y and all(v > 0 for k, s in lines for v in points[s.kind, k].values if _finite(v)):
                 ax.set_yscale("log")
             ax.set_title(panel.title)
             ax.set_xlabel("step")
@@ -213,7 +312,8 @@ def plot_run(run_dir: str | Path) -> list[Path]:
             if len(lines) > 1:
                 ax.legend(fontsize="small")
         path = run_path(run_dir, PLOTS_DIR, f"{stem}.png")
-        fig.savefig(path, dpi=100)
+        with replacing(path) as tmp:
+            fig.savefig(tmp, dpi=100, format="png")
         written.append(path)
     return written
 
@@ -222,69 +322,119 @@ def _fmt(value: float) -> str:
     return f"{value:.4f}"
 
 
-def summary_text(records: Sequence[dict[str, Any]]) -> str:
-    """The Markdown summary of a run's records (see ``write_summary``)."""
-    train = [r for r in records if r.get("kind") == "train"]
-    evals = sorted((r for r in records if r.get("kind") == "eval"), key=lambda r: r["step"])
-    lines = ["# Run summary", ""]
-    if not records:
-        return "\n".join([*lines, "No metrics logged.", ""])
+@dataclass
+class Summary:
+    """The summary's figures, gathered one record at a time (`add`), in memory that does not grow with the
+    run: counts, sums, and the first, last and best points (`text` writes them)."""
 
-    steps = sorted({r["step"] for r in train})
-    # a step is a rollout batch (gspo train) or a train call (gspo serve): the README's words for them
-    trained = "- Rollout batches (or gspo serve train calls) trained"
-    lines.append(f"{trained}: {len(steps)}, steps {steps[0]} to {steps[-1]}" if steps else f"{trained}: 0")
+    records: int = 0
+    evals: int = 0
+    train_steps: int = 0
+    train_range: tuple[int, int] | None = None
+    last_train_step: int | None = None
+    accuracy: dict[str, tuple[int, float]] = field(default_factory=dict)  # first, last, best
+    reward: dict[str, tuple[int, float]] = field(default_factory=dict)  # first, last
+    clip: dict[str, list[float]] = field(default_factory=dict)  # key -> [sum, count]
+    skipped: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0, 0.0])  # sum, n, tokens, n, any
+    times: dict[str, float] = field(default_factory=dict)
 
-    accuracy = [(r["step"], r["accuracy"]) for r in evals if _finite(r.get("accuracy"))]
-    if accuracy:
-        (first_step, first), (last_step, last) = accuracy[0], accuracy[-1]
-        best_step, best = max(accuracy, key=lambda p: (p[1], -p[0]))
-        lines.append(
-            f"- Eval accuracy: first {_fmt(first)} (step {first_step}), "
-            f"last {_fmt(last)} (step {last_step}), "
-            f"best {_fmt(best)} (step {best_step}), change {last - first:+.4f}"
-        )
-    else:
-        lines.append("- Eval accuracy: no eval lines" if not evals else "- Eval accuracy: not logged")
+    def add(self, record: dict[str, Any], times: Sequence[str], clips: Sequence[str]) -> None:
+        """Count `record` in; `times` and `clips`: its time_* and (train) clip_frac_* keys."""
+        self.records += 1
+        step, kind = record["step"], record.get("kind")
+        for key in times:
+            if key in self.times or len(self.times) < KEYS_MAX:
+                value = record[key]
+                self.times[key] = self.times.get(key, 0.0) + (value if _finite(value) else 0.0)
+        if kind == "eval":
+            self.evals += 1
+            if _finite(record.get("accuracy")):
+                _extremes(self.accuracy, step, record["accuracy"], best=True)
+        if kind != "train":
+            return
+        if step != self.last_train_step:  # a run logs each step once, in order
+            self.train_steps += 1
+            low, high = self.train_range or (step, step)
+            self.train_range, self.last_train_step = (min(low, step), max(high, step)), step
+        if _finite(record.get("reward_mean")):
+            _extremes(self.reward, step, record["reward_mean"])
+        for key in clips:
+            if key in self.clip or len(self.clip) < KEYS_MAX:
+                total = self.clip.setdefault(key, [0.0, 0.0])
+                if _finite(record[key]):
+                    total[0], total[1] = total[0] + record[key], total[1] + 1
+        for i, key in ((0, "skipped_samples_frac"), (2, "skipped_tokens_frac")):
+            if _finite(record.get(key)):
+                self.skipped[i] += record[key]
+                self.skipped[i + 1] += 1
+                self.skipped[4] = self.skipped[4] or (i == 0 and record[key] != 0)
 
-    reward = sorted((r["step"], r["reward_mean"]) for r in train if _finite(r.get("reward_mean")))
-    if reward:
-        lines.append(
-            f"- Train reward mean: first {_fmt(reward[0][1])} (step {reward[0][0]}), "
-            f"last {_fmt(reward[-1][1])} (step {reward[-1][0]})"
-        )
+    def text(self) -> str:
+        """The Markdown summary (see ``write_summary``)."""
+        lines = ["# Run summary", ""]
+        if not self.records:
+            return "\n".join([*lines, "No metrics logged.", ""])
+        # a step is a rollout batch (gspo train) or a train call (gspo serve): the README's words for them
+        trained = f"- Rollout batches (or gspo serve train calls) trained: {self.train_steps}"
+        low, high = self.train_range or (0, 0)
+        lines.append(trained + (f", steps {low} to {high}" if self.train_range else ""))
+        if self.accuracy:
+            (first_step, first), (last_step, last) = self.accuracy["first"], self.accuracy["last"]
+            best_step, best = self.accuracy["best"]
+            lines.append(
+                f"- Eval accuracy: first {_fmt(first)} (step {first_step}), last {_fmt(last)} (step {last_step}), "
+                f"best {_fmt(best)} (step {best_step}), change {last - first:+.4f}"
+            )
+        else:
+            lines.append(
+                "- Eval accuracy: no eval lines" if not self.evals else "- Eval accuracy: not logged"
+            )
+        if self.reward:
+            (first_step, first), (last_step, last) = self.reward["first"], self.reward["last"]
+            lines.append(
+                f"- Train reward mean: first {_fmt(first)} (step {first_step}), last {_fmt(last)} (step {last_step})"
+            )
+        means = [f"{key} {_fmt(total / n)}" for key, (total, n) in sorted(self.clip.items()) if n]
+        if means:
+            lines.append(
+                f"- Clip fractions, mean over steps (of the samples the updates computed): {', '.join(means)}"
+            )
+        samples, n, tokens, n_tokens, any_skipped = self.skipped
+        if n and any_skipped:
+            lines.append(
+                f"- Zero-advantage samples left out of the updates (train.skip_zero_advantage), mean over steps: "
+                f"{_fmt(samples / n)} of the samples, {_fmt(tokens / max(n_tokens, 1))} of their tokens"
+            )
+        if self.times:
+            phases = ", ".join(f"{k.removeprefix('time_')} {v:.1f} s" for k, v in sorted(self.times.items()))
+            lines.append(f"- Total time: {sum(self.times.values()):.1f} s ({phases})")
+        return "\n".join([*lines, ""])
 
-    clip_keys = sorted({k for r in train for k in r if k.startswith("clip_frac_")})
-    clip_means = []
-    for key in clip_keys:
-        values = [r[key] for r in train if _finite(r.get(key))]
-        if values:
-            clip_means.append(f"{key} {_fmt(sum(values) / len(values))}")
-    if clip_means:
-        lines.append(
-            f"- Clip fractions, mean over steps (of the samples the updates computed): {', '.join(clip_means)}"
-        )
-    skipped = [r["skipped_samples_frac"] for r in train if _finite(r.get("skipped_samples_frac"))]
-    if skipped and any(skipped):
-        tokens = [r["skipped_tokens_frac"] for r in train if _finite(r.get("skipped_tokens_frac"))]
-        lines.append(
-            f"- Zero-advantage samples left out of the updates (train.skip_zero_advantage), mean over steps: "
-            f"{_fmt(sum(skipped) / len(skipped))} of the samples, {_fmt(sum(tokens) / max(len(tokens), 1))} "
-            "of their tokens"
-        )
 
-    time_keys = sorted({k for r in records for k in r if k.startswith("time_")})
-    phase_totals = {k: sum(r[k] for r in records if _finite(r.get(k))) for k in time_keys}
-    if phase_totals:
-        phases = ", ".join(f"{k.removeprefix('time_')} {v:.1f} s" for k, v in phase_totals.items())
-        lines.append(f"- Total time: {sum(phase_totals.values()):.1f} s ({phases})")
-    return "\n".join([*lines, ""])
+def _extremes(points: dict[str, tuple[int, float]], step: int, value: float, *, best: bool = False) -> None:
+    """Keep the first (lowest step), last (highest step) and, with `best`, the best (highest value, earliest
+    step) of a series of points."""
+    if "first" not in points or step < points["first"][0]:
+        points["first"] = (step, value)
+    if "last" not in points or step >= points["last"][0]:
+        points["last"] = (step, value)
+    if best and ("best" not in points or (value, -step) > (points["best"][1], -points["best"][0])):
+        points["best"] = (step, value)
 
 
-def write_summary(run_dir: str | Path) -> str:
+def summary_text(records: Iterable[dict[str, Any]]) -> str:
+    """The Markdown summary of a run's records (see ``write_summary``), read in one pass."""
+    scan = Scan()
+    for record in records:
+        scan.add(record)
+    return scan.summary.text()
+
+
+def write_summary(run_dir: str | Path, scan: Scan | None = None) -> str:
     """Write ``run_dir/summary.md``: number of steps, first/last/best eval accuracy, first/last train
-    reward, mean clip fractions and total time (sum of the ``time_*`` metrics); returns the text."""
+    reward, mean clip fractions and total time (sum of the ``time_*`` metrics); returns the text.
+    ``scan``: the file already read by `scan_run`."""
     run_dir = Path(run_dir)
-    text = summary_text(read_metrics(run_dir))
-    run_path(run_dir, SUMMARY_FILE).write_text(text, encoding="utf-8")
+    text = (scan or scan_run(run_dir)).summary.text()
+    replace_file(run_path(run_dir, SUMMARY_FILE), text)
     return text

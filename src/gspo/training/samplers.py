@@ -118,7 +118,7 @@ def setup_vllm_server(config: Config, policy: Policy, tokenizer: Any, run_dir: P
         server = VLLMServer(
             policy.model,
             tokenizer,
-            run_dir / "vllm_server",
+            run_path(run_dir, "vllm_server"),
             kv_cache_gib=settings.kv_cache_gib,
             seed=config.seed,
             dtype=vllm_dtype(config),

@@ -40,7 +40,13 @@ from gspo.run.checkpoint import checkpoint_step, latest_checkpoint, load_trainer
 from gspo.run.own_runs import record
 from gspo.run.resume import resume_config
 from gspo.run.start import open_folder, run_attribute, start_run
-from gspo.run.trust import check_run_folder_config, code_rewards, rewards_override, users_code_files
+from gspo.run.trust import (
+    check_run_folder_config,
+    code_rewards,
+    rewards_override,
+    users_code_files,
+    users_reaches,
+)
 from gspo.training import evaluation
 from gspo.training.build import (
     RewardFunctions,
@@ -443,17 +449,17 @@ def train(
     data: Any = None,
     resume: str | Path | None = None,
     force: bool = False,
-    trust_run_code: bool = False,
+    trust_run_folder: bool = False,
     from_step: int | None = None,
 ) -> dict[str, Any]:
     """Run GSPO training; returns the run folder and the first/last eval accuracy.
 
     ``resume``: continue that run folder (its config.yaml plus ``overrides``; ``force`` allows changes
-    beyond gspo.run.resume.RESUMABLE). Reward code and a server its config names are used only when
-    ``overrides`` name them again, or ``reward_functions`` replaces them, or the user started this run in
-    this folder with those files, unchanged (gspo.run.own_runs), or ``trust_run_code``
-    (gspo.run.trust). The code files the user names are recorded as theirs for this run. ``from_step``:
-    resume that step's checkpoint instead of the latest. ``reward_functions`` and ``data``: as `Trainer`'s.
+    beyond gspo.run.resume.RESUMABLE). Reward code, servers and outside paths its config names are used
+    only when ``overrides`` name them again, or ``reward_functions`` replaces the rewards, or the user started this run in this folder with those files and values, unchanged
+    (gspo.run.own_runs), or ``trust_run_folder`` (gspo.run.trust). The code files and values the user
+    names are recorded as theirs for this run. ``from_step``: resume that step's checkpoint instead of the
+    latest. ``reward_functions`` and ``data``: as `Trainer`'s.
 
     >>> from gspo import train, load_config
     >>> result = train(load_config("configs/tiny.yaml"), reward_functions=[my_reward])  # doctest: +SKIP
@@ -465,8 +471,9 @@ def train(
             config,
             overrides,
             folder=Path(resume),
+            trust_run_folder=trust_run_folder,
             # reward_functions replace the config's rewards: its reward files are never imported
-            trust_run_code=trust_run_code or bool(reward_functions),
+            rewards_replaced=bool(reward_functions),
         )
     elif config is None or isinstance(config, (str, Path)):
         config = load_config(config, overrides)
@@ -481,10 +488,11 @@ def train(
             from_step=from_step,
         )
         files = users_code_files(trainer.config, overrides, resumed=resume is not None)
-        if is_main() and (refusal := record(trainer.run_dir, files)):
+        named = users_reaches(trainer.config, overrides, resumed=resume is not None)
+        if is_main() and (refusal := record(trainer.run_dir, files, named)):
             print(
                 f"note: this run is not recorded as yours ({refusal}): --resume and gspo eval of it will ask "
-                "you to name its code again",
+                "you to name its code, servers and paths again",
                 file=sys.stderr,
             )
         result = trainer.run()
