@@ -27,6 +27,9 @@ ARMS = {
     ],
     "grpo decoupled": ["train.objective=grpo"],
 }
+# At k = 0 "auto" resolves to exactly the second arm's settings (fresh fp32 samples: the sampler's log-probs
+# as the old policy's, no correction; gspo.learning.policy.update_choices): one run serves both.
+SAME = {"gspo, sampler log-probs as old k=0": "gspo decoupled k=0"}
 VLLM_ARM = ("gspo decoupled, vllm_server bf16", ["rollout.engine=vllm_server", "rollout.vllm.dtype=bfloat16"])
 
 
@@ -128,6 +131,9 @@ def main() -> None:
         )
     results: dict[str, dict] = {}
     for label, overrides, python in plan:
+        if label in SAME and SAME[label] in results:
+            results[label] = results[SAME[label]]
+            continue
         for seed in args.seeds:
             name = label.replace(", ", "-").replace(" ", "_").replace("=", "") + f"-s{seed}"
             run = args.runs / name
