@@ -132,10 +132,10 @@ KILL_AT = {
 import os, signal
 import gspo.training.trainer as trainer
 real = trainer.draw
-def draw(sampler, rewards, cfg, request):
+def draw(sampler, rewards, cfg, request, **kwargs):
     if request.step == {at}:
         os.kill(os.getpid(), signal.SIGKILL)
-    return real(sampler, rewards, cfg, request)
+    return real(sampler, rewards, cfg, request, **kwargs)
 trainer.draw = draw
 """,
     # the trainer made version S, before handing the next batch over and before saving step S

@@ -251,6 +251,32 @@ def _scenario_reward_failure(rank: int, out: Path) -> dict[str, Any]:
     return {"error": None}
 
 
+# ---- dynamic sampling: each rank draws its own extra groups; the normaliser counts what all ranks kept --
+DYNAMIC = ["rollout.dynamic_sampling=true", "rollout.max_extra_groups=2", "train.filter_zero_std_groups=true"]
+DYNAMIC += ["eval.every=0", "checkpoint.every=0", "train.steps=1", "train.old_logprobs=recompute"]
+
+
+def _parity_on(rank: int):
+    """Rank 0's groups have a spread (odd-length completions score 1); rank 1's never do, so it reaches its
+    share of the cap and, filtered, trains nothing: the ranks keep different numbers of groups."""
+
+    def parity(prompts, completions, **_):
+        return [float(rank == 0 and len(c) % 2) for c in completions]
+
+    return parity
+
+
+def _scenario_dynamic(rank: int, out: Path) -> dict[str, Any]:
+    from gspo.training.trainer import Trainer
+
+    trainer = Trainer(tiny_config(out / "dynamic", *DYNAMIC), reward_functions={"parity": _parity_on(rank)})
+    drawn, real = [], trainer.pipeline.next
+    trainer.pipeline.next = lambda step: drawn.append(real(step)) or drawn[-1]
+    metrics = trainer.train_step()
+    samples = [dataclasses.asdict(s) for s in drawn[0].samples]
+    return {"samples": samples, "metrics": metrics, "params": _full_parameters(trainer.policy.model)}
+
+
 # ---- the workers ------------------------------------------------------------------------------------
 SCENARIOS = {
     "split": _scenario_split,
@@ -263,6 +289,7 @@ SCENARIOS = {
     "resume_ddp": lambda rank, out: _scenario_resume(rank, out, "ddp"),
     "resume_fsdp2": lambda rank, out: _scenario_resume(rank, out, "fsdp2"),
     "reward_failure": _scenario_reward_failure,
+    "dynamic": _scenario_dynamic,
 }
 
 
@@ -611,3 +638,43 @@ def test_an_error_on_rank_0_alone_stops_both_ranks_and_the_launcher_exits_with_i
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "trackers.json is not the trackers file gspo writes" in errors[0], done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_dynamic_sampling_on_two_ranks_makes_the_one_process_update_of_what_they_kept(
+    distributed_runs, tmp_path
+):
+    """Each rank resamples its own groups (its share of the cap: 1 extra group): rank 1 keeps none, rank 0 its
+    own. Their update equals one process learning from both ranks' batches, whose loss normaliser counts
+    rank 0's sequences alone; the metrics add the ranks' draws."""
+    from gspo.learning.batch import Sample
+    from gspo.learning.step import learn_from_samples
+    from gspo.training.trainer import Trainer
+
+    ranks = result(distributed_runs[1], "dynamic")
+    batches = [[Sample(**s) for s in r["samples"]] for r in ranks]
+    assert all(s.reward == 0.0 for s in batches[1]) and len(batches[1]) == len(batches[0]) == 2 * 4
+    metrics = ranks[0]["metrics"]
+    kept = len(
+        {s.group for s in batches[0] if any(t.reward != s.reward for t in batches[0] if t.group == s.group)}
+    )
+    assert metrics["groups_kept"] == kept >= 1  # rank 1 kept none
+    assert metrics["groups_drawn"] == 4 + metrics["extra_groups"]
+    assert 1 <= metrics["extra_groups"] <= 2  # the cap is the batch's: a share of 1 per rank
+    assert metrics["num_trained"] == 4 * kept  # the filtered flat groups count nowhere
+    offset = max(s.group for s in batches[0]) + 1
+    union = batches[0] + [dataclasses.replace(s, group=s.group + offset) for s in batches[1]]
+    config = tiny_config(tmp_path / "one", *DYNAMIC)
+    single = Trainer(config, reward_functions={"parity": _parity_on(0)})
+    want = learn_from_samples(single.policy, single.spec, union, seed=step_seed(config.seed, 0))
+    expected = _full_parameters(single.policy.model)
+    # Bound: as test_two_ranks_make_the_one_process_updates (another micro-batch layout; the tiny config's 2
+    # updates at its lr). AdamW's step barely sees a gradient's scale: the loss and the gradient norm do, and
+    # a normaliser that counted rank 1's filtered sequences would halve both
+    rho, lr = tiny_gradient_rtol(), config.train.lr
+    for r in ranks:
+        for key in ("loss", "grad_norm", "num_trained"):
+            # sums of per-token terms in another order (rho, above); the count is exact
+            torch.testing.assert_close(r["metrics"][key], want[key], rtol=rho, atol=1e-7, msg=key)
+        for key, value in expected.items():
+            assert_adam_close(r["params"][key], value, lr=lr, updates=2, rho=rho, msg=key)
+    single.finish()

@@ -126,6 +126,63 @@ def test_no_grad_path_builds_no_graph_and_matches():
     torch.testing.assert_close(logp, naive_logprobs(hidden, weight, targets, bias=bias), **FP32)
 
 
+def naive_entropy(hidden, weight, temperature=1.0, bias=None):
+    """H = -sum_j pi_j log pi_j of each row, from the full (N, V) logits."""
+    logits = hidden @ weight.T + (0 if bias is None else bias)
+    log_pi = torch.log_softmax(logits / temperature, dim=-1)
+    return -(log_pi.exp() * log_pi).sum(-1)
+
+
+@pytest.mark.parametrize("chunk_size", [16, 7, 1, 1000])  # divides N, does not, one token, > N
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_token_entropy_and_its_gradient_equal_autograds_of_the_full_logits(
+    chunk_size, temperature, with_bias
+):
+    """The entropy bonus's input: each row's entropy and the gradient of g . logp + e . H (both outputs
+    at once, as the loss uses them) against autograd of the formula on the full logits."""
+    hidden, weight, bias, targets, upstream = make_head_inputs(seed=12, with_bias=with_bias)
+    e = torch.randn(N, generator=torch.Generator().manual_seed(13))
+    logp, entropy = token_logprobs(
+        hidden,
+        weight,
+        targets,
+        chunk_size=chunk_size,
+        temperature=temperature,
+        lm_head_bias=bias,
+        entropy=True,
+    )
+    ref_logp = naive_logprobs(hidden, weight, targets, temperature, bias)
+    ref_entropy = naive_entropy(hidden, weight, temperature, bias)
+    torch.testing.assert_close(logp, ref_logp, **FP32)  # FP32: see its definition
+    # FP32 (see its definition): |dH| <= 2 H max|dz| as |log pi| is for log pi, the same relative bound
+    torch.testing.assert_close(entropy, ref_entropy, **FP32)
+    assert entropy.min() > 0.5  # a real spread of probabilities, not a degenerate test
+    inputs = (hidden, weight, bias)
+    got = grads_of((logp * upstream + entropy * e).sum(), inputs)
+    want = grads_of((ref_logp * upstream + ref_entropy * e).sum(), inputs)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, **FP32)  # FP32: see its definition
+    # the entropy's own part of the gradient is there (a bonus that changed nothing would pass the above
+    # only if e's terms were negligible): without it the gradient is off by far more than the tolerance
+    (plain,) = grads_of(
+        (naive_logprobs(hidden, weight, targets, temperature, bias) * upstream).sum(), (hidden,)
+    )
+    assert (got[0] - plain).abs().max() > 100 * FP32["atol"]
+
+
+def test_token_entropy_without_grad_matches():
+    hidden, weight, bias, targets, _ = make_head_inputs(seed=14, with_bias=True)
+    with torch.no_grad():
+        logp, entropy = token_logprobs(hidden, weight, targets, chunk_size=9, lm_head_bias=bias, entropy=True)
+    assert not entropy.requires_grad
+    # FP32: see its definition
+    torch.testing.assert_close(entropy, naive_entropy(hidden, weight, bias=bias), **FP32)
+    torch.testing.assert_close(
+        logp, naive_logprobs(hidden, weight, targets, bias=bias), **FP32
+    )  # FP32: as above
+
+
 def test_extreme_logits_stay_finite():
     hidden, weight, _, targets, upstream = make_head_inputs(seed=7)
     hidden = (hidden.detach() * 300).requires_grad_()
@@ -309,6 +366,31 @@ def test_llama_gradients_equal_logits_path(tie):
     scored = (mask[:, 1:] * mask[:, :-1]).float()
     want = torch.autograd.grad((naive * scored * upstream[:, 1:]).sum(), params)
     for (name, _), g, w in zip(model.named_parameters(), got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_llama_entropy_and_its_gradients_equal_logits_path():
+    """causal_lm_logprobs(entropy=True) on a tied-embedding model: the entropy of each scored position's
+    distribution and the gradients of logp + H against the model's own logits."""
+    model = tiny_llama(tie=True)
+    ids, mask = padded_batch(left=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    logp, entropy = causal_lm_logprobs(
+        model, ids, attention_mask=mask, temperature=0.7, chunk_size=3, entropy=True
+    )
+    scored = (mask[:, 1:] * mask[:, :-1]).bool()
+    got = torch.autograd.grad((logp + entropy).sum(), params)
+
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(ids, attention_mask=mask, position_ids=position_ids).logits[:, :-1] / 0.7
+    log_pi = torch.log_softmax(logits, -1)
+    naive_logp = log_pi.gather(2, ids[:, 1:, None]).squeeze(2)
+    naive_entropy_ = -(log_pi.exp() * log_pi).sum(-1)
+    assert torch.equal(entropy[:, 1:] != 0, scored) and torch.all(entropy[:, 0] == 0)
+    torch.testing.assert_close(entropy[:, 1:][scored], naive_entropy_[scored], **FP32)  # FP32: its definition
+    want = torch.autograd.grad(((naive_logp + naive_entropy_) * scored).sum(), params)
+    for (name, _), g, w in zip(model.named_parameters(), got, want, strict=True):
+        # as test_llama_gradients_equal_logits_path
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 

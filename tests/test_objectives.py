@@ -988,3 +988,81 @@ def test_objective_names_defaults_and_entry_point_errors():
         default, _ = policy_loss(kind, logp, off, adv, mask)
         explicit, _ = policy_loss(kind, logp, off, adv, mask, **PAPER_DEFAULTS[kind])
         torch.testing.assert_close(default, explicit)
+
+
+# ---------------------------------------------------------------- the entropy bonus
+
+
+def _entropy_inputs(dtype=torch.float64):
+    """Hand-made logits of 7 packed tokens in 2 segments (one token outside any), the sampled tokens and the
+    old log-probs; the entropy and log-probs are functions of the logits, so autograd reaches them."""
+    g = torch.Generator().manual_seed(21)
+    logits = torch.randn(7, 5, generator=g, dtype=dtype).requires_grad_()
+    targets = torch.tensor([0, 3, 1, 4, 2, 2, 0])
+    segment_ids = torch.tensor([0, 0, 0, -1, 1, 1, 1])
+    old = torch.log_softmax(logits.detach(), -1).gather(1, targets[:, None]).squeeze(1) + 1e-4
+    return logits, targets, segment_ids, old
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_entropy_bonus_value_and_gradient_equal_autograds_of_the_formula(kind):
+    """loss = policy loss - c (1/n) sum_t H_t over the completion tokens, H_t = -sum_j pi_tj log pi_tj:
+    the value and the gradient (through the logits) against the formula written by hand, for every
+    objective; the bonus subtracted from the policy loss alone."""
+    coef, adv = 0.3, torch.tensor([1.0, -0.5], dtype=torch.float64)
+    logits, targets, segment_ids, old = _entropy_inputs()
+    log_pi = torch.log_softmax(logits, -1)
+    logp = log_pi.gather(1, targets[:, None]).squeeze(1)
+    entropy = -(log_pi.exp() * log_pi).sum(-1)
+    spec = LossSpec(kind, entropy_coef=coef)
+    loss, metrics = compute_loss(spec, LossInputs(logp, old, adv, segment_ids, 2, entropy=entropy))
+    (grad,) = torch.autograd.grad(loss, logits)
+
+    x = logits.detach().clone().requires_grad_()
+    lp = torch.log_softmax(x, -1)
+    plain, _ = compute_loss(
+        LossSpec(kind), LossInputs(lp.gather(1, targets[:, None]).squeeze(1), old, adv, segment_ids, 2)
+    )
+    h = -(lp.exp() * lp).sum(-1)
+    by_hand = plain - coef * (h[0] + h[1] + h[2] + h[4] + h[5] + h[6]) / 6  # token 3 is outside every segment
+    (want,) = torch.autograd.grad(by_hand, x, retain_graph=True)
+    # float64, a few operations on O(1) values: ~1e-16 apart
+    torch.testing.assert_close(loss, by_hand, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grad, want, rtol=1e-12, atol=1e-14)  # the same bound
+    want_mean = entropy.detach()[segment_ids >= 0].mean()
+    assert metrics["entropy"].item() == pytest.approx(want_mean.item(), rel=1e-6)  # stored as float32
+    # the bonus pushes toward higher entropy: its part of the gradient is nonzero
+    (plain_grad,) = torch.autograd.grad(plain, x)
+    assert (want - plain_grad).abs().max() > 0.01
+
+
+def test_entropy_bonus_accumulates_exactly_over_micro_batches():
+    """Two micro-batches with the minibatch's token count as entropy_normalizer sum to the whole."""
+    logits, targets, segment_ids, old = _entropy_inputs()
+    log_pi = torch.log_softmax(logits, -1)
+    logp, entropy = log_pi.gather(1, targets[:, None]).squeeze(1), -(log_pi.exp() * log_pi).sum(-1)
+    adv = torch.tensor([1.0, -0.5], dtype=torch.float64)
+    spec = LossSpec("gspo", entropy_coef=0.2)
+    whole, _ = compute_loss(spec, LossInputs(logp, old, adv, segment_ids, 2, entropy=entropy))
+    parts = [
+        compute_loss(
+            spec,
+            LossInputs(logp[t], old[t], adv[[i]], torch.zeros(3, dtype=torch.long), 1, entropy=entropy[t],
+                       normalizer=2, entropy_normalizer=6),
+        )[0]
+        for i, t in enumerate((slice(0, 3), slice(4, 7)))
+    ]  # fmt: skip
+    # float64: the same sums in another order
+    torch.testing.assert_close(parts[0] + parts[1], whole, rtol=1e-12, atol=1e-14)
+    g_whole = torch.autograd.grad(whole, logits, retain_graph=True)[0]
+    g_parts = torch.autograd.grad(parts[0] + parts[1], logits)[0]
+    torch.testing.assert_close(g_parts, g_whole, rtol=1e-12, atol=1e-14)  # the same bound
+
+
+def test_entropy_bonus_needs_the_entropy():
+    logp = torch.zeros(3)
+    with pytest.raises(ValueError, match=r"entropy_coef=0\.1 needs entropy"):
+        compute_loss(
+            LossSpec("gspo", entropy_coef=0.1),
+            LossInputs(logp, logp, torch.ones(1), torch.zeros(3, dtype=torch.long), 1),
+        )

@@ -45,12 +45,7 @@ def validate(config: Config) -> None:
     _check_corrections(config)
     _check_serve(config)
     _check_sequence_parallel(config)
-    if config.train.skip_zero_advantage is True and config.train.beta > 0:
-        raise ConfigError(
-            f"train.skip_zero_advantage=true with train.beta={config.train.beta}: the KL term depends on every "
-            "sample, so skipping the zero-advantage ones would change the loss; set it to auto (off with a "
-            "KL term) or false"
-        )
+    _check_skipping(config)
     if config.train.logprob_kernel == "triton" and importlib.util.find_spec("triton") is None:
         raise ConfigError(
             "train.logprob_kernel=triton needs triton (`pip install triton`; CUDA builds of torch bring it): "
@@ -194,6 +189,25 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
 """Host names that only this machine reaches: `gspo serve` may listen there without an API key."""
 
 
+def _check_skipping(config: Config) -> None:
+    """train.skip_zero_advantage=true only where skipping is exact: no term depends on every sample."""
+    train = config.train
+    if train.skip_zero_advantage is not True:
+        return
+    if train.beta > 0:
+        raise ConfigError(
+            f"train.skip_zero_advantage=true with train.beta={train.beta}: the KL term depends on every "
+            "sample, so skipping the zero-advantage ones would change the loss; set it to auto (off with a "
+            "KL term) or false"
+        )
+    if train.entropy_coef != 0 or train.entropy_target is not None:
+        raise ConfigError(
+            "train.skip_zero_advantage=true with an entropy bonus (train.entropy_coef, train.entropy_target): "
+            "the bonus depends on every sample, so skipping the zero-advantage ones would change the loss; "
+            "set it to auto (off with an entropy bonus) or false"
+        )
+
+
 def _check_sequence_parallel(config: Config) -> None:
     """What a row split across ranks supports: packed rows, and losses whose per-sequence sums are all-reduced
     (gspo.core.objectives' segment_sum_reduce)."""
@@ -222,6 +236,12 @@ def _check_sequence_parallel(config: Config) -> None:
         raise ConfigError(
             f"{key} does not support train.routing_replay (the old policy's expert choices are recorded per "
             "whole row): set train.routing_replay=false, or distributed.sequence_parallel=1"
+        )
+    if train.entropy_coef != 0 or train.entropy_target is not None:
+        raise ConfigError(
+            f"{key} does not support the entropy bonus (train.entropy_coef, train.entropy_target: the entropy "
+            "is computed per whole row): set train.entropy_coef=0 and train.entropy_target=null, or "
+            "distributed.sequence_parallel=1"
         )
 
 

@@ -180,6 +180,9 @@ RULES: dict[str, Rule] = {
         "advantages compare each completion with the others of its prompt's group, so with one every "
         "advantage is 0 and nothing is learned",
     ).upto(GROUP_MAX, "GSPO and GRPO use 4 to 64 completions per prompt; each costs a full generation"),
+    "rollout.max_extra_groups": at_least(0, "0: no extra draws").upto(
+        BATCH_MAX, "groups drawn for one rollout batch beyond its own"
+    ),
     "rollout.max_new_tokens": at_least(1).upto(TOKENS_MAX, "beyond every model's context"),
     "rollout.temperature": above(0, "the logits are divided by it"),
     "rollout.top_p": between(0, 1, low_open=True, why="1.0: off"),
@@ -206,6 +209,10 @@ RULES: dict[str, Rule] = {
     ),
     "train.max_grad_norm": at_least(0, "0: no clipping"),
     "train.beta": at_least(0, "0: no KL term"),
+    "train.entropy_coef": at_least(0, "0: no entropy bonus"),
+    "train.entropy_target": above(0, "nats per token; None: a fixed entropy_coef"),
+    "train.entropy_coef_delta": above(0, "the adaptive coefficient's step per update"),
+    "train.entropy_coef_max": above(0, "the adaptive coefficient's ceiling"),
     "train.pack_length": at_least(1).upto(TOKENS_MAX, "beyond every model's context"),
     "train.logprob_chunk_size": at_least(1).upto(TOKENS_MAX, "tokens scored at once"),
     "train.sampler_correction_min": at_least(0),

@@ -177,6 +177,16 @@ class RolloutConfig(Section, key="rollout"):
     """Nucleus sampling threshold (1.0: off)."""
     mask_truncated: bool = False
     """Give truncated completions no gradient (they still count in the 1/G normaliser)."""
+    dynamic_sampling: bool = False
+    """Dynamic sampling with resampling (DAPO; verl's filter_groups): a group whose G completions all scored
+    the same teaches nothing, so further prompts of the training set are drawn, as whole groups, until the
+    rollout batch holds prompts_per_step groups with a reward spread, or max_extra_groups were drawn; then
+    the batch trains on its groups with a spread and, to keep its size, the earliest without one. The extra
+    draws are seeded by the batch's own seed (a run is reproducible and resumes exactly). Metrics
+    groups_drawn, groups_kept and extra_groups."""
+    max_extra_groups: int | None = None
+    """The most extra groups dynamic sampling draws for one rollout batch (each costs G completions and their
+    rewards); None: 3 x prompts_per_step."""
     lag: int = 0
     """Rollout batches sampled ahead of the updates (docs/async.md): batch n + lag is sampled, and rewarded,
     from the weights of version n while the trainer updates on batch n, so slow sampling, rewards and
@@ -238,6 +248,21 @@ class TrainConfig(Section, key="train"):
     """Gradient-norm clipping threshold (0 disables)."""
     beta: float = 0.0
     """KL coefficient to the initial (reference) policy, k3 estimator; 0 loads no reference model."""
+    entropy_coef: float = 0.0
+    """Entropy bonus (TRL's entropy_coef, verl's entropy_coeff): the loss minus entropy_coef x the mean
+    entropy, in nats, of the policy's next-token distribution over each minibatch's trained tokens, for
+    every objective; it keeps a policy from collapsing onto one answer per prompt. It needs every sample's
+    forward pass (train.skip_zero_advantage "auto" is then off) and one more pass over each chunk's logits.
+    With entropy_target: the coefficient's starting value. Metrics entropy and entropy_coef."""
+    entropy_target: float | None = None
+    """Adaptive entropy control (Skywork-OR1; TRL's use_adaptive_entropy): after each optimizer update the
+    coefficient rises by entropy_coef_delta while that minibatch's mean entropy was at or below this target
+    (nats per token) and falls by it above, within [0, entropy_coef_max]; the bonus applies only while the
+    entropy is at or below the target. None: a fixed entropy_coef."""
+    entropy_coef_delta: float = 0.005
+    """The adaptive coefficient's step per optimizer update (with entropy_target)."""
+    entropy_coef_max: float = 1.0
+    """The adaptive coefficient's ceiling (with entropy_target)."""
     advantage_scale: Literal["group", "batch", "none"] = "group"
     """Divide centred rewards by the group std, the batch std, or nothing."""
     filter_zero_std_groups: bool = False

@@ -53,10 +53,15 @@ def token_logprobs(
     temperature: float = 1.0,
     lm_head_bias: Tensor | None = None,
     kernel: str = "torch",
-) -> Tensor:
+    entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """log pi(target) for each row of ``hidden``, without materialising the (N, V) logits.
 
     pi = softmax((hidden @ weight.T + lm_head_bias) / temperature).
+
+    With ``entropy``, also each row's entropy H = -sum_j pi_j log pi_j (N,), with its gradient: the same
+    chunks, one more (chunk_size, V) buffer, and the torch kernel whatever ``kernel`` says (the Triton
+    kernels compute log-probs only).
 
     Args:
         hidden: (N, H) final hidden states, any float dtype.
@@ -71,7 +76,7 @@ def token_logprobs(
             (see ``KERNELS``).
 
     Returns:
-        (N,) float32 log-probs.
+        (N,) float32 log-probs; with ``entropy``, (log-probs, entropies).
     """
     _check_head_inputs(hidden, weight, targets, lm_head_bias, chunk_size, temperature)
     needs_grad = torch.is_grad_enabled() and any(
@@ -79,6 +84,15 @@ def token_logprobs(
     )
     # fp32 throughout, also under autocast: mixed precision stops at the head
     with torch.autocast(hidden.device.type, enabled=False):
+        if entropy:
+            if needs_grad:
+                return _ChunkedLogprobsEntropy.apply(
+                    hidden, weight, lm_head_bias, targets, chunk_size, temperature
+                )
+            logp, entropies, _ = _forward_chunks_entropy(
+                hidden, weight, lm_head_bias, targets, chunk_size, temperature
+            )
+            return logp, entropies
         if resolve_kernel(kernel, hidden.device) == "triton":
             from gspo.core.triton_logprobs import triton_token_logprobs  # needs triton: imported on use
 
@@ -270,6 +284,119 @@ def _backward_chunks(
     )
 
 
+def _forward_chunks_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    chunk_size: int,
+    temperature: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """log-probs (N,), entropies (N,), and the (chunk, V) buffer whose first rows hold the last chunk's
+    log pi."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    device = hidden.device
+    weight32, bias32 = _fp32_head(weight, bias, temperature)
+    logp = torch.empty(n, dtype=torch.float32, device=device)
+    entropies = torch.empty(n, dtype=torch.float32, device=device)
+    logits_buf = torch.empty(min(chunk_size, n), vocab, dtype=torch.float32, device=device)
+    pi_buf = torch.empty_like(logits_buf)
+    for start in range(0, n, chunk_size):
+        end = min(start + chunk_size, n)
+        c = end - start
+        logits = _chunk_logits(hidden[start:end], weight32, bias32, temperature, logits_buf[:c])
+        log_pi = torch.log_softmax(logits, dim=-1, out=logits)
+        logp[start:end] = log_pi.gather(1, targets[start:end, None]).view(-1)
+        # H = -sum_j pi_j log pi_j   (c,)
+        entropies[start:end] = torch.exp(log_pi, out=pi_buf[:c]).mul_(log_pi).sum(-1).neg_()
+    return logp, entropies, logits_buf
+
+
+class _ChunkedLogprobsEntropy(torch.autograd.Function):
+    """`_ChunkedTokenLogprobs` with each row's entropy as a second output.
+
+    With g = dL/dlogp, e = dL/dH and H_i = -sum_j pi_ij log pi_ij:
+        dH_i/dz_ij = -pi_ij (log pi_ij + H_i)
+        dL/dz_ij = g_i [j = t_i] - pi_ij (g_i + e_i (log pi_ij + H_i))
+    the [j = t_i] part handled as in `_backward_chunks`, the rest as one (c, V) block per chunk.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk_size, temperature):
+        logp, entropies, _ = _forward_chunks_entropy(hidden, weight, bias, targets, chunk_size, temperature)
+        ctx.save_for_backward(hidden, weight, bias, targets, entropies)
+        ctx.chunk_size = chunk_size
+        ctx.temperature = temperature
+        ctx.set_materialize_grads(False)
+        return logp, entropies
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, targets, entropies = ctx.saved_tensors
+        if grad_logp is None and grad_entropy is None:
+            return None, None, None, None, None, None
+        n = hidden.shape[0]
+        g = torch.zeros(n, device=hidden.device) if grad_logp is None else grad_logp.float()
+        e = torch.zeros(n, device=hidden.device) if grad_entropy is None else grad_entropy.float()
+        grads = _backward_chunks_entropy(
+            hidden, weight, bias, targets, g, e, entropies, ctx.chunk_size, ctx.temperature,
+            ctx.needs_input_grad[:3],
+        )  # fmt: skip
+        return (*grads, None, None, None)
+
+
+def _backward_chunks_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    grad_logp: Tensor,
+    grad_entropy: Tensor,
+    entropies: Tensor,
+    chunk_size: int,
+    temperature: float,
+    needs: tuple[bool, bool, bool],
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The gradients of `_ChunkedLogprobsEntropy` (its docstring), dL/du = dL/dz / T with u = h W^T + b."""
+    need_h, need_w, need_b = needs
+    n, vocab = hidden.shape[0], weight.shape[0]
+    device = hidden.device
+    weight32, bias32 = _fp32_head(weight, bias, temperature)
+    hidden32 = hidden.detach().float()
+    inv_t = 1.0 / temperature
+    g_over_t = grad_logp * inv_t
+    grad_hidden = weight32[targets].mul_(g_over_t[:, None]) if need_h else None  # the [j = t] terms
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device) if need_w else None
+    grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if need_b else None
+    logits_buf = torch.empty(min(chunk_size, n), vocab, dtype=torch.float32, device=device)
+    pi_buf = torch.empty_like(logits_buf)
+    for start in range(0, n, chunk_size):
+        end = min(start + chunk_size, n)
+        c = end - start
+        logits = _chunk_logits(hidden[start:end], weight32, bias32, temperature, logits_buf[:c])
+        log_pi = torch.log_softmax(logits, dim=-1, out=logits)
+        pi = torch.exp(log_pi, out=pi_buf[:c])
+        # M = pi (g + e (log pi + H))   (c, V), in the log pi buffer; dL/dz = g [j = t] - M
+        m = log_pi.add_(entropies[start:end, None]).mul_(grad_entropy[start:end, None])
+        m = m.add_(grad_logp[start:end, None]).mul_(pi)
+        if need_h:
+            grad_hidden[start:end].add_(torch.mm(m, weight32), alpha=-inv_t)
+        if need_w:
+            grad_weight.addmm_(m.T, hidden32[start:end], alpha=-inv_t)
+        if need_b:
+            grad_bias.add_(m.sum(0), alpha=-inv_t)
+    if need_w:
+        grad_weight.index_add_(0, targets, hidden32 * g_over_t[:, None])
+    if need_b:
+        grad_bias.index_add_(0, targets, g_over_t)
+    return (
+        None if grad_hidden is None else grad_hidden.to(hidden.dtype),
+        None if grad_weight is None else grad_weight.to(weight.dtype),
+        None if grad_bias is None else grad_bias.to(bias.dtype),
+    )
+
+
 def causal_lm_logprobs(
     model: nn.Module,
     input_ids: Tensor,
@@ -281,7 +408,8 @@ def causal_lm_logprobs(
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     kernel: str = "torch",
-) -> Tensor:
+    entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """out[b, t] = log pi(input_ids[b, t] | input_ids[b, :t]) from a transformers causal LM, chunked.
 
     Runs the model's decoder to its final hidden states (never its LM head), gathers the hidden states
@@ -313,9 +441,11 @@ def causal_lm_logprobs(
         temperature: the sampling temperature; logits are divided by it before the softmax.
         chunk_size: tokens per head chunk (see ``token_logprobs``).
         kernel: who computes the head's passes (see ``token_logprobs``).
+        entropy: also return the entropy of the distribution each scored token was drawn from.
 
     Returns:
-        (B, T) float32 log-probs, exactly 0 where not scored.
+        (B, T) float32 log-probs, exactly 0 where not scored; with ``entropy``, (log-probs, entropies),
+        both (B, T).
     """
     decoder, head = decoder_and_head(model)
 
@@ -351,8 +481,15 @@ def causal_lm_logprobs(
         temperature=temperature,
         lm_head_bias=head.bias,
         kernel=kernel,
+        entropy=entropy,
     )
     dense = torch.zeros(batch * seq_len, dtype=torch.float32, device=input_ids.device)
+    if entropy:
+        logp, entropies = values
+        return (
+            dense.index_put((flat_pos,), logp).view(batch, seq_len),
+            dense.index_put((flat_pos,), entropies).view(batch, seq_len),
+        )
     return dense.index_put((flat_pos,), values).view(batch, seq_len)
 
 

@@ -92,7 +92,9 @@ class LossSpec:
     of ``AGGREGATIONS``. beta: the weight of a k3 KL term to the reference policy (needs ref_logp).
     sampler_correction: "none" or a mismatch correction (needs sampler_logp), within [sampler_correction_min,
     sampler_correction_max] (None: its default, gspo.core.registry.CORRECTION_BOUNDS); opsm_delta: off-policy
-    sequence masking's threshold (None: off), against sampler_logp, or old_logp without it.
+    sequence masking's threshold (None: off), against sampler_logp, or old_logp without it. entropy_coef:
+    the weight of an entropy bonus, the mean entropy of the policy's next-token distribution over the
+    completion tokens subtracted from the loss (needs entropy), whatever the objective.
     """
 
     objective: str = "gspo"
@@ -106,6 +108,7 @@ class LossSpec:
     sampler_correction_min: float | None = None
     sampler_correction_max: float | None = None
     opsm_delta: float | None = None
+    entropy_coef: float = 0.0
 
     def __post_init__(self) -> None:
         name = f"policy_loss({self.objective})"
@@ -211,6 +214,10 @@ class LossInputs:
     count for token-mean); pass the whole batch's when it is split into minibatches, so accumulation is exact.
     token_advantages: whether advantages are per token (None: by shape; (S,) is per segment even if N == S).
     padded_shape: (B, T) when built by `LossInputs.padded` (errors then name rows and columns).
+    entropy: (N,) the entropy of the policy's distribution at each token, with its gradient (for the
+    entropy bonus; gspo.core.logprobs.token_logprobs(entropy=True)); entropy_normalizer: the number of
+    completion tokens it is averaged over (default: this call's; pass the whole minibatch's when it is
+    split into micro-batches, so accumulation is exact).
     """
 
     logp: Tensor
@@ -223,6 +230,8 @@ class LossInputs:
     normalizer: float | Tensor | None = None
     token_advantages: bool | None = None
     padded_shape: tuple[int, int] | None = None
+    entropy: Tensor | None = None
+    entropy_normalizer: float | Tensor | None = None
 
     def __post_init__(self) -> None:
         N, S = self.logp.shape[0], self.num_segments
@@ -233,7 +242,7 @@ class LossInputs:
             )
         if self.segment_ids.dtype != torch.long:
             raise ValueError(f"LossInputs: segment_ids must be torch.long, got {self.segment_ids.dtype}")
-        for key in ("ref_logp", "sampler_logp"):
+        for key in ("ref_logp", "sampler_logp", "entropy"):
             x = getattr(self, key)
             if x is not None and x.shape != (N,):
                 raise ValueError(f"LossInputs: {key} shape {tuple(x.shape)} != logp {tuple(self.logp.shape)}")
@@ -244,8 +253,10 @@ class LossInputs:
                 f"LossInputs: advantages must be ({S},) per segment or ({N},) per token, "
                 f"got {tuple(self.advantages.shape)}"
             )
-        if isinstance(self.normalizer, (int, float)) and self.normalizer <= 0:
-            raise ValueError(f"LossInputs: normalizer must be positive, got {self.normalizer}")
+        for key in ("normalizer", "entropy_normalizer"):
+            value = getattr(self, key)
+            if isinstance(value, (int, float)) and value <= 0:
+                raise ValueError(f"LossInputs: {key} must be positive, got {value}")
 
     @classmethod
     def padded(
@@ -335,7 +346,7 @@ def compute_loss(
     if check_finite:
         _check_finite(f"policy_loss({spec.objective})", inputs)
     if spec.objective in LOSSES:
-        return _whole_loss(spec, inputs)
+        return _with_entropy_bonus(spec, inputs, _whole_loss(spec, inputs))
     s = _stream(inputs, segment_sum_reduce)
     level = REGISTRY[spec.objective].level
     terms = _terms(spec, s)
@@ -352,7 +363,24 @@ def compute_loss(
         loss = loss + spec.beta * kl
         metrics["kl"] = kl
     metrics |= _metrics(terms, level, s)
-    return LossOutputs(loss, {k: v.detach().to(torch.float32) for k, v in metrics.items()})
+    return _with_entropy_bonus(
+        spec, inputs, LossOutputs(loss, {k: v.detach().to(torch.float32) for k, v in metrics.items()})
+    )
+
+
+def _with_entropy_bonus(spec: LossSpec, inputs: LossInputs, out: LossOutputs) -> LossOutputs:
+    """``out`` with the entropy bonus: loss - entropy_coef * sum_t H_t / n over the completion tokens (n:
+    inputs.entropy_normalizer, or their count here), and the metric ``entropy``, their mean here. TRL's form:
+    a token mean, whatever the objective's aggregation, so the coefficient means the same for every one."""
+    if inputs.entropy is None:
+        return out
+    valid = inputs.segment_ids >= 0
+    # select before any arithmetic: off-segment values (maybe NaN) get zero gradient
+    entropy = torch.where(valid, inputs.entropy, 0.0)  # (N,)
+    count = valid.sum().clamp_min(1)
+    normalizer = count if inputs.entropy_normalizer is None else inputs.entropy_normalizer
+    loss = out.loss - spec.entropy_coef * entropy.sum() / normalizer
+    return LossOutputs(loss, out.metrics | {"entropy": (entropy.sum() / count).detach().to(torch.float32)})
 
 
 def _whole_loss(spec: LossSpec, inputs: LossInputs) -> LossOutputs:
@@ -399,6 +427,11 @@ def _check_inputs(
         raise ValueError(
             f"{name}: aggregation seq-mean-token-sum-norm (Dr. GRPO) divides by a constant: pass "
             "normalizer = number of sequences x the maximum completion length (LossInputs.normalizer)"
+        )
+    if spec.entropy_coef != 0 and inputs.entropy is None:
+        raise ValueError(
+            f"{name}: entropy_coef={spec.entropy_coef} needs entropy, the policy's entropy at each token "
+            "(LossInputs.entropy; gspo.core.logprobs.token_logprobs(..., entropy=True))"
         )
     if spec.sampler_correction != "none" and inputs.sampler_logp is None:
         raise ValueError(

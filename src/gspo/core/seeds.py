@@ -13,7 +13,7 @@ import torch
 
 _MASK64 = (1 << 64) - 1
 
-STEP, RANK, REQUEST, GROUP, EVALUATION, SAMPLE = 1, 2, 3, 4, 5, 6
+STEP, RANK, REQUEST, GROUP, EVALUATION, SAMPLE, RESAMPLE = 1, 2, 3, 4, 5, 6, 7
 """The domains of the derived streams: the same indices in two domains give unrelated seeds."""
 
 
@@ -54,6 +54,12 @@ def sample_seed(seed: int, step: int, rank: int) -> int:
     """The sampling seed of the rollout batch that step ``step`` trains on, on data-parallel rank ``rank``:
     whichever thread draws it, and whenever (rollout.lag), it draws the same completions."""
     return derive(seed, SAMPLE, step, rank)
+
+
+def resample_seed(seed: int, round_: int) -> int:
+    """The seed of a rollout batch's ``round_``-th extra draw (rollout.dynamic_sampling), from the batch's
+    own sampling seed: which further prompts it takes and their completions, the same whenever it is drawn."""
+    return derive(seed, RESAMPLE, round_)
 
 
 def evaluation_seed(seed: int, step: int) -> int:

@@ -11,6 +11,7 @@ share the minibatch's loss normaliser, so accumulation reproduces the full-minib
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 import warnings
@@ -28,7 +29,7 @@ from gspo.core.objectives import LossInputs, compute_loss, loss_normalizer
 from gspo.core.sequence_parallel import split_micro_batch
 from gspo.core.surrogates import LOSSES
 from gspo.learning.batch import Batch
-from gspo.learning.policy import Policy, UpdateSpec, score
+from gspo.learning.policy import Policy, UpdateSpec, score, score_with_entropy
 from gspo.learning.reduction import reduce_metrics
 from gspo.models import moe
 from gspo.parallel.clipping import clip_grad_norm, release_grad_scale
@@ -147,6 +148,8 @@ class UpdateBatch:
     """Their micro-batches on the policy's device: one forward and backward each."""
     normalizer: float
     """Its loss normaliser, over the whole minibatch on every rank (skipped sequences included)."""
+    tokens: float
+    """Its trained tokens on every rank: the entropy bonus's denominator."""
     old: list[torch.Tensor]
     """The old policy's log-probs."""
     sampled: list[torch.Tensor]
@@ -226,6 +229,7 @@ def old_policy(
                     ids,
                     micro,
                     _normalizer(spec, layout[index]),
+                    max(all_reduce_sum(float(layout[index].tokens)), 1.0),
                     old,
                     sampled,
                     ref,
@@ -291,19 +295,28 @@ def update(
                 "advantages)",
                 stacklevel=2,
             )
+    with_entropy = policy.entropy.active
+    if with_entropy:  # the coefficient of this update: fixed, or as the last update's entropy left it
+        loss_spec = dataclasses.replace(loss_spec, entropy_coef=policy.entropy.applied())
     routing = moe.UpdateRouting(policy.model, minibatch.routes, replay=spec.routing_replay)
     sequence = sequence_group(spec.sequence_parallel)
     reduce = sequence.segment_sum_reduce if sequence is not None else None
     mismatch = MismatchMeter() if minibatch.measures_mismatch else None
     policy.optimizer.zero_grad(set_to_none=True)
-    metrics, losses = [], []
+    metrics, losses, entropy_sums = [], [], []
     for j, mb in enumerate(minibatch.micro):
         set_gradient_sync(policy.scorer, j == len(minibatch.micro) - 1)  # DDP: sum once, at the end
         with routing.forward(j, mb.logprob_mask), policy.tied_rows.recording():
-            logp = score(policy.scorer, mb, spec)
-        loss, m = compute_loss(
-            loss_spec, _loss_inputs(spec, minibatch, j, logp, advantages), segment_sum_reduce=reduce
-        )
+            logp, entropy = (
+                score_with_entropy(policy.scorer, mb, spec)
+                if with_entropy
+                else (score(policy.scorer, mb, spec), None)
+            )
+        inputs = _loss_inputs(spec, minibatch, j, logp, advantages)
+        if entropy is not None:
+            inputs = dataclasses.replace(inputs, entropy=entropy, entropy_normalizer=minibatch.tokens)
+            entropy_sums.append(torch.where(mb.segment_ids >= 0, entropy.detach(), 0.0).sum())
+        loss, m = compute_loss(loss_spec, inputs, segment_sum_reduce=reduce)
         loss.backward()
         policy.tied_rows.add_to_grad()
         losses.append(loss.detach())  # read back once, after the loop
@@ -317,6 +330,14 @@ def update(
     out = reduce_metrics(all_gather_metrics(metrics))  # all ranks' micro-batches
     out["loss"] = all_reduce_sum(float(torch.stack(losses).sum()) if losses else 0.0)
     out["grad_norm"] = float(grad_norm)
+    if (
+        with_entropy
+    ):  # the minibatch's mean entropy over every rank's trained tokens, then the next coefficient
+        mean = (
+            all_reduce_sum(float(torch.stack(entropy_sums).sum()) if entropy_sums else 0.0) / minibatch.tokens
+        )
+        out |= {"entropy": mean, "entropy_coef": loss_spec.entropy_coef}
+        policy.entropy.observe(mean)
     out |= routing.metrics(updates_before=minibatch.index)
     return out | (mismatch.metrics() if mismatch is not None else {})
 

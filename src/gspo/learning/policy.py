@@ -18,6 +18,7 @@ from gspo.core.registry import REGISTRY
 from gspo.core.sequence_parallel import lm_logprobs
 from gspo.core.surrogates import LOSSES
 from gspo.learning.embedding_rows import TiedRows
+from gspo.learning.entropy import EntropyControl
 from gspo.models.moe import is_moe
 from gspo.parallel.group import world_size
 from gspo.parallel.wrap import is_scorer
@@ -135,10 +136,25 @@ def with_correction(config: Config, spec: UpdateSpec, mode: str, correction: str
 
 
 def skips_zero_advantage(config: Config) -> bool:
-    """train.skip_zero_advantage with "auto" resolved: on where skipping is exact, with no KL term (beta = 0),
-    which is the one term of the loss that a zero-advantage sample contributes to."""
+    """train.skip_zero_advantage with "auto" resolved: on where skipping is exact, with neither a KL term
+    (beta = 0) nor an entropy bonus, the terms of the loss a zero-advantage sample contributes to."""
     mode = config.train.skip_zero_advantage
-    return config.train.beta == 0 if mode == "auto" else bool(mode)
+    if mode == "auto":
+        return config.train.beta == 0 and not entropy_bonus(config)
+    return bool(mode)
+
+
+def entropy_bonus(config: Config) -> bool:
+    """Whether the updates carry an entropy bonus (a coefficient, or a target it adapts toward)."""
+    return config.train.entropy_coef != 0 or config.train.entropy_target is not None
+
+
+def entropy_control(config: Config) -> EntropyControl:
+    """The entropy bonus's coefficient of a run, as train.entropy_* set it, before any update."""
+    train = config.train
+    return EntropyControl(
+        train.entropy_coef, train.entropy_target, train.entropy_coef_delta, train.entropy_coef_max
+    )
 
 
 def _same_named(cls: type, section: object) -> dict[str, Any]:
@@ -153,7 +169,8 @@ class Policy:
     model: the causal LM (peft-wrapped with LoRA): generation, saving, routing hooks; scorer: what computes
     log-probs with gradients, the model itself or its DDP/FSDP2/autocast wrapper (gspo.parallel.wrap);
     reference: the frozen initial policy of the KL term (None: with LoRA the adapters are switched off
-    instead, or no KL term); compute_dtype: mixed precision (None: the parameters' dtype).
+    instead, or no KL term); compute_dtype: mixed precision (None: the parameters' dtype); entropy: the
+    entropy bonus's coefficient, fixed or adapted (gspo.learning.entropy), learner state like the optimizer's.
     """
 
     model: nn.Module
@@ -162,6 +179,7 @@ class Policy:
     scorer: nn.Module | None = None
     reference: nn.Module | None = None
     compute_dtype: torch.dtype | None = None
+    entropy: EntropyControl = field(default_factory=EntropyControl)
     moe: bool = field(init=False)
     tied_rows: TiedRows = field(init=False)
     """A tied input embedding's gradient by rows (gspo.learning.embedding_rows), in the updates."""
@@ -195,9 +213,22 @@ def score(model: nn.Module, mb: MicroBatch, spec: UpdateSpec) -> torch.Tensor:
 
     `model`: a causal LM, or the data-parallel scorer wrapping it (gspo.parallel.wrap.wrap_model).
     """
+    return _scored(model, mb, spec).reshape(-1)
+
+
+def score_with_entropy(
+    model: nn.Module, mb: MicroBatch, spec: UpdateSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`score`, and the entropy of the distribution each completion token was drawn from (R*L,), with its
+    gradient (the entropy bonus; whole rows only, not sequence-parallel slices)."""
+    logp, entropy = _scored(model, mb, spec, entropy=True)
+    return logp.reshape(-1), entropy.reshape(-1)
+
+
+def _scored(model: nn.Module, mb: MicroBatch, spec: UpdateSpec, **entropy: bool) -> Any:
     scorer = model if is_scorer(model) else functools.partial(lm_logprobs, model)
     split = {"split": mb.split} if mb.split is not None else {}  # this rank's slice of the rows
-    logp = scorer(
+    return scorer(
         mb.input_ids,
         attention_mask=mb.attention_mask,
         position_ids=mb.position_ids,
@@ -207,5 +238,5 @@ def score(model: nn.Module, mb: MicroBatch, spec: UpdateSpec) -> torch.Tensor:
         kernel=spec.logprob_kernel,
         prefix_tree=mb.prefix_tree,
         **split,
+        **entropy,
     )
-    return logp.reshape(-1)

@@ -21,7 +21,7 @@ from gspo.core.layout import layout_is_exact
 from gspo.core.objectives import LossSpec
 from gspo.core.sequence_parallel import supports_split
 from gspo.core.surrogates import register_objective
-from gspo.learning.policy import Policy, UpdateSpec, score, update_choices
+from gspo.learning.policy import Policy, UpdateSpec, entropy_control, score, update_choices
 from gspo.models import add_lora, default_model_file, is_lora, load_model
 from gspo.parallel.wrap import compute_dtype, full_parameters, wrap_model
 from gspo.rollout.user_code import CodeFileError, load_function
@@ -170,7 +170,15 @@ def setup_policy(config: Config, model: torch.nn.Module, device: torch.device, *
     )
     total_updates = config.train.steps * config.train.minibatches
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(config, total_updates))
-    return Policy(model, optimizer, scheduler, scorer=scorer, reference=reference, compute_dtype=dtype)
+    return Policy(
+        model,
+        optimizer,
+        scheduler,
+        scorer=scorer,
+        reference=reference,
+        compute_dtype=dtype,
+        entropy=entropy_control(config),
+    )
 
 
 @contextlib.contextmanager

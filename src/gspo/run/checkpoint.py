@@ -382,6 +382,7 @@ def save_policy(
     state = {
         "optimizer": optimizer_state(policy.model, policy.optimizer),
         "scheduler": policy.scheduler.state_dict(),
+        "entropy": policy.entropy.state_dict(),
         "rng": rng if rng is not None else rng_state(),
         **extra,
     }

@@ -178,10 +178,13 @@ def restore_state(checkpoint: Path, policy: Policy, config: Config) -> tuple[int
     state = load_trainer_state(checkpoint)
     load_optimizer_state(policy.model, policy.optimizer, state["optimizer"])
     policy.scheduler.load_state_dict(state["scheduler"])
+    # an adapted coefficient continues where it was; a fixed one is the config's (a forced resume may change it)
+    if "entropy" in state and policy.entropy.target is not None:
+        policy.entropy.load_state_dict(state["entropy"])
     mine = resume_rank_state(state)  # this rank's RNG streams and data position
     set_rng_state(mine["rng"])
     apply_optimizer_settings(policy, config)
-    skip = {"optimizer", "scheduler", "rng", "ranks", "step"}
+    skip = {"optimizer", "scheduler", "entropy", "rng", "ranks", "step"}
     return int(state["step"]), {k: v for k, v in state.items() if k not in skip} | mine
 
 

@@ -18,112 +18,17 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import dataclasses
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from gspo.config import Config, ConfigError, RolloutConfig
-from gspo.learning.batch import Sample
+from gspo.config import Config, ConfigError
 from gspo.learning.policy import Policy
 from gspo.parallel.group import world_size
-from gspo.rollout.data import Example, PromptStream, batch_fields
-from gspo.rollout.rewards import RewardError, RewardFunction, compute_rewards
-from gspo.rollout.samplers import Sampler
-
-
-@dataclass
-class Drawn:
-    """One rollout batch as the sampling side leaves it (this rank's share): scored samples, each carrying
-    the version that drew it, and what the training side reduces over ranks and logs."""
-
-    step: int
-    """The step that trains it."""
-    version: int
-    """The version of the weights that drew it."""
-    samples: list[Sample]
-    prompts: list[str]
-    """One per group."""
-    completions: list[str]
-    per_function: dict[str, list[float]]
-    """Each reward function's values."""
-    seconds: float
-    """Drawing and rewarding it."""
-    generation_tokens: float
-    failure: str | None = None
-    """A reward function's error, raised on every rank together by the training side."""
-
-    def state(self) -> dict[str, Any]:
-        """Plain data for a checkpoint (torch.load's weights_only)."""
-        out = dataclasses.asdict(self)
-        out["samples"] = [dataclasses.asdict(s) for s in self.samples]
-        return out
-
-    @classmethod
-    def from_state(cls, state: dict[str, Any]) -> Drawn:
-        return cls(**{**state, "samples": [Sample(**s) for s in state["samples"]]})
-
-
-@dataclass(frozen=True)
-class Request:
-    """What the sampling side needs to draw batch `step`: its prompts, their examples' fields, its seed,
-    and the version of the weights it is drawn from."""
-
-    step: int
-    version: int
-    examples: list[Example]
-    prompts: list[str]
-    seed: int
-
-
-def draw(
-    sampler: Sampler,
-    rewards: list[tuple[str, RewardFunction, float]],
-    cfg: RolloutConfig,
-    request: Request,
-) -> Drawn:
-    """Draw and reward one batch: G completions of each prompt, scored by the rewards. No collective:
-    the training side reduces over ranks (this may run in a worker thread)."""
-    t0 = time.perf_counter()
-    settings = {"group_size": cfg.group_size, "max_new_tokens": cfg.max_new_tokens, "top_p": cfg.top_p}
-    rollouts = sampler.generate(request.prompts, temperature=cfg.temperature, seed=request.seed, **settings)
-    failure, values, per_function = None, [0.0] * len(rollouts), {}
-    try:
-        total, per_function_t = compute_rewards(
-            rewards,
-            [p for p in request.prompts for _ in range(cfg.group_size)],
-            rollouts.completions,
-            batch_fields(request.examples, repeat=cfg.group_size),
-        )
-        values = [float(v) for v in total]
-        per_function = {name: [float(x) for x in v] for name, v in per_function_t.items()}
-    except RewardError as error:
-        failure = str(error)
-    samples = [
-        Sample(
-            rollouts.prompt_ids[i],
-            rollouts.completion_ids[i],
-            rollouts.sampler_logprobs[i],
-            values[i],
-            group=i // cfg.group_size,
-            truncated=rollouts.truncated[i],
-            version=request.version,
-        )
-        for i in range(len(rollouts))
-    ]
-    return Drawn(
-        request.step,
-        request.version,
-        samples,
-        request.prompts,
-        list(rollouts.completions),
-        per_function,
-        time.perf_counter() - t0,
-        float(rollouts.computed_tokens),
-        failure,
-    )
+from gspo.rollout.data import PromptStream
+from gspo.sampling.batches import Drawn, Request
 
 
 @dataclass

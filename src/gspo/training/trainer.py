@@ -27,7 +27,7 @@ from gspo.core.seeds import evaluation_seed, sample_seed, step_seed
 from gspo.learning.batch import Sample
 from gspo.learning.policy import UpdateSpec
 from gspo.learning.step import learn_from_samples
-from gspo.parallel.collectives import all_gather_cat, all_reduce_sum, raise_together
+from gspo.parallel.collectives import all_gather_cat, all_reduce_sum, all_reduce_sums, raise_together
 from gspo.parallel.group import barrier, is_main, rank, rank_slice, shutdown, world_size
 from gspo.rollout.data import Example, PromptStream, format_prompt, jsonl_lines
 from gspo.rollout.openai import ServerError
@@ -47,6 +47,7 @@ from gspo.run.trust import (
     users_code_files,
     users_reaches,
 )
+from gspo.sampling.batches import Drawn, Request, Resampling, draw
 from gspo.training import evaluation
 from gspo.training.build import (
     RewardFunctions,
@@ -59,7 +60,7 @@ from gspo.training.build import (
     sampler_is_current,
     write_data,
 )
-from gspo.training.pipeline import Drawn, Pipeline, Request, draw, sampling_side
+from gspo.training.pipeline import Pipeline, sampling_side
 from gspo.training.samplers import setup_sampler
 from gspo.training.stalls import StallWatch
 
@@ -76,6 +77,20 @@ def skip_notice(config: Config, spec: UpdateSpec) -> str:
     return (
         "gspo: completions that scored the same as the rest of their group teach nothing; they are "
         f"{state} (train.skip_zero_advantage)"
+    )
+
+
+def dynamic_sampling(config: Config, pool: list[Example], tokenizer: Any) -> Resampling | None:
+    """Where rollout.dynamic_sampling draws further prompts: the training examples, templated with the
+    sampling side's tokenizer; each rank draws its own prompts' groups and its share of
+    rollout.max_extra_groups (None: 3 x prompts_per_step)."""
+    if not config.rollout.dynamic_sampling:
+        return None
+    cap = config.rollout.max_extra_groups
+    cap = 3 * config.rollout.prompts_per_step if cap is None else cap
+    system = config.task.system_prompt
+    return Resampling(
+        pool, lambda ex: format_prompt(tokenizer, ex.prompt, system_prompt=system), cap // world_size()
     )
 
 
@@ -143,11 +158,12 @@ class Trainer:
                 self.stream.load_state_dict(restored["stream"])
             except ValueError as error:
                 raise ConfigError(f"{folder.checkpoint}: {error}") from None
+        resampling = dynamic_sampling(config, self.train_examples, tokenizer)
         self.pipeline = Pipeline(
             lag,
             self.stream,
             self._request,
-            functools.partial(draw, self.sampler, self.rewards, config.rollout),
+            functools.partial(draw, self.sampler, self.rewards, config.rollout, resampling=resampling),
             worker_model=sampling.model if lag > 0 else None,
             sync=lambda model, version: self.sampler.sync_weights(model, tokenizer, version),
             last_step=config.train.steps,
@@ -206,6 +222,13 @@ class Trainer:
         }
         if self.config.rollout.lag > 0:  # the sampling side's own time, overlapping the updates
             metrics["time_sampling_overlapped"] = drawn.seconds
+        if self.config.rollout.dynamic_sampling:
+            drawn_groups, kept = all_reduce_sums([float(drawn.groups_drawn), float(drawn.groups_kept)])
+            metrics |= {
+                "groups_drawn": drawn_groups,
+                "groups_kept": kept,
+                "extra_groups": drawn_groups - self.config.rollout.prompts_per_step,
+            }
         per_reward = {
             f"reward/{name}": float(all_gather_cat(torch.tensor(values)).mean())
             for name, values in drawn.per_function.items()
