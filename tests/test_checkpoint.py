@@ -290,6 +290,72 @@ def test_a_damaged_checkpoint_is_refused_by_resume_eval_and_export_and_an_earlie
     ).read_bytes()  # step 2 again, from step 1: the very same weights
 
 
+REMOVED_AT = {
+    # `latest` names step 2, then the folder goes: the run's next write (a metrics line, TensorBoard's)
+    "after_latest": """
+real = checkpoint.replace_file
+def replace_file(path, data, **kwargs):
+    real(path, data, **kwargs)
+    if Path(path).name == "latest" and data == "step_000002":
+        shutil.rmtree(run)
+checkpoint.replace_file = replace_file
+""",
+    # the model is in .tmp_step_000002, the training state not yet: the background write fails
+    "mid_write": """
+real = checkpoint.save_model
+def save_model(model, tokenizer, directory):
+    real(model, tokenizer, directory)
+    if Path(directory).parent.name == ".tmp_step_000002":
+        shutil.rmtree(run)
+checkpoint.save_model = save_model
+""",
+}
+
+
+@pytest.mark.parametrize(("moment", "lag"), [("after_latest", 2), ("mid_write", 1)])
+def test_a_run_folder_removed_mid_run_stops_it_with_the_disk_code_and_one_line(
+    tmp_path: Path, forkserver, moment: str, lag: int
+) -> None:
+    """Both ended with exit 4 (a missing input file) and a raw errno line, and TensorBoard's writer thread
+    printed a traceback of its own."""
+    run = tmp_path / "run"
+    argv = ["train", str(TINY), f"output_dir={run}", "progress=false", "report_to=[tensorboard]"]
+    argv += [f"rollout.lag={lag}", "train.steps=4", "eval.every=0", "task.num_eval=4"]
+    code = (
+        "import shutil\nfrom pathlib import Path\nimport gspo.cli\nimport gspo.run.checkpoint as checkpoint\n"
+    )
+    code += f"run = Path({str(run)!r})\n{REMOVED_AT[moment]}raise SystemExit(gspo.cli.main({argv!r}))\n"
+    log = tmp_path / f"{moment}.log"
+    assert forkserver(log, code=code) == 6, log.read_text()[-3000:]
+    assert not run.exists()  # removed, not made again by a later write
+    assert log.read_text().splitlines() == [
+        f"error: the run folder {run} was removed, moved or replaced while the run wrote into it: the run "
+        "stopped. A folder moved elsewhere continues there with --resume; else start the run again, with an "
+        "output_dir nothing else removes"
+    ]
+
+
+@pytest.mark.parametrize("index", ['"a string"', '{"weight_map": ["model.safetensors"]}', "{"])
+def test_a_malformed_shard_index_is_refused_by_the_manifest_in_a_checkpoint_and_named_in_a_model_folder(
+    two_step_run: Path, tmp_path: Path, capsys, index: str
+) -> None:
+    """A model.safetensors.index.json planted in a checkpoint, or in model.path's folder, ended `gspo train
+    --resume`, `gspo eval` and `gspo export` in `AttributeError: 'str' object has no attribute 'is_file'`."""
+    run = tmp_path / "run"
+    shutil.copytree(two_step_run, run)
+    planted = run / "checkpoints" / "step_000002" / "model" / "model.safetensors.index.json"
+    planted.write_text(index)
+    for argv in (["train", "--resume", str(run)], ["eval", str(run)], ["export", str(run), "--format", "hf"]):
+        code, err = _gspo(capsys, *argv)
+        assert (code, err.count("\n")) == (5, 0), err
+        assert err.startswith(f"error: {planted} is damaged: it is not in manifest.json: something added it")
+        assert "earlier complete steps: [1]" in err, err
+    code, err = _gspo(capsys, "eval", str(planted.parent), str(TINY))  # a model folder of the user's: input
+    assert (code, err.count("\n")) == (4, 0), err
+    assert f"{planted}: not a safetensors index (its weight_map must map tensor names" in err, err
+    assert not (run / "export").exists() and not (run / "evals").exists()
+
+
 def test_an_incomplete_checkpoint_names_its_missing_file_and_one_without_a_manifest_loads_with_a_note(
     two_step_run: Path, tmp_path: Path, capsys
 ) -> None:

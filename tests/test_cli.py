@@ -111,6 +111,12 @@ def test_a_folder_of_someone_else_is_refused_with_the_run_folder_code(tmp_path: 
     assert code == EXIT_CODES["run folder"] and "is not empty and is not a gspo run" in err
     code, err = _run(capsys, "--resume", str(tmp_path / "mine"))
     assert code == EXIT_CODES["run folder"] and "holds no gspo run to resume" in err
+    # a path that names nothing: it said "no checkpoint in RUN/checkpoints", as if the run were there
+    code, err = _run(capsys, "--resume", str(tmp_path / "nowhere"))
+    assert code == EXIT_CODES["run folder"] and err.startswith(
+        f"error: {tmp_path / 'nowhere'} does not exist"
+    )
+    assert "checkpoint" not in err and not (tmp_path / "nowhere").exists()
 
 
 def test_debug_shows_the_traceback(capsys) -> None:

@@ -459,6 +459,20 @@ def test_a_batch_that_does_not_divide_across_ranks_names_the_fix():
         validate_setup(lora, num_processes=2, is_moe=False)
 
 
+@pytest.mark.parametrize("refused", ["lora.rank=4", "rollout.lag=1"])
+def test_a_launch_that_fsdp2_refuses_writes_nothing_in_the_run_folder(tmp_path, monkeypatch, refused):
+    """Refused after the folder was claimed, they left config.yaml and .gspo_run behind. Two processes as
+    the run's start sees them: the refusal needs no process group."""
+    from gspo.run import start
+    from gspo.training.trainer import Trainer
+
+    monkeypatch.setattr(start, "world_size", lambda: 2)
+    run = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"set distributed\.wrapper=ddp|use distributed\.wrapper=ddp"):
+        Trainer(tiny_config(run, "distributed.wrapper=fsdp2", refused))
+    assert not run.exists()
+
+
 def test_torchrun_runs_the_cli_on_two_processes(tmp_path):
     run = tmp_path / "run"
     command = [

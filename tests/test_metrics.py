@@ -181,6 +181,38 @@ def test_resume_purges_tensorboard_events_after_the_checkpoint(tmp_path):
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == expected
 
 
+def test_a_run_folder_removed_under_the_logger_is_one_disk_line_and_no_thread_traceback(
+    tmp_path, monkeypatch
+):
+    """A line written into a removed folder's metrics.jsonl (open already) was lost without an error, and
+    TensorBoard's writer thread printed a traceback of its own before the run's error."""
+    import shutil
+    import threading
+
+    from gspo.cli import classify
+    from gspo.run.paths import RunFolderGone
+
+    thread_failures: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: thread_failures.append(args.exc_value))
+    run = tmp_path / "run"
+    for report_to in ((), ("tensorboard",)):  # the file alone: its writes would succeed, and be lost
+        logger = MetricsLogger(run, report_to=report_to)
+        logger.log(1, {"loss": 0.5})
+        shutil.rmtree(run)
+        with pytest.raises(RunFolderGone) as stopped:
+            logger.log(2, {"loss": 0.4})
+        kind, line = classify(stopped.value, "train")
+        assert kind == "disk" and line.startswith(f"the run folder {run} was removed, moved or replaced"), (
+            line
+        )
+    # removed between gspo's check and TensorBoard's write: its thread fails, and the run's thread says so
+    writer = logger._trackers[0].writer
+    with pytest.raises(OSError):
+        logger._trackers[0].log(3, {"train/loss": 0.3})
+    writer.file_writer.event_writer._async_writer._worker.join(10)
+    assert thread_failures == []
+
+
 def test_missing_tensorboard_warns_once_and_logs_jsonl(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     monkeypatch.setattr(trackers_module, "_warned_no_tensorboard", False)

@@ -113,6 +113,78 @@ def test_the_gguf_is_dequantised_once_and_cached_by_its_content(tmp_path, monkey
     assert outside.read_bytes() == b"the user's own file" and not planted.exists()
 
 
+def _overwrite_4_kb(file: Path) -> None:
+    """4 KB inverted in the middle of the file, its length kept: only a hash tells."""
+    data = bytearray(file.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 4096] = bytes(255 - b for b in data[middle : middle + 4096])
+    file.write_bytes(bytes(data))
+
+
+def test_a_gguf_cache_entry_is_checked_against_its_manifest_and_a_link_is_never_followed(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """Each was loaded as it was: 4 KB overwritten gave NaN weights that trained silently; a planted
+    malformed shard index a traceback; an entry linked to another model's folder that model, silently."""
+    from gspo.manifest import manifest_problem, write_manifest
+    from gspo.models import tiny_model
+    from gspo.models.gguf_export import write_gguf
+    from gspo.models.loading import gguf_cache
+
+    tokenizer = tiny_tokenizer()
+    source = write_gguf(
+        tiny_model("llama", len(tokenizer), 3), tokenizer, tmp_path / "tiny.gguf", quant="f32"
+    )
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    config = ModelConfig(path=str(source))
+    cache = gguf_cache(source, config)
+    first = load_model(config)[0].state_dict()
+    assert manifest_problem(cache, gguf_sha256=loading.file_sha256(source)) is None
+
+    def note() -> str:  # the one line gspo printed (transformers' loading bars aside)
+        notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: ")]
+        assert len(notes) == 1, notes
+        return notes[0]
+
+    with pytest.raises(AssertionError, match=r"\[\]"):
+        note()  # made quietly
+
+    def reloaded(why: str) -> None:
+        weights = load_model(config)[0].state_dict()
+        assert all(torch.equal(weights[name], tensor) for name, tensor in first.items())  # the GGUF's own
+        err = note()
+        assert err.startswith(f"note: the GGUF cache entry {cache} ") and why in err, err
+        assert err.endswith("dequantising tiny.gguf again"), err
+        assert (
+            not cache.is_symlink()
+            and manifest_problem(cache, gguf_sha256=loading.file_sha256(source)) is None
+        )
+
+    _overwrite_4_kb(cache / "model.safetensors")
+    reloaded("(model.safetensors: its sha256 differs from the one in manifest.json)")
+    (cache / "model.safetensors.index.json").write_text('"a string"')
+    reloaded("(model.safetensors.index.json: it is not in manifest.json: something added it)")
+    # another model's folder, with a manifest forged for this file (as whoever links it in can), as its entry
+    other = tmp_path / "other"
+    save_model(tiny_model("llama", len(tokenizer), 7), tokenizer, other)
+    write_manifest(other, gguf_sha256=loading.file_sha256(source))
+    before = sorted((p.name, p.read_bytes()) for p in other.iterdir())
+    loading._remove_entry(cache)
+    cache.symlink_to(other)
+    reloaded(f"is a symbolic link (to {other}), never followed")
+    assert sorted((p.name, p.read_bytes()) for p in other.iterdir()) == before  # nothing written through it
+    loading._remove_entry(cache)
+    cache.symlink_to(other / "config.json")
+    reloaded("is a symbolic link (to ")
+    # a cache that cannot be written: loaded all the same, with a note of what it costs every run
+    monkeypatch.setenv("XDG_CACHE_HOME", str(source))  # a file: nothing can be made under it
+    weights = load_model(config)[0].state_dict()
+    assert all(torch.equal(weights[name], tensor) for name, tensor in first.items())
+    err = note()
+    assert err.startswith(f"note: the GGUF cache {source}/gspo/gguf cannot be written (Not a directory)"), err
+    assert "tiny.gguf is dequantised again on every run" in err and "XDG_CACHE_HOME" in err
+
+
 def test_a_config_json_of_a_model_far_larger_than_its_weights_is_refused_before_it_is_built(
     tmp_path: Path,
 ) -> None:

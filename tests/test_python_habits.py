@@ -115,6 +115,10 @@ def test_rewards_are_a_mapping_or_a_list_of_functions_named_by_their_names(tmp_p
         (["exact_answer"], "reward_functions[0] is a str, not a function: a built-in"),
         ({"exact": "exact_answer"}, "config.rewards (e.g. rewards={'exact_answer': 1.0})"),
         ("exact_answer", "reward_functions='exact_answer' is a name"),
+        # a raw TypeError (42), and a silent fall back to config.rewards ([]: "exactly the functions given")
+        (42, "reward_functions=42 (int) is not a function, a list of functions, or a dict of them"),
+        ([], "reward_functions=[] is empty: a run needs a reward"),
+        ({}, "reward_functions={} is empty: a run needs a reward"),
     ],
 )
 def test_a_reward_that_is_not_a_named_function_is_one_line_naming_the_fix(functions, message: str) -> None:

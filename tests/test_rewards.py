@@ -176,6 +176,9 @@ def test_batch_only_failure_is_reported_for_the_batch():
         ([1.0, 0.0, math.inf], r"'bad' returned inf at sample 2"),
         ([1.0, "1", 0.0], r"'bad' returned '1' at sample 1"),
         ([1.0, None, 0.0], r"'bad' returned None at sample 1"),
+        # taken as 1.0: a boolean is no amount of reward
+        ([1.0, True, 0.0], r"'bad' returned True at sample 1 .*not booleans: return 1\.0 or 0\.0"),
+        (torch.tensor([True, False, True]), r"'bad' returned True at sample 0 .*not booleans"),
         ([1.0, 0.0], r"'bad' returned 2 values for 3 completions"),
         (1.0, r"'bad' returned float, expected a list of 3 floats"),
     ],

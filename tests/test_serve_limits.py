@@ -5,14 +5,17 @@ the tiny model, which keeps serving after each."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
+import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from conftest import tiny_config
+from gspo.serve import app
 from gspo.serve.server import build_service, start_in_thread
 
 QUESTION = [{"role": "user", "content": "What is 2+3?"}]
@@ -78,6 +81,44 @@ def test_a_body_past_the_limit_is_refused_413_as_it_arrives_and_the_server_serve
         server.url + "/chat/completions", content=at_limit, headers={"content-type": "application/json"}
     )
     assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+
+
+def _partial_body(server, head: bytes, sent: bytes) -> tuple[bytes, float]:
+    """(what the server answered until it closed the connection, how long that took) to a request whose
+    body stops after ``sent``."""
+    host, port = server.url.removeprefix("http://").removesuffix("/v1").split(":")
+    with socket.create_connection((host, int(port)), timeout=20) as sock:
+        start = time.monotonic()
+        sock.sendall(head + sent)
+        reply = b""
+        while chunk := sock.recv(4096):  # until the server closes it (a timeout here fails the test)
+            reply += chunk
+        return reply, time.monotonic() - start
+
+
+def test_a_client_that_stops_sending_its_body_is_answered_408_and_let_go(server, monkeypatch) -> None:
+    """A client that sent 50 bytes of a 100-byte body, then nothing, kept its connection (and a task of the
+    server) open as long as it liked: past 5 s before the bound, 20 s here. Bounds shortened for the test."""
+    monkeypatch.setattr(app, "BODY_PAUSE_SECONDS", 0.5)
+    monkeypatch.setattr(app, "BODY_SECONDS", 2.0)
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: gspo\r\nContent-Type: application/json\r\n"
+    reply, seconds = _partial_body(server, head + b"Content-Length: 100\r\n\r\n", b"{" * 50)
+    assert reply.startswith(b"HTTP/1.1 408 "), reply[:100]
+    assert b'"code":"request_timeout"' in reply and seconds < 5, (reply[-300:], seconds)
+    # a trickle: a byte of a chunked body every 0.3 s never pauses 0.5 s, and is cut at 2 s
+    host, port = server.url.removeprefix("http://").removesuffix("/v1").split(":")
+    with socket.create_connection((host, int(port)), timeout=20) as sock:
+        start = time.monotonic()
+        sock.sendall(head + b"Transfer-Encoding: chunked\r\n\r\n")
+        reply = b""
+        while not reply and time.monotonic() - start < 10:
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                sock.sendall(b"1\r\n{\r\n")
+            sock.settimeout(0.3)
+            with contextlib.suppress(TimeoutError):
+                reply = sock.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 408 ") and 1.5 < time.monotonic() - start < 5, reply[:100]
+    assert _answers(server)
 
 
 def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenised(server, monkeypatch) -> None:

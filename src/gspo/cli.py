@@ -116,7 +116,7 @@ def classify(error: BaseException, command: str | None = None) -> tuple[str, str
     from gspo.run.checkpoint import CheckpointError
     from gspo.run.lock import RunInUse
     from gspo.run.metrics import MetricsError
-    from gspo.run.paths import RunPathError
+    from gspo.run.paths import RunFolderGone, RunPathError
     from gspo.run.resume import RunFolderError
     from gspo.run.trackers import TrackersFileError
 
@@ -141,6 +141,11 @@ def classify(error: BaseException, command: str | None = None) -> tuple[str, str
         ("server", (ServerError, AlignmentError)),
         ("package", (ImportError,)),
     ]
+    if isinstance(error, RunFolderGone):  # before "input": its errno is a missing file's
+        return "disk", (
+            f"{error.strerror}: the run stopped. A folder moved elsewhere continues there with --resume; else "
+            "start the run again, with an output_dir nothing else removes"
+        )
     disk = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG, errno.EIO)
     if isinstance(error, OSError) and error.errno in disk:
         return "disk", _disk_message(error, OUTPUT_OPTION.get(command or "", "output_dir"))

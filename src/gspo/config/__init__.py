@@ -1,6 +1,6 @@
 """The one typed configuration of a run (`gspo config` lists every key with its default and meaning)."""
 
-from gspo.config.checks import validate, validate_setup
+from gspo.config.checks import validate, validate_launch, validate_setup
 from gspo.config.loading import describe, field_docs, load_config, save_config, to_dict
 from gspo.config.schema import (
     CheckpointConfig,
@@ -34,5 +34,6 @@ __all__ = [
     "save_config",
     "to_dict",
     "validate",
+    "validate_launch",
     "validate_setup",
 ]

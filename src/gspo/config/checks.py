@@ -262,6 +262,12 @@ def validate_setup(config: Config, *, num_processes: int, is_moe: bool) -> None:
             "train.routing_replay needs a Mixture-of-Experts model with top-k routers (e.g. Qwen3-MoE); "
             "this model has none"
         )
+    validate_launch(config, num_processes=num_processes)
+
+
+def validate_launch(config: Config, *, num_processes: int) -> None:
+    """Checks that depend on the launch alone (torchrun's WORLD_SIZE), not on the model: a run refused by
+    them is refused before its folder is claimed (gspo.run.start.open_folder), so it writes nothing."""
     size = config.distributed.sequence_parallel
     if num_processes % size:
         raise ConfigError(
@@ -282,4 +288,9 @@ def validate_setup(config: Config, *, num_processes: int, is_moe: bool) -> None:
         raise ConfigError(
             "lora.rank > 0 with distributed.wrapper=fsdp2 is not supported: use distributed.wrapper=ddp "
             "(the adapters' gradients and optimizer state are small enough to replicate)"
+        )
+    if config.distributed.wrapper == "fsdp2" and config.rollout.lag > 0:
+        raise ConfigError(
+            f"rollout.lag={config.rollout.lag} keeps a copy of the whole model per rank to sample from, and "
+            "distributed.wrapper=fsdp2 shards it: set distributed.wrapper=ddp, or rollout.lag=0"
         )

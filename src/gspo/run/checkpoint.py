@@ -19,8 +19,6 @@ is read back with ``torch.load(weights_only=True)``: a planted pickle is refused
 from __future__ import annotations
 
 import errno
-import hashlib
-import json
 import os
 import pickle
 import random
@@ -36,6 +34,7 @@ import torch
 from gspo.config import Config, save_config
 from gspo.files import fsync, replace_file, write_error
 from gspo.learning.policy import Policy
+from gspo.manifest import MANIFEST_FILE, listed_files, manifest_problem, write_manifest
 from gspo.models import save_model
 from gspo.models.loading import weights_problem
 from gspo.parallel.group import is_main
@@ -45,7 +44,7 @@ from gspo.run.paths import run_path, run_tree
 LATEST = "latest"
 STATE_FILE = "trainer_state.pt"
 CONFIG_FILE = "config.yaml"
-MANIFEST_FILE = "manifest.json"
+SHARD_INDEX = "model/model.safetensors.index.json"
 _NAME = re.compile(r"step_\d{6,}")
 
 
@@ -117,8 +116,7 @@ def save_checkpoint(
         if config is not None:
             save_config(config, tmp / CONFIG_FILE)
         _sync_tree(tmp)
-        # last: it vouches for all
-        replace_file(tmp / MANIFEST_FILE, json.dumps(_manifest(tmp), indent=1), sync=True)
+        write_manifest(tmp)  # last: it vouches for all
         fsync(tmp)
     except Exception as error:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -148,24 +146,6 @@ def save_checkpoint(
     return final
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(2**20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _manifest(folder: Path) -> dict[str, Any]:
-    """{"files": {relative path: {"size", "sha256"}}} of every file in a checkpoint folder."""
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
-    return {
-        "files": {
-            p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files
-        }
-    }
-
-
 _unverified_noted: set[Path] = set()
 
 
@@ -173,8 +153,7 @@ def verify_checkpoint(checkpoint: Path) -> None:
     """Check every file of a checkpoint against its manifest (size and sha256) before it is loaded;
     raises CheckpointError naming the first file that is missing, added or changed. A checkpoint written
     before manifests existed is loaded with a note, once per process."""
-    path = run_path(checkpoint, MANIFEST_FILE)
-    if not path.is_file():
+    if not run_path(checkpoint, MANIFEST_FILE).is_file():
         if checkpoint not in _unverified_noted:
             _unverified_noted.add(checkpoint)
             print(
@@ -183,26 +162,10 @@ def verify_checkpoint(checkpoint: Path) -> None:
                 file=sys.stderr,
             )
         return
-    try:
-        listed = json.loads(path.read_text(encoding="utf-8"))["files"]
-        expected = {str(name): (int(entry["size"]), str(entry["sha256"])) for name, entry in listed.items()}
-    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as error:
-        raise _damaged(
-            checkpoint, path, f"it is not a manifest gspo wrote ({type(error).__name__})"
-        ) from None
-    found = {p.relative_to(checkpoint).as_posix() for p in checkpoint.rglob("*") if p.is_file()}
-    for name in sorted(found - expected.keys() - {MANIFEST_FILE}):
-        raise _damaged(checkpoint, checkpoint / name, f"it is not in {MANIFEST_FILE}: something added it")
-    for name, (size, sha256) in expected.items():
-        file = run_path(checkpoint, name)
-        if not file.is_file():
-            raise _damaged(checkpoint, file, f"it is missing ({MANIFEST_FILE} lists {size:,} bytes)")
-        if file.stat().st_size != size:
-            raise _damaged(
-                checkpoint, file, f"it is {file.stat().st_size:,} bytes, {MANIFEST_FILE} lists {size:,}"
-            )
-        if _sha256(file) != sha256:
-            raise _damaged(checkpoint, file, f"its sha256 differs from the one in {MANIFEST_FILE}")
+    run_tree(checkpoint.parent, checkpoint.name)  # a link in it: refused by name (RunPathError)
+    problem = manifest_problem(checkpoint)
+    if problem is not None:
+        raise _damaged(checkpoint, *problem)
 
 
 def _damaged(checkpoint: Path, file: Path, why: str) -> CheckpointError:
@@ -242,7 +205,10 @@ def checkpoint_problem(checkpoint: Path) -> str | None:
         return "no model/config.json or model/adapter_config.json"
     if not any((model / w).is_file() for w in weights):
         return "no safetensors weights in model/"
-    return weights_problem(model)
+    # a shard index the manifest does not list was added after gspo wrote the checkpoint: it is the
+    # manifest's to refuse when the checkpoint is loaded (`verify_checkpoint`), by name
+    listed = listed_files(checkpoint)
+    return weights_problem(model, index=listed is None or SHARD_INDEX in listed)
 
 
 def is_complete(checkpoint: Path) -> bool:

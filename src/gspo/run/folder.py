@@ -26,7 +26,7 @@ from gspo.run.checkpoint import (
 )
 from gspo.run.lock import LOCK_FILE, RunInUse, acquire, command_line
 from gspo.run.paths import run_path
-from gspo.run.resume import RUN_FILES, RUN_MARKER, RunFolderError, check_resume_config
+from gspo.run.resume import RUN_FILES, RUN_MARKER, RunFolderError, check_resume_config, nothing_to_resume
 
 
 def setup_run_dir(
@@ -79,10 +79,7 @@ def _resume_point(run_dir: Path, config: Config, *, force: bool, from_step: int 
     before its first one), its config checked; read-only."""
     checkpoint = latest_checkpoint(run_dir) if from_step is None else find_checkpoint(run_dir, from_step)
     if checkpoint is None and not (run_dir / RUN_MARKER).is_file():
-        raise RunFolderError(
-            f"{run_dir} holds no gspo run to resume (no checkpoint in {run_dir / 'checkpoints'}): "
-            "start a new run instead"
-        )
+        raise RunFolderError(nothing_to_resume(run_dir))
     refusal = _only_incomplete(run_dir) if checkpoint is None else None
     if refusal is not None:
         raise RunFolderError(refusal)

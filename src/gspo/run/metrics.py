@@ -19,6 +19,7 @@ Deliberate choices:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import numbers
@@ -32,7 +33,7 @@ import torch
 
 from gspo.files import open_for_appending
 from gspo.learning.reduction import tensors_to_floats
-from gspo.run.paths import run_path
+from gspo.run.paths import check_still_there, folder_identity, run_path
 from gspo.run.trackers import SAMPLE_COLUMNS, Tracker, open_trackers
 
 METRICS_FILE = "metrics.jsonl"
@@ -208,6 +209,7 @@ class MetricsLogger:
     ):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._identity = folder_identity(self.run_dir)  # a removed folder stops the run (`_checked`)
         self.path = run_path(self.run_dir, METRICS_FILE)
         self.completions_path = run_path(self.run_dir, COMPLETIONS_FILE)
         self.completions_per_step = completions_per_step
@@ -238,17 +240,22 @@ class MetricsLogger:
             raise ValueError(f"metric names {sorted(reserved)} are reserved")
         values = _to_python(metrics)
         record = {"step": step, "kind": kind, **{k: _json_value(v) for k, v in values.items()}}
-        # One write per line, flushed at once: a kill leaves whole lines plus at most one partial line.
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
         named = {f"{kind}/{key}": value for key, value in values.items() if value is not None}
-        for tracker in self._trackers:
-            tracker.log(step, named)
+        with self._checked():
+            # One write per line, flushed at once: a kill leaves whole lines plus at most one partial line.
+            self._file.write(json.dumps(record, allow_nan=False) + "\n")
+            self._file.flush()
+            for tracker in self._trackers:
+                tracker.log(step, named)
 
     def log_samples(self, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
         """A step's completions, rows of gspo.run.trackers.SAMPLE_COLUMNS: the first
         ``completions_per_step`` as lines of ``run_dir/completions.jsonl`` (flushed, as metrics), and all
         of them as a table for the trackers that have tables; metrics.jsonl holds numbers only."""
+        with self._checked():
+            self._log_samples(step, rows)
+
+    def _log_samples(self, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
         kept = rows[: self.completions_per_step]
         if kept:
             if self._completions is None:
@@ -271,8 +278,22 @@ class MetricsLogger:
             if handle is not None and not handle.closed:
                 handle.close()
         trackers, self._trackers = self._trackers, []
-        for tracker in trackers:
-            tracker.close(summary)
+        with self._checked(before=False):
+            for tracker in trackers:
+                tracker.close(summary)
+
+    @contextlib.contextmanager
+    def _checked(self, *, before: bool = True) -> Iterator[None]:
+        """The block's writes, into the run folder this logger opened: a folder removed meanwhile is a
+        RunFolderGone line (checked first with `before`: a line written into a removed metrics.jsonl would
+        be lost without an error), also when a write of the block fails because of it."""
+        if before:
+            check_still_there(self.run_dir, self._identity)
+        try:
+            yield
+        except OSError as error:
+            check_still_there(self.run_dir, self._identity, error)
+            raise
 
     def __enter__(self) -> MetricsLogger:
         return self

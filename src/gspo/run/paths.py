@@ -9,12 +9,43 @@ is a link, passes through one, or leads outside the folder. The run folder itsel
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
 
 class RunPathError(RuntimeError):
     """A path under a run folder is a symbolic link, or leads outside the folder."""
+
+
+class RunFolderGone(OSError):
+    """The run folder was removed, moved or replaced while a run wrote into it: the disk's kind of error
+    (exit code 6), not a missing input file."""
+
+
+FolderIdentity = tuple[int, int]
+"""(device, inode) of a folder: the same path may come to name another folder."""
+
+
+def folder_identity(folder: str | Path) -> FolderIdentity:
+    status = os.stat(folder)
+    return status.st_dev, status.st_ino
+
+
+def check_still_there(run_dir: Path, identity: FolderIdentity, cause: BaseException | None = None) -> None:
+    """Raise RunFolderGone (from `cause`, a write that failed) unless `run_dir` is still the folder of
+    `identity`. Writes into a removed folder fail, or (into a file open already: metrics.jsonl) succeed and
+    are lost: checked before them, and after one fails, so that the run stops with that line rather than
+    with a raw errno of the write."""
+    try:
+        same = folder_identity(run_dir) == identity
+    except OSError:
+        same = False
+    if not same:
+        raise RunFolderGone(
+            errno.ENOENT,
+            f"the run folder {run_dir} was removed, moved or replaced while the run wrote into it",
+        ) from cause
 
 
 def run_path(run_dir: str | Path, *parts: str | Path) -> Path:

@@ -135,6 +135,17 @@ def check_resume_config(checkpoint: Path, requested: Config, *, force: bool) -> 
         )
 
 
+def nothing_to_resume(run_dir: Path) -> str:
+    """Why `run_dir`, without a checkpoint or gspo's marker, cannot be resumed: it is not there at all, or it
+    holds no gspo run."""
+    if not run_dir.exists():
+        return (
+            f"{run_dir} does not exist: --resume takes the folder of a run (its output_dir); check the path, or "
+            "start a new run there"
+        )
+    return f"{run_dir} holds no gspo run to resume (no checkpoint in {run_dir / 'checkpoints'}): start a new run instead"
+
+
 def resume_config(
     run_dir: str | Path, overrides: list[str] | tuple[str, ...] = (), *, force: bool = False
 ) -> Config:
@@ -144,10 +155,7 @@ def resume_config(
     run_dir = Path(run_dir)
     checkpoint = latest_checkpoint(run_dir)
     if checkpoint is None and not (run_dir / RUN_MARKER).is_file():
-        raise RunFolderError(
-            f"{run_dir} holds no gspo run to resume (no checkpoint in {run_dir / 'checkpoints'}): "
-            "start a new run instead"
-        )
+        raise RunFolderError(nothing_to_resume(run_dir))
     path = run_path(run_dir, "config.yaml")
     if not path.is_file() and checkpoint is not None and (checkpoint / CONFIG_FILE).is_file():
         path = checkpoint / CONFIG_FILE

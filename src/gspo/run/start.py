@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import transformers
 
-from gspo.config import Config, save_config, to_dict, validate_setup
+from gspo.config import Config, save_config, to_dict, validate_launch, validate_setup
 from gspo.core.seeds import seed_everything
 from gspo.learning.policy import Policy, UpdateSpec, update_choices, with_correction
 from gspo.parallel.collectives import raise_together
@@ -33,7 +33,7 @@ from gspo.run.build import choose_layout, setup_model, setup_objective, setup_po
 from gspo.run.checkpoint import latest_checkpoint, rng_state, save_policy
 from gspo.run.folder import setup_run_dir, start_fresh
 from gspo.run.metrics import MetricsLogger, SilentLogger
-from gspo.run.paths import run_path
+from gspo.run.paths import FolderIdentity, check_still_there, folder_identity, run_path
 from gspo.run.resume import restore_state
 from gspo.run.trackers import check_installed
 
@@ -59,11 +59,13 @@ def open_folder(
     from_step: int | None = None,
     command: str = "gspo train",
 ) -> Folder:
-    """The run's device (under torchrun, the process group joined), its folder checked (resuming: its
-    checkpoint found, checked against ``config`` and the folder locked: gspo.run.folder), its objective
-    registered and its trackers' packages present. A refused run writes nothing."""
+    """The run's device (under torchrun, the process group joined), the launch checked against ``config``,
+    its folder checked (resuming: its checkpoint found, checked against ``config`` and the folder locked:
+    gspo.run.folder), its objective registered and its trackers' packages present. A refused run writes
+    nothing."""
     device = resolve_device(config.device)
     init_from_env(config.distributed, device)  # under torchrun: join the process group
+    validate_launch(config, num_processes=world_size())  # what the launch refuses: before anything is written
     path, checkpoint = setup_run_dir(config, resume, force=force, from_step=from_step, command=command)
     setup_objective(config)
     if is_main():  # a tracker's missing package stops the run before the model loads
@@ -90,6 +92,9 @@ class Run:
     step: int = field(default=0)
     saved_step: int | None = field(default=None)
     logger: MetricsLogger | SilentLogger | None = field(default=None, repr=False)
+    identity: FolderIdentity | None = field(default=None, repr=False)
+    """The run folder's, on the rank that writes (None elsewhere): a checkpoint is not written into
+    another folder that came to have its path (`save`)."""
     _writer: threading.Thread | None = field(default=None, repr=False)
     _write_error: BaseException | None = field(default=None, repr=False)
 
@@ -157,6 +162,7 @@ class Run:
         reads the weights; `wait` joins it, and comes before anything changes them (an update). Until it is
         renamed into place it is not the latest checkpoint (gspo.run.checkpoint). Returns None then."""
         self.wait()  # one write at a time
+        self._check_folder()
         step = self.step if step is None else step
         rng = rng if rng is not None else rng_state()
         if world_size() > 1:  # every rank's own random streams and data position
@@ -169,7 +175,11 @@ class Run:
             self._writer = threading.Thread(target=self._write, args=(write, extra), name="gspo-checkpoint")
             self._writer.start()
             return None
-        write(**extra)
+        try:
+            write(**extra)
+        except OSError as error:
+            self._check_folder(error)
+            raise
         barrier()  # complete before any rank goes on
         return latest_checkpoint(self.path)
 
@@ -179,12 +189,19 @@ class Run:
         except BaseException as error:  # raised by `wait`, in the run's own thread
             self._write_error = error
 
+    def _check_folder(self, cause: BaseException | None = None) -> None:
+        """RunFolderGone when the run folder was removed, moved or replaced (gspo.run.paths)."""
+        if self.identity is not None:
+            check_still_there(self.path, self.identity, cause)
+
     def wait(self) -> None:
         """Join a checkpoint written in the background (`save`), raising what it raised."""
         if self._writer is not None:
             self._writer.join()
             self._writer = None
         error, self._write_error = self._write_error, None
+        if isinstance(error, OSError):  # a folder removed under the write: said as such
+            self._check_folder(error)
         if error is not None:
             raise error
 
@@ -230,4 +247,5 @@ def start_run(
     if world_size() > 1:
         seed_rank(config.seed)  # each rank samples its own completions
     spec = UpdateSpec.from_config(config, layout=layout, pad_id=tokenizer.pad_token_id)
-    return Run(config, folder, policy, tokenizer, spec)
+    identity = folder_identity(folder.path) if is_main() else None
+    return Run(config, folder, policy, tokenizer, spec, identity=identity)

@@ -220,6 +220,24 @@ def flat_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _drop_writer_thread_tracebacks() -> None:
+    """TensorBoard's writer thread keeps what failed it (a run folder removed or turned read-only) for the
+    writer's next call, which raises it in the run's own thread (and the run stops with one line), then
+    raises it again itself, which Python prints as a second, thread's traceback: that one is dropped. Every
+    other thread's failure is shown as before. Installed over whatever hook is there (a test's own)."""
+    previous = threading.excepthook
+    if getattr(previous, "drops_writer_threads", False):
+        return
+
+    def hook(args: Any) -> None:
+        kept = getattr(args.thread, "exception", None) is args.exc_value  # kept for the writer's next call
+        if not (kept and type(args.thread).__module__.startswith("tensorboard.")):
+            previous(args)
+
+    hook.drops_writer_threads = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
 class TensorBoardTracker:
     run_id = None
 
@@ -242,7 +260,9 @@ class TensorBoardTracker:
             return None
         # purge_step makes TensorBoard discard the killed run's events after the checkpoint.
         purge_step = None if resume_step is None else resume_step + 1
-        return cls(SummaryWriter(log_dir=str(run_tree(run_dir, TENSORBOARD_DIR)), purge_step=purge_step))
+        writer = SummaryWriter(log_dir=str(run_tree(run_dir, TENSORBOARD_DIR)), purge_step=purge_step)
+        _drop_writer_thread_tracebacks()
+        return cls(writer)
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
         for key, value in values.items():

@@ -10,6 +10,7 @@ traceback going to the server's log; neither disturbs other requests.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -26,6 +27,14 @@ from gspo.serve.protocol import ChatRequest, CompletionRequest, ServeError, Trai
 from gspo.serve.service import TrainService
 
 log = logging.getLogger("gspo.serve")
+
+BODY_PAUSE_SECONDS = 5.0
+"""The longest a request body may pause between two of its pieces (uvicorn's own bound on an idle
+connection): a client that sends part of a body and then nothing held its connection, and a task of the
+server, for as long as it liked. Answered 408, and the connection closed."""
+BODY_SECONDS = 60.0
+"""The longest a whole request body may take to arrive (2 MiB, the default limit, at 35 KB/s): a client
+that trickles a byte every few seconds never pauses long enough for `BODY_PAUSE_SECONDS`."""
 
 
 @dataclass
@@ -122,8 +131,17 @@ class Guard:
         if refusal is not None:
             return await error_response(refusal)(scope, receive, send)
         body = bytearray()
+        deadline = time.monotonic() + BODY_SECONDS
         while True:
-            message = await receive()
+            wait = min(BODY_PAUSE_SECONDS, deadline - time.monotonic())
+            try:
+                message = await asyncio.wait_for(receive(), timeout=max(wait, 0.0))
+            except (
+                TimeoutError
+            ):  # answered, and the connection closed: the rest of the body is not waited for
+                response = error_response(self._too_slow(len(body)))
+                response.headers["connection"] = "close"
+                return await response(scope, receive, send)
             if message["type"] == "http.disconnect":
                 return None  # nobody to answer
             body += message.get("body", b"")
@@ -132,6 +150,15 @@ class Guard:
             if not message.get("more_body", False):
                 break
         return await self.app(scope, _replay(bytes(body), receive), send)
+
+    def _too_slow(self, received: int) -> ServeError:
+        return ServeError(
+            408,
+            f"the request body stopped arriving ({received} bytes received): its pieces may pause at most "
+            f"{BODY_PAUSE_SECONDS:g} s, and all of it must arrive within {BODY_SECONDS:g} s; send it again, whole",
+            param="body",
+            code="request_timeout",
+        )
 
     def _too_large(self) -> ServeError:
         return ServeError(

@@ -9,7 +9,7 @@ import inspect
 import math
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ import torch
 
 from gspo.config import Config, ConfigError
 from gspo.config.loading import code_file
+from gspo.config.values import shown
 from gspo.core.layout import TokenSequence, make_micro_batches
 from gspo.files import replace_file
 from gspo.learning.learner import place
@@ -90,9 +91,10 @@ RewardFunctions = Mapping[str, RewardFunction] | Sequence[RewardFunction] | Rewa
 
 
 def named_rewards(functions: RewardFunctions | None) -> dict[str, RewardFunction]:
-    """`functions` by name: a mapping as it is, a list of functions (or one) by each function's __name__.
-    A name that is not a function's own (a lambda's, a partial's), a repeated name, or an item that is not
-    callable is a ConfigError naming the item and the fix."""
+    """`functions` by name: a mapping as it is, a list of functions (or one) by each function's __name__;
+    None: {} (the config's rewards). Anything else, an empty collection (a run with no reward), a name that
+    is not a function's own (a lambda's, a partial's), a repeated name, or an item that is not callable is a
+    ConfigError naming the item and the fix."""
     if functions is None:
         return {}
     if isinstance(functions, Mapping):
@@ -101,6 +103,11 @@ def named_rewards(functions: RewardFunctions | None) -> dict[str, RewardFunction
         raise ConfigError(
             f"reward_functions={functions!r} is a name: reward_functions takes the functions themselves; a "
             f"built-in or a file's function goes in config.rewards (e.g. rewards={{{functions!r}: 1.0}})"
+        )
+    elif not callable(functions) and not isinstance(functions, Iterable):
+        raise ConfigError(
+            f"reward_functions={shown(functions)} ({type(functions).__name__}) is not a function, a list of "
+            "functions, or a dict of them by name: give one of those (None: the config's rewards)"
         )
     else:
         listed = [functions] if callable(functions) else list(functions)
@@ -119,6 +126,11 @@ def named_rewards(functions: RewardFunctions | None) -> dict[str, RewardFunction
                     "accuracy name each reward): name them with a dict, reward_functions={'a': f, 'b': g}"
                 )
             named[name or index] = function
+    if not named:  # the run's rewards are exactly the functions given: here, none
+        raise ConfigError(
+            f"reward_functions={shown(functions)} is empty: a run needs a reward; give your functions, or leave "
+            "reward_functions out (None) to use the config's rewards"
+        )
     for name, function in named.items():
         if not callable(function):
             key = function if isinstance(function, str) else "exact_answer"

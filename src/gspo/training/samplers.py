@@ -17,7 +17,7 @@ from gspo.learning.policy import Policy
 from gspo.parallel.group import world_size
 from gspo.rollout.llama_cpp import GGUFReload, LlamaCppServer, export_policy, require_llama_cpp
 from gspo.rollout.openai import OpenAIBackend, WeightSync, api_key_problem
-from gspo.rollout.samplers import HFSampler, Sampler
+from gspo.rollout.samplers import CheckedSampler, HFSampler, Sampler
 from gspo.rollout.user_code import CodeFileError, load_function, raised, raised_where
 from gspo.rollout.vllm_engine import VLLMSampler, require_vllm
 from gspo.rollout.vllm_server import ExternalVLLMServer, FileReload, VLLMServer, server_sampler
@@ -162,7 +162,7 @@ SAMPLERS: dict[str, SamplerFactory] = {
 def setup_sampler(config: Config, policy: Policy, tokenizer: Any, run_dir: Path) -> Sampler:
     """The sampler rollout.engine names: a built-in's (`SAMPLERS`) or the user's own factory,
     "path/file.py:function" or "module:function", called with (config, policy, tokenizer, run_dir); its
-    errors name the file."""
+    errors name the file, and its sampler's rollouts are checked (gspo.rollout.samplers.CheckedSampler)."""
     name = config.rollout.engine
     if name in SAMPLERS:
         return SAMPLERS[name](config, policy, tokenizer, run_dir)
@@ -187,4 +187,4 @@ def setup_sampler(config: Config, policy: Policy, tokenizer: Any, run_dir: Path)
             f"rollout.engine: {name!r} returned a {type(sampler).__name__} without {', '.join(missing)}: a "
             "sampler has generate(), sync_weights() and current (gspo.rollout.samplers.Sampler)"
         )
-    return sampler
+    return CheckedSampler(sampler, name, tokenizer)  # its rollouts checked as a server's are
