@@ -48,10 +48,10 @@ import torch
 from gspo.config import load_config
 from gspo.models import default_model_file, load_model
 from gspo.rollout.data import format_prompt
-from gspo.rollout.engine import Engine
+from gspo.rollout.hf_engine import Engine
 from gspo.rollout.requests import SamplingParams
 from gspo.rollout.samplers import tokenize_prompts
-from gspo.training.build import build_examples
+from gspo.training.inputs import build_examples
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 

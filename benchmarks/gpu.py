@@ -217,7 +217,7 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, size: int, repeats: in
 
 
 def optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
-    # gspo's own optimizer (gspo.training.build), for every system: the loss path is what differs
+    # gspo's own optimizer (gspo.training.inputs), for every system: the loss path is what differs
     return torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.99), weight_decay=0.0, fused=True)
 
 

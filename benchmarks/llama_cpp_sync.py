@@ -33,7 +33,7 @@ from gspo.rollout.data import format_prompt
 from gspo.rollout.llama_cpp import GGUFReload, LlamaCppServer
 from gspo.rollout.openai import DEFAULT_SAMPLING, OpenAIBackend
 from gspo.rollout.samplers import HFSampler
-from gspo.training.build import build_examples
+from gspo.training.inputs import build_examples
 
 
 def main() -> None:

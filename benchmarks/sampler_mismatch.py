@@ -29,9 +29,9 @@ import torch
 from transformers import AutoTokenizer
 
 from gspo.config import ModelConfig
+from gspo.core.corrections import SEQUENCE_CLIP, TOKEN_CLIP
 from gspo.core.layout import TokenSequence, make_micro_batches
 from gspo.core.logprobs import causal_lm_logprobs
-from gspo.core.mismatch import SEQUENCE_CLIP, TOKEN_CLIP
 from gspo.models import default_model_file, load_model
 from gspo.rollout.data import arithmetic_task, format_prompt
 from gspo.rollout.llama_cpp import llama_cpp_server

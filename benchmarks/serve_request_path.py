@@ -6,7 +6,7 @@ warm-up. A profile hook (threading.setprofile, so it sees the server's event-loo
 driver thread) counts every Python call into gspo's source while a request runs: calls per module, and
 entries, the calls made from outside the module (another gspo module, or Starlette and asyncio resuming a
 handler). The path lists each thread's entries in order, repeats collapsed ("engine x3"); the driver
-thread runs inside serve.driver's loop throughout, so its path lists what that loop enters. Counts, not
+thread runs inside sampling.driver's loop throughout, so its path lists what that loop enters. Counts, not
 times: they do not depend on the machine's load.
 
 Run:  HF_HUB_OFFLINE=1 python benchmarks/serve_request_path.py [--tokens 6] [--functions]
@@ -33,7 +33,7 @@ from gspo.serve.server import Running, build_service, start_in_thread
 
 QUESTION = [{"role": "user", "content": "What is 2+3?"}]
 ENGINE_THREAD = "gspo-engine"
-"""The driver thread's name (gspo.serve.driver); every other traced thread is the server's."""
+"""The driver thread's name (gspo.sampling.driver); every other traced thread is the server's."""
 
 
 class Tracer:
@@ -119,7 +119,7 @@ def report(
     for module in sorted(count, key=first.__getitem__):
         print(f"  {module:<28}{count[module]:>7}{entries[module]:>9}")
     print(f"  server thread: {path(calls, 'server')}")
-    print(f"  engine thread, from serve.driver's loop: {path(calls, 'engine')}")
+    print(f"  engine thread, from sampling.driver's loop: {path(calls, 'engine')}")
     if by_function:
         for name, k in sorted(functions.items(), key=lambda item: -item[1]):
             print(f"    {k:>5}  {name}")

@@ -39,7 +39,7 @@ from gspo.models import load_model
 from gspo.rollout.data import format_prompt
 from gspo.rollout.samplers import Rollouts
 from gspo.rollout.vllm_engine import VLLMSampler
-from gspo.training.build import build_examples
+from gspo.training.inputs import build_examples
 
 VLLM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TRAINERS = {"fp32": (torch.float32, None), "bf16 autocast": (torch.float32, torch.bfloat16)}

@@ -36,8 +36,8 @@ from gspo.config import load_config
 from gspo.models import load_model
 from gspo.rollout.rewards import reasoning_gym
 from gspo.rollout.samplers import HFSampler
-from gspo.training.build import build_examples
 from gspo.training.evaluation import evaluate
+from gspo.training.inputs import build_examples
 
 # Simple, arithmetic-like or short-answer tasks a 135M model might get right now and then.
 CANDIDATES = (

@@ -74,12 +74,12 @@ runs again under other summation orders (scripts/test-numerics.sh)."""
 @pytest.fixture(autouse=True)
 def quiet_progress_lines(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Tests capture stderr, which is no terminal: a run there prints a progress line per rollout batch
-    (gspo.training.trainer.Trainer._progress_lines), which tests of one-line errors do not expect. Off,
+    (gspo.training.progress.Progress.prints_lines), which tests of one-line errors do not expect. Off,
     but in tests marked `progress_lines`."""
     if request.node.get_closest_marker("progress_lines") is None:
-        from gspo.training.trainer import Trainer
+        from gspo.training.progress import Progress
 
-        monkeypatch.setattr(Trainer, "_progress_lines", lambda self: False)
+        monkeypatch.setattr(Progress, "prints_lines", lambda self: False)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -235,7 +235,7 @@ def rollout_logprobs() -> Callable[..., list[torch.Tensor]]:
 def two_step_run(tmp_path_factory: pytest.TempPathFactory):
     """configs/tiny.yaml trained for 2 steps with every checkpoint kept (steps 0, 1 and 2) and no
     evaluations in between; tests that change it work on a copy (`shutil.copytree`)."""
-    from gspo.training.trainer import train
+    from gspo.training.launch import train
 
     run = tmp_path_factory.mktemp("two_step") / "run"
     train(tiny_config(run, "train.steps=2", "checkpoint.keep=3", "eval.every=0", "task.num_eval=4"))

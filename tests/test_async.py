@@ -1,4 +1,4 @@
-"""Sampling ahead of the updates (rollout.lag, gspo.training.pipeline; docs/async.md).
+"""Sampling ahead of the updates (rollout.lag, gspo.sampling.schedule; docs/async.md).
 
 - lag 0 is the synchronous loop: the trainer's weights after 3 steps are those of the loop written out by
   hand (sample with the step's seed, reward, learn, sync), for every objective;
@@ -25,8 +25,8 @@ from gspo.cli import main
 from gspo.config import load_config
 from gspo.core.objectives import LossInputs, LossSpec, compute_loss
 from gspo.core.registry import OBJECTIVES
+from gspo.core.samples import Sample
 from gspo.core.seeds import sample_seed, step_seed
-from gspo.learning.batch import Sample
 from gspo.learning.policy import UpdateSpec, update_choices, with_correction
 from gspo.learning.step import learn_from_samples
 from gspo.rollout.data import batch_fields
@@ -56,8 +56,8 @@ def test_lag_0_is_the_synchronous_loop_written_out(tmp_path, objective):
     by_hand = Trainer(tiny_config(tmp_path / "by_hand", *overrides))
     cfg = by_hand.config.rollout
     for step in range(1, 4):  # sample with the step's seed, reward, learn, hand the weights over
-        examples = by_hand.stream.next_batch()
-        prompts = by_hand.prompts(examples)
+        examples = by_hand.rollouts.stream.next_batch()
+        prompts = by_hand.rollouts.prompts(examples)
         rollouts = by_hand.sampler.generate(
             prompts,
             group_size=cfg.group_size,
@@ -130,24 +130,24 @@ KILL_AT = {
     # the sampling side starts drawing batch B (a worker thread, while the trainer evaluates or saves)
     "draw": """
 import os, signal
-import gspo.training.trainer as trainer
-real = trainer.draw
-def draw(sampler, rewards, cfg, request, **kwargs):
+import gspo.sampling.schedule as schedule
+real = schedule.draw
+def draw(sampler, rewards, cfg, request, *args, **kwargs):
     if request.step == {at}:
         os.kill(os.getpid(), signal.SIGKILL)
-    return real(sampler, rewards, cfg, request, **kwargs)
-trainer.draw = draw
+    return real(sampler, rewards, cfg, request, *args, **kwargs)
+schedule.draw = draw
 """,
     # the trainer made version S, before handing the next batch over and before saving step S
     "updated": """
 import os, signal
-import gspo.training.pipeline as pipeline
-real = pipeline.Pipeline.updated
+import gspo.sampling.schedule as schedule
+real = schedule.Schedule.updated
 def updated(self, model, version):
     if version == {at}:
         os.kill(os.getpid(), signal.SIGKILL)
     return real(self, model, version)
-pipeline.Pipeline.updated = updated
+schedule.Schedule.updated = updated
 """,
 }
 
@@ -280,7 +280,7 @@ def test_a_server_that_dies_on_the_sampling_side_stops_the_run_with_its_line(tmp
         textwrap.dedent(
             """
             from gspo.rollout.openai import ServerError
-            from gspo.training.samplers import hf_sampler
+            from gspo.sampling.factories import hf_sampler
 
 
             def dies(config, policy, tokenizer, run_dir):

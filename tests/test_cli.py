@@ -22,7 +22,7 @@ import gspo.run.start
 import gspo.training.trainer
 from gspo.cli import EXIT_CODES, main, next_steps
 from gspo.config import Config, ConfigError, load_config
-from gspo.training.trainer import skip_notice
+from gspo.training.progress import Progress, skip_notice
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -172,8 +172,8 @@ def test_progress_shows_on_a_terminal_only(monkeypatch) -> None:
     ]:
         monkeypatch.setattr(sys, "stderr", Stderr(tty))
         trainer.config.progress = progress
-        assert gspo.training.trainer.Trainer._show_progress(trainer) is bar
-        assert gspo.training.trainer.Trainer._progress_lines(trainer) is lines
+        assert Progress.shows_bar(trainer) is bar
+        assert Progress.prints_lines(trainer) is lines
 
 
 @pytest.mark.progress_lines
@@ -203,7 +203,7 @@ def test_a_runs_first_line_says_in_words_what_skipping_does() -> None:
     )
     config.train.beta = 0.1
     assert skip_notice(config, computing) == (
-        f"{lead}trained anyway: the KL term (train.beta > 0) depends on every one (train.skip_zero_advantage)"
+        f"{lead}trained anyway: a term of the loss (train.beta, train.entropy_coef) depends on every one (train.skip_zero_advantage)"
     )
 
 

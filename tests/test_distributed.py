@@ -270,8 +270,8 @@ def _scenario_dynamic(rank: int, out: Path) -> dict[str, Any]:
     from gspo.training.trainer import Trainer
 
     trainer = Trainer(tiny_config(out / "dynamic", *DYNAMIC), reward_functions={"parity": _parity_on(rank)})
-    drawn, real = [], trainer.pipeline.next
-    trainer.pipeline.next = lambda step: drawn.append(real(step)) or drawn[-1]
+    drawn, real = [], trainer.rollouts.next
+    trainer.rollouts.next = lambda step: drawn.append(real(step)) or drawn[-1]
     metrics = trainer.train_step()
     samples = [dataclasses.asdict(s) for s in drawn[0].samples]
     return {"samples": samples, "metrics": metrics, "params": _full_parameters(trainer.policy.model)}
@@ -660,7 +660,7 @@ def test_dynamic_sampling_on_two_ranks_makes_the_one_process_update_of_what_they
     """Each rank resamples its own groups (its share of the cap: 1 extra group): rank 1 keeps none, rank 0 its
     own. Their update equals one process learning from both ranks' batches, whose loss normaliser counts
     rank 0's sequences alone; the metrics add the ranks' draws."""
-    from gspo.learning.batch import Sample
+    from gspo.core.samples import Sample
     from gspo.learning.step import learn_from_samples
     from gspo.training.trainer import Trainer
 

@@ -1,4 +1,4 @@
-"""The sampling engine (gspo.rollout.engine): its log-probs against the trainer's recomputation for every
+"""The sampling engine (gspo.rollout.hf_engine): its log-probs against the trainer's recomputation for every
 architecture it drives, continuous batching (refill, cancel), seeded streams, stopping and the draw."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from gspo.core.seeds import stream_key
 from gspo.models import add_lora
 from gspo.models.loading import tiny_model, tiny_tokenizer
 from gspo.rollout.draws import Row, _inverse_cdf, draw, uniform
-from gspo.rollout.engine import Engine
+from gspo.rollout.hf_engine import Engine
 from gspo.rollout.requests import Request, SamplingParams
 
 EOS = 2

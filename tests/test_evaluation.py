@@ -19,7 +19,7 @@ from gspo.rollout.data import Example
 from gspo.rollout.samplers import Rollouts
 from gspo.run.metrics import read_metrics
 from gspo.training.evaluation import evaluate, pass_at_k, pass_ks
-from gspo.training.trainer import train
+from gspo.training.launch import train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"

@@ -61,7 +61,7 @@ def test_tiny_runs_gguf_evaluates_like_its_checkpoint(tmp_path: Path) -> None:
     """`gspo eval FILE.gguf` reads the tiny model's export back (tokenizer included) and completes every
     held-out problem as `gspo eval RUN` does from the checkpoint."""
     from gspo.cli import main
-    from gspo.training.trainer import train
+    from gspo.training.launch import train
 
     run = tmp_path / "run"
     train(load_config(TINY, [f"output_dir={run}", "report_to=[]", "train.steps=6", "eval.every=0"]))
@@ -145,7 +145,7 @@ def _compare(llm: Any, model: Any, tokenizer: Any, prompts: list[str], max_new_t
 @pytest.mark.llama_cpp
 def test_gspo_export_gguf_of_a_tiny_run_runs_in_llama_cpp(tmp_path: Path) -> None:
     from gspo.cli import main
-    from gspo.training.trainer import train
+    from gspo.training.launch import train
 
     run = tmp_path / "run"
     config = load_config(TINY, [f"output_dir={run}", "report_to=[]", "train.steps=1", "eval.every=0"])
@@ -154,7 +154,7 @@ def test_gspo_export_gguf_of_a_tiny_run_runs_in_llama_cpp(tmp_path: Path) -> Non
     path = run / "export" / "step_000001-f32.gguf"
     model = AutoModelForCausalLM.from_pretrained(run / "checkpoints" / "step_000001" / "model").eval()
     tokenizer = tiny_tokenizer()
-    from gspo.training.build import build_examples
+    from gspo.training.inputs import build_examples
 
     prompts = [format_prompt(tokenizer, ex.prompt) for ex in build_examples(config)[1]]
     llm = _llama(path)
@@ -234,7 +234,7 @@ def test_exported_gguf_in_llama_cpp_matches_the_trainer(smollm2_run, quant: str)
     path = export_run(run, format="gguf", quant=quant, step=0)
     assert path == run / "export" / f"step_000000-{quant}.gguf"
     config = trainer.config
-    prompts = trainer.prompts(trainer.eval_examples)
+    prompts = trainer.rollouts.prompts(trainer.eval_examples)
     llm = _llama(path)
     try:
         result = _compare(llm, trainer.policy.model, trainer.tokenizer, prompts, config.eval.max_new_tokens)

@@ -21,7 +21,7 @@ from gspo.config import ConfigError, load_config
 from gspo.config.loading import DeprecatedKey
 from gspo.run.metrics import MetricsLogger
 from gspo.run.trackers import TRACKERS_FILE
-from gspo.training.trainer import train
+from gspo.training.launch import train
 
 CONFIG = {"seed": 3, "train": {"lr": 0.001, "objective": "gspo"}}
 ROWS = [{"step": 2, "prompt": "1+1=", "completion": "2", "reward": 1.0}]

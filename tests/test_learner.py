@@ -11,8 +11,9 @@ import torch
 from gspo.core.advantages import group_advantages
 from gspo.core.layout import TokenSequence
 from gspo.core.objectives import LossSpec
+from gspo.core.samples import Sample
 from gspo.learning import learner
-from gspo.learning.batch import Batch, Sample, make_batch
+from gspo.learning.batch import Batch, make_batch
 from gspo.learning.learner import learn, minibatches
 from gspo.learning.policy import Policy, UpdateSpec
 from gspo.learning.reduction import reduce_metrics

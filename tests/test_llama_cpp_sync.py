@@ -42,11 +42,11 @@ def test_gguf_reload_makes_the_server_sample_from_the_updated_policy(
     with LlamaCppServer(first, n_ctx=512) as server:
         sync = GGUFReload(server, tmp_path / "sync", quant="f32")
         # the random tiny model now and then samples a control token, which a text server cannot report
-        trainer.sampler = OpenAIBackend(
+        trainer.rollouts.side.sampler = OpenAIBackend(
             server.url, tokenizer, weight_sync=sync, misaligned="resample", timeout=60
         )
         before = {k: v.clone() for k, v in model.state_dict().items()}
-        prompts = trainer.prompts(trainer.eval_examples[:2])
+        prompts = trainer.rollouts.prompts(trainer.eval_examples[:2])
         rollouts = trainer.sampler.generate(prompts, group_size=2, max_new_tokens=6, seed=0)
         assert _gap(rollout_logprobs(model, rollouts), rollouts) < 1e-3  # f32 GGUF: the same weights
         trainer.train_step()  # samples from the server, updates, then syncs

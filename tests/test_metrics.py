@@ -190,7 +190,7 @@ def test_a_run_folder_removed_under_the_logger_is_one_disk_line_and_no_thread_tr
     import threading
 
     from gspo.cli import classify
-    from gspo.run.paths import RunFolderGone
+    from gspo.files import RunFolderGone
 
     thread_failures: list[BaseException] = []
     monkeypatch.setattr(threading, "excepthook", lambda args: thread_failures.append(args.exc_value))

@@ -541,9 +541,9 @@ def test_save_and_reload_hands_the_trained_weights_to_a_real_server(tmp_path) ->
         weights = AutoModelForCausalLM.from_pretrained(path).state_dict()
         trainer_of_server = running.service.trainer
         with torch.no_grad():
-            for name, tensor in trainer_of_server.sampling_model.state_dict().items():
+            for name, tensor in trainer_of_server.side.model.state_dict().items():
                 tensor.copy_(weights[name])
-        trainer_of_server.driver.engine.reset_prefix_cache()
+        trainer_of_server.side.driver.engine.reset_prefix_cache()
         reloaded.append(path)
 
     try:
@@ -557,7 +557,7 @@ def test_save_and_reload_hands_the_trained_weights_to_a_real_server(tmp_path) ->
             sampling={},  # gspo serve refuses llama.cpp's extra fields
             weight_sync=SaveAndReload(tmp_path / "weights", reload),
         )
-        trainer.sampler = backend
+        trainer.rollouts.side.sampler = backend
         before = [p.detach().clone() for p in trainer.policy.model.parameters()]
         trainer.train_step()
         assert reloaded == [tmp_path / "weights" / "step-1"]
@@ -565,7 +565,7 @@ def test_save_and_reload_hands_the_trained_weights_to_a_real_server(tmp_path) ->
             float((a - b).abs().max()) for a, b in zip(trainer.policy.model.parameters(), before, strict=True)
         )
         assert moved > 1e-4  # the update changed the weights the server now has
-        prompts = trainer.prompts(trainer.stream.next_batch()[:2])
+        prompts = trainer.rollouts.prompts(trainer.rollouts.stream.next_batch()[:2])
         rollouts = backend.generate(prompts, group_size=2, max_new_tokens=2, temperature=1.0)
         from gspo.core.layout import TokenSequence, make_micro_batches
         from gspo.learning.learner import place

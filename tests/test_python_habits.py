@@ -15,7 +15,7 @@ from gspo.config import ConfigError, load_config
 from gspo.rollout.data import DataError
 from gspo.rollout.rewards import correct_number, number_format
 from gspo.run.metrics import read_metrics
-from gspo.training.build import build_examples, resolve_rewards
+from gspo.training.inputs import build_examples, resolve_rewards
 
 datasets = pytest.importorskip("datasets", reason="the dev extra installs datasets")
 

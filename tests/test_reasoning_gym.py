@@ -20,7 +20,7 @@ from gspo.rollout.data import DataError, batch_fields
 from gspo.rollout.reasoning_gym import ANSWER_FORMAT, reasoning_gym_task
 from gspo.rollout.rewards import extract_answer
 from gspo.rollout.rewards import reasoning_gym as reasoning_gym_reward
-from gspo.training.build import build_examples, check_examples, resolve_rewards
+from gspo.training.inputs import build_examples, check_examples, resolve_rewards
 from gspo.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]

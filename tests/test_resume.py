@@ -14,7 +14,8 @@ from gspo.config import ConfigError, load_config, save_config
 from gspo.run.checkpoint import latest_checkpoint, load_trainer_state
 from gspo.run.metrics import read_metrics
 from gspo.run.resume import RunFolderError, resume_config
-from gspo.training.trainer import Trainer, train
+from gspo.training.launch import train
+from gspo.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"

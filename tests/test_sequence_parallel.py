@@ -74,7 +74,7 @@ def _weights(shape: torch.Size) -> torch.Tensor:
 
 def _logprobs_and_grads(model, mb: MicroBatch, split=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """log-probs (B, T) and the gradients of sum(w * logp); one process (split None) or this rank's slice."""
-    from gspo.core.sequence_parallel import lm_logprobs
+    from gspo.core.row_slices import lm_logprobs
 
     model.zero_grad(set_to_none=True)
     extra = {} if split is None else {"split": split}

@@ -471,9 +471,9 @@ def test_wait_mode_holds_requests_during_an_update_and_stale_mode_serves_them(tm
             trainer.join()
             assert _extra(during.choices[0])["policy_version"] == version_during, mode
             trainer = running.service.trainer  # stale: the sampling copy took the new (LoRA) weights
-            pairs = zip(trainer.policy.model.parameters(), trainer.sampling_model.parameters(), strict=True)
+            pairs = zip(trainer.policy.model.parameters(), trainer.side.model.parameters(), strict=True)
             assert all(torch.equal(a, b) for a, b in pairs)
-            assert (trainer.sampling_model is trainer.policy.model) == (mode == "wait")
+            assert (trainer.side.model is trainer.policy.model) == (mode == "wait")
             assert _extra(_chat(client, QUESTION).choices[0])["policy_version"] == 1
             # a completion of version 0 trains at version 1 (max_staleness 1), recomputing the old policy
             fresh = _chat(client, QUESTION)

@@ -26,8 +26,9 @@ from gspo.config import ConfigError, LoraConfig
 from gspo.core.layout import LAYOUTS
 from gspo.core.objectives import LossSpec
 from gspo.core.registry import OBJECTIVES, SEQUENCE_OBJECTIVES
+from gspo.core.samples import Sample
 from gspo.learning import learner
-from gspo.learning.batch import Batch, Sample, make_batch
+from gspo.learning.batch import Batch, make_batch
 from gspo.learning.learner import learn, minibatches
 from gspo.learning.policy import Policy, UpdateSpec, skips_zero_advantage
 from gspo.models import add_lora, tiny_model

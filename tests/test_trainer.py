@@ -23,7 +23,8 @@ from gspo.rollout.rewards import RewardError
 from gspo.run import lock
 from gspo.run.checkpoint import latest_checkpoint, load_trainer_state
 from gspo.run.metrics import read_metrics
-from gspo.training.trainer import Trainer, train
+from gspo.training.launch import train
+from gspo.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -136,7 +137,9 @@ def test_every_layout_of_the_trainers_rollouts_gives_the_same_gradients(tmp_path
     trainer = Trainer(tiny_config(tmp_path / "run"))
     group_size = trainer.config.rollout.group_size
     rollouts = trainer.sampler.generate(
-        trainer.prompts(trainer.stream.next_batch()), group_size=group_size, max_new_tokens=6
+        trainer.rollouts.prompts(trainer.rollouts.stream.next_batch()),
+        group_size=group_size,
+        max_new_tokens=6,
     )
     sequences = [
         TokenSequence(p, c, [True] * len(c))

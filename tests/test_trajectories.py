@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from gspo.config import ConfigError, load_config
+from gspo.core.corrections import mismatch_metrics, sampler_log_ratios
 from gspo.core.layout import TokenSequence
-from gspo.core.mismatch import mismatch_metrics, sampler_log_ratios
 from gspo.core.seeds import step_seed
 from gspo.learning.batch import Batch, make_batch
 from gspo.learning.learner import learn, minibatches
@@ -337,8 +337,8 @@ def test_a_turn_that_starts_with_a_newline_keeps_its_own_tokens() -> None:
 
 def test_groups_from_the_trainers_own_rollouts_keep_their_tokens(tmp_path: Path) -> None:
     trainer = _trainer(tmp_path)
-    examples = trainer.stream.next_batch()
-    rollouts = trainer.sampler.generate(trainer.prompts(examples), group_size=4, max_new_tokens=6)
+    examples = trainer.rollouts.stream.next_batch()
+    rollouts = trainer.sampler.generate(trainer.rollouts.prompts(examples), group_size=4, max_new_tokens=6)
     messages = [[{"role": "user", "content": ex.prompt}] for ex in examples]
     groups = groups_from_rollouts(
         trainer.tokenizer, messages, rollouts, [float(i % 2) for i in range(len(rollouts))]

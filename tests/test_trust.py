@@ -25,7 +25,7 @@ from gspo.config import load_config
 from gspo.models import tiny_tokenizer
 from gspo.rollout.openai import OpenAIBackend
 from gspo.run import own_runs
-from gspo.training.trainer import train
+from gspo.training.launch import train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -417,11 +417,11 @@ def test_a_run_folder_cannot_choose_the_vllm_server_or_its_weights_folder(
     """A planted rollout.vllm.url was contacted without a flag (/health, /server_info, a reload_weights
     naming the folder's weights_dir, then the prompts); now a real listener there receives nothing, and
     nothing is written to the planted weights folder, until the user names both."""
-    import gspo.training.samplers
+    import gspo.sampling.factories
 
     # vLLM's package is not needed to talk to a server by URL: without this, a venv without it stops
     # before any request, and the listener would see nothing whatever the rule
-    monkeypatch.setattr(gspo.training.samplers, "require_vllm", lambda: None)
+    monkeypatch.setattr(gspo.sampling.factories, "require_vllm", lambda: None)
     run, weights = tmp_path / "run", tmp_path / "weights"
     shutil.copytree(two_step_run, run)
     with _recording_server() as (url, seen, connections):

@@ -218,7 +218,7 @@ def test_the_trainer_trains_on_the_tokens_vllm_sampled_with_its_logprobs_as_the_
 ) -> None:
     """train.old_logprobs=auto: the start-up probe finds vLLM's fp32 log-probs within the tolerance, so they
     serve as the old policy's, and the mismatch metrics are logged from the first minibatch's forward."""
-    from gspo.training import build
+    from gspo.training import inputs as build
     from gspo.training import trainer as trainer_module
 
     trainer = trainer_module.Trainer(vllm_config(tmp_path, tiny_folder))
@@ -237,7 +237,7 @@ def test_the_trainer_trains_on_the_tokens_vllm_sampled_with_its_logprobs_as_the_
 def test_log_probs_outside_the_tolerance_are_recomputed_with_a_warning(
     tiny_folder, tmp_path, monkeypatch
 ) -> None:
-    from gspo.training import build
+    from gspo.training import inputs as build
     from gspo.training.trainer import Trainer
 
     monkeypatch.setattr(build, "VLLM_LOGPROB_TOLERANCE", 1e-12)  # below the fp32 rounding vLLM has
@@ -660,3 +660,58 @@ def test_url_settings_that_do_not_fit_are_refused(tmp_path, overrides, message) 
 
     with pytest.raises(ConfigError, match=message):
         tiny_config(tmp_path, *overrides)
+
+
+@needs_vllm
+def test_gspo_serve_samples_with_vllm_and_trains_it(tmp_path, tiny_folder, rollout_logprobs) -> None:
+    """`gspo serve` with rollout.engine=vllm: the openai SDK's chat completions come from vLLM, token by
+    token (seeded samples repeat, a streamed answer is the whole one) with the served policy's log-probs;
+    a train call on them makes version 1, which vLLM then samples from: its log-probs are the new weights'."""
+    from types import SimpleNamespace
+
+    import openai
+
+    from gspo.client import Client, Episode, EpisodeGroup, completion_id
+    from gspo.serve.server import build_service, start_in_thread
+
+    running = start_in_thread(build_service(vllm_config(tmp_path, tiny_folder, "train.lr=1e-2")))
+    try:
+        client = openai.OpenAI(base_url=running.url, api_key="none", max_retries=0)
+        question = [{"role": "user", "content": "What is 2+3?"}]
+
+        def ask(**settings):
+            return client.chat.completions.create(model="gspo", messages=question, max_tokens=6, **settings)
+
+        def tokens(response) -> list[list[int]]:
+            return [choice.model_extra["token_ids"] for choice in response.choices]
+
+        def agrees(model, response) -> None:
+            prompt = response.model_extra["prompt_token_ids"]
+            drawn = SimpleNamespace(
+                prompt_ids=[prompt] * len(response.choices), completion_ids=tokens(response)
+            )
+            for mine, choice in zip(rollout_logprobs(model, drawn), response.choices, strict=True):
+                reported = torch.tensor(choice.model_extra["token_logprobs"])
+                torch.testing.assert_close(reported, mine, atol=LOGPROB_ATOL, rtol=0)  # see LOGPROB_ATOL
+
+        first = ask(n=4, seed=5)
+        assert tokens(first) == tokens(ask(n=4, seed=5)) and len({tuple(t) for t in tokens(first)}) > 1
+        streamed = [
+            token
+            for chunk in ask(seed=9, stream=True)
+            for choice in chunk.choices
+            for token in (choice.model_extra or {}).get("token_ids", [])
+        ]
+        assert streamed == tokens(ask(seed=9))[0]
+        policy = running.service.trainer.policy.model
+        before = copy.deepcopy(policy)
+        agrees(policy, first)
+        episodes = [Episode([completion_id(first, i)], float(i)) for i in range(4)]
+        assert Client(running.url).train([EpisodeGroup(episodes)])["version"] == 1
+        after = ask(n=2, seed=6)
+        assert all(choice.model_extra["policy_version"] == 1 for choice in after.choices)
+        agrees(policy, after)  # vLLM took the new weights
+        with pytest.raises(AssertionError):
+            agrees(before, after)  # which moved its log-probs
+    finally:
+        running.stop()

@@ -22,7 +22,7 @@ from gspo.rollout.data import Example, format_prompt
 from gspo.rollout.requests import SamplingParams
 from gspo.rollout.rewards import exact_answer
 from gspo.rollout.samplers import generate, tokenize_prompts
-from gspo.training.build import build_examples
+from gspo.training.inputs import build_examples
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,15 @@
 """gspo: Group Sequence Policy Optimization (GSPO, GSPO-token, GRPO) for language models.
 
-Layers, each importing only the ones below it (checked by import-linter): ``gspo.cli`` | ``gspo.client``
-(the command line; the client of `gspo serve`) > ``gspo.serve`` (the OpenAI-compatible server that trains
-on trajectory groups) | ``gspo.training`` (the loop, its samplers, evaluation, plots), siblings that never
-import each other > ``gspo.run`` (a run's home: folder, trust, checkpoints and resume, metrics, the policy
-built from the config) > ``gspo.rollout`` (the sampling engine, samplers, data, rewards, trajectories) > ``gspo.learning`` (the learner) > ``gspo.parallel`` |
-``gspo.models`` > ``gspo.config`` > ``gspo.core`` (the math; its torch-free ``gspo.core.registry`` names the
-config's loss choices). The names below are imported lazily, so ``gspo.core`` works with torch alone.
+Layers, each importing only the ones below it (checked by import-linter; docs/architecture.md):
+``gspo.cli`` | ``gspo.client`` (the command line; the client of `gspo serve`) > ``gspo.serve`` (the
+OpenAI-compatible server that trains on trajectory groups) | ``gspo.training`` (the loop, its inputs,
+evaluation, plots), siblings that never import each other > ``gspo.sampling`` (the sampling side both share:
+the owner of the sampler, its weights, thread and versions; rollout batches, dynamic sampling, the batches
+ahead) > ``gspo.run`` (a run's home: folder, trust, checkpoints and resume, metrics, the policy built from the
+config) > ``gspo.rollout`` (engines, samplers, data, rewards, trajectories) > ``gspo.learning`` (the learner)
+> ``gspo.parallel`` | ``gspo.models`` > ``gspo.config`` (and its engines' registry) > ``gspo.core`` (the
+math; its torch-free ``gspo.core.registry`` names the config's loss choices). The names below are imported
+lazily, so ``gspo.core`` works with torch alone.
 """
 
 import importlib
@@ -17,7 +20,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Config": "gspo.config",
     "load_config": "gspo.config",
-    "train": "gspo.training.trainer",
+    "train": "gspo.training.launch",
     "Trainer": "gspo.training.trainer",
     "policy_loss": "gspo.core.objectives",
     "PAPER_DEFAULTS": "gspo.core.objectives",

@@ -107,6 +107,7 @@ OUTPUT_OPTION = {"eval": "--output", "export": "--output"}
 
 def classify(error: BaseException, command: str | None = None) -> tuple[str, str] | None:
     """(kind, one-line message) of a user's error in `command`, or None for a bug."""
+    from gspo.files import RunFolderGone, RunPathError
     from gspo.models import ModelError
     from gspo.models.templates import TemplateError
     from gspo.rollout.data import DataError
@@ -116,7 +117,6 @@ def classify(error: BaseException, command: str | None = None) -> tuple[str, str
     from gspo.run.checkpoint import CheckpointError
     from gspo.run.lock import RunInUse
     from gspo.run.metrics import MetricsError
-    from gspo.run.paths import RunFolderGone, RunPathError
     from gspo.run.resume import RunFolderError
     from gspo.run.trackers import TrackersFileError
 
@@ -162,7 +162,7 @@ def classify(error: BaseException, command: str | None = None) -> tuple[str, str
 def _train(args: argparse.Namespace) -> int:
     from gspo.parallel.group import launched_rank
     from gspo.run.allocator import keep_freed_memory
-    from gspo.training.trainer import train
+    from gspo.training.launch import train
 
     keep_freed_memory()  # this process is the run's: no page faults on each update's fresh memory
 
@@ -237,8 +237,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from gspo.files import run_path
     from gspo.run.checkpoint import check_output
-    from gspo.run.paths import run_path
     from gspo.training.evaluation import (
         EVALS_DIR,
         default_report_path,

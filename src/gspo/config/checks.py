@@ -5,8 +5,9 @@ from __future__ import annotations
 import difflib
 import importlib.util
 
+from gspo.config.engines import check_engine
 from gspo.config.rules import check_values
-from gspo.config.schema import ENGINES, Config, ConfigError
+from gspo.config.schema import Config, ConfigError
 from gspo.core.registry import OBJECTIVES, PAPER_DEFAULTS, SEQUENCE_OBJECTIVES
 
 
@@ -16,7 +17,7 @@ def validate(config: Config) -> None:
     First each key's range (gspo.config.rules), then what relates several keys."""
     check_values(config)
     _check_objective(config)
-    _check_engine(config)
+    check_engine(config)
     samples = config.rollout.prompts_per_step * config.rollout.group_size
     if samples < config.train.minibatches:
         raise ConfigError(
@@ -51,73 +52,6 @@ def validate(config: Config) -> None:
             "train.logprob_kernel=triton needs triton (`pip install triton`; CUDA builds of torch bring it): "
             "install it or set train.logprob_kernel=auto"
         )
-    if config.rollout.engine == "openai" and not config.rollout.openai.url:
-        raise ConfigError(
-            'rollout.engine=openai needs rollout.openai.url, the API root (e.g. "http://127.0.0.1:8000/v1")'
-        )
-    if config.rollout.engine in ("openai", "llama_cpp") and config.rollout.temperature != 1.0:
-        raise ConfigError(
-            f"rollout.temperature={config.rollout.temperature} with rollout.engine={config.rollout.engine}: servers report "
-            "log-probs of the untempered distribution; sample at rollout.temperature=1.0"
-        )
-    if config.rollout.engine in ("vllm", "vllm_server") and config.rollout.top_p != 1.0:
-        raise ConfigError(
-            f"rollout.top_p={config.rollout.top_p} with rollout.engine={config.rollout.engine}: vLLM's log-probs would be those of "
-            "the truncated distribution, which the trainer does not score; set rollout.top_p=1.0"
-        )
-    _check_vllm_url(config)
-
-
-def _check_vllm_url(config: Config) -> None:
-    """A server of the user's (rollout.vllm.url) comes with the folder both sides see, and only with it."""
-    vllm = config.rollout.vllm
-    if vllm.weight_sync == "nccl" and vllm.url is None:
-        raise ConfigError(
-            "rollout.vllm.weight_sync=nccl needs a server of yours on other GPUs (rollout.vllm.url): NCCL "
-            "cannot join two processes on one GPU, as gspo's own server would share the trainer's; set "
-            "rollout.vllm.url, or rollout.vllm.weight_sync=files"
-        )
-    if vllm.url is None:
-        for name in ("weights_dir", "server_weights_dir"):
-            if getattr(vllm, name) is not None:
-                raise ConfigError(
-                    f"rollout.vllm.{name} is for a server of yours (rollout.vllm.url): set rollout.vllm.url, "
-                    f"or remove rollout.vllm.{name} (gspo's own server uses RUN/vllm_server)"
-                )
-        return
-    if config.rollout.engine != "vllm_server":
-        raise ConfigError(
-            f"rollout.vllm.url is the server of rollout.engine=vllm_server, not of rollout.engine="
-            f"{config.rollout.engine}: set rollout.engine=vllm_server, or remove rollout.vllm.url"
-        )
-    if not vllm.url.rstrip("/").endswith("/v1"):
-        raise ConfigError(
-            f"rollout.vllm.url={vllm.url!r} must be the server's API root, ending in /v1 "
-            '(e.g. "http://127.0.0.1:8000/v1")'
-        )
-    if vllm.weight_sync == "files" and vllm.weights_dir is None:
-        raise ConfigError(
-            "rollout.vllm.url needs rollout.vllm.weights_dir, a folder the server's machine sees too, where "
-            "gspo writes the weights for it to reload after every step (and rollout.vllm.server_weights_dir "
-            "if its path differs there)"
-        )
-    if vllm.weight_sync == "nccl" and vllm.weights_dir is not None:
-        raise ConfigError(
-            "rollout.vllm.weights_dir is for rollout.vllm.weight_sync=files: remove it, or sync by files"
-        )
-
-
-def _check_engine(config: Config) -> None:
-    """A built-in sampler or the user's own factory ("path/file.py:function", "module:function")."""
-    engine = config.rollout.engine
-    if ":" in engine or engine in ENGINES:
-        return
-    close = difflib.get_close_matches(engine, ENGINES, n=1, cutoff=0.5)
-    raise ConfigError(
-        f"rollout.engine: {engine!r} is not one of {', '.join(map(repr, ENGINES))}, nor your own sampler factory "
-        "('path/file.py:function' or 'module:function', docs/rollout_servers.md)"
-        + (f"; did you mean {close[0]!r}?" if close else "")
-    )
 
 
 def _check_objective(config: Config) -> None:

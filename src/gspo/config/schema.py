@@ -140,15 +140,11 @@ class VLLMConfig(Section, key="rollout.vllm"):
     group the trainer opens there, on a free port (127.0.0.1: the server on this machine's other GPUs)."""
 
 
-ENGINES = ("hf", "openai", "llama_cpp", "vllm", "vllm_server")
-"""rollout.engine's built-in samplers (gspo.training.samplers.SAMPLERS builds each)."""
-
-
 @dataclass
 class RolloutConfig(Section, key="rollout"):
     engine: str = "hf"
     """Who samples the completions: "hf", the trainer's own model in this process (gspo's sampling
-    engine, gspo.rollout.engine); "openai", an OpenAI-compatible server (`rollout.openai`), whose weights
+    engine, gspo.rollout.hf_engine); "openai", an OpenAI-compatible server (`rollout.openai`), whose weights
     `gspo train` does not update: its samples are off-policy, the old-policy log-probs are recomputed;
     "llama_cpp", a local
     llama-cpp-python server that gspo starts on the policy exported as GGUF and restarts on a fresh export

@@ -23,10 +23,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from gspo.core.corrections import mismatch_metrics, sampler_log_ratios
 from gspo.core.layout import MicroBatch, TokenSequence, make_micro_batches
-from gspo.core.mismatch import mismatch_metrics, sampler_log_ratios
 from gspo.core.objectives import LossInputs, compute_loss, loss_normalizer
-from gspo.core.sequence_parallel import split_micro_batch
+from gspo.core.row_slices import split_micro_batch
 from gspo.core.surrogates import LOSSES
 from gspo.learning.batch import Batch
 from gspo.learning.policy import Policy, UpdateSpec, score, score_with_entropy
@@ -85,7 +85,7 @@ def minibatches(
     minibatch k holds the same sequences however many ranks share the batch, each rank its own of them.
     ``computed``: which sequences the updates compute (None: all); the split is the same either way.
     ``sequence``: this rank's sequence-parallel group, whose ranks all hold the group's sequences: each
-    micro-batch is cut to this rank's slice of its rows (gspo.core.sequence_parallel), and the group's
+    micro-batch is cut to this rank's slice of its rows (gspo.core.row_slices), and the group's
     first rank alone counts the minibatch's sequences and tokens for the normaliser.
     """
     generator = torch.Generator().manual_seed(seed)
@@ -169,7 +169,7 @@ class UpdateBatch:
 
 
 class MismatchMeter:
-    """The sampler/trainer mismatch (gspo.core.mismatch) of the micro-batches it is shown, over all ranks:
+    """The sampler/trainer mismatch (gspo.core.corrections) of the micro-batches it is shown, over all ranks:
     the trainer's old-policy log-probs against the sampler's, measured in the old-policy pass or, when the
     sampler's serve as the old ones, in the first update's forward."""
 

@@ -15,7 +15,7 @@ from gspo.config import Config
 from gspo.core.layout import MicroBatch
 from gspo.core.objectives import LossSpec
 from gspo.core.registry import REGISTRY
-from gspo.core.sequence_parallel import lm_logprobs
+from gspo.core.row_slices import lm_logprobs
 from gspo.core.surrogates import LOSSES
 from gspo.learning.embedding_rows import TiedRows
 from gspo.learning.entropy import EntropyControl

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gspo.learning.batch import Batch, Sample, make_batch
+from gspo.core.samples import Sample
+from gspo.learning.batch import Batch, make_batch
 from gspo.learning.learner import learn
 from gspo.learning.policy import Policy, UpdateSpec
 

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from gspo.config import ConfigError, DistributedConfig
 from gspo.core.layout import MicroBatch
-from gspo.core.sequence_parallel import lm_logprobs
+from gspo.core.row_slices import lm_logprobs
 from gspo.parallel.collectives import all_reduce_max
 from gspo.parallel.group import world_size
 

@@ -150,7 +150,7 @@ def _slot_attention_forward(
     cache -> (n, q, H, d)."""
     plan = kwargs.get("gspo_plan")
     if plan is None:
-        raise RuntimeError(f"the {NAME!r} attention needs the forward's gspo_plan= (gspo.rollout.engine)")
+        raise RuntimeError(f"the {NAME!r} attention needs the forward's gspo_plan= (gspo.rollout.hf_engine)")
     for unsupported in ("softcap", "s_aux"):
         if kwargs.get(unsupported) is not None:
             raise NotImplementedError(f"the sampling engine's attention does not support {unsupported}")

@@ -1,10 +1,12 @@
-"""What the sampling engine (gspo.rollout.engine) is asked for and what it answers: a request's
+"""What the sampling engine (gspo.rollout.hf_engine) is asked for and what it answers: a request's
 `SamplingParams`, its samples' records (`Completion`: exact token ids and log-probs) and the per-step
 `Event`s a driver streams."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -85,3 +87,25 @@ class Event:
     logprob: float
     top_logprobs: list[tuple[int, float]] | None
     finish_reason: str | None
+
+
+class StepEngine(Protocol):
+    """What a streaming engine answers to (gspo's own, gspo.rollout.hf_engine.Engine, or vLLM's,
+    gspo.rollout.vllm_engine.VLLMEngine): work arrives as requests at any time, and each `step` draws one token
+    per running sample; the driver thread of gspo.sampling.driver is its only caller of `step`."""
+
+    slots: int
+    max_length: int
+
+    @property
+    def idle(self) -> bool: ...
+
+    def submit(self, prompt_ids: Sequence[int], n: int, params: SamplingParams) -> Request: ...
+
+    def cancel(self, request: Request) -> None: ...
+
+    def step(self) -> list[Event]: ...
+
+    def release(self) -> None: ...
+
+    def reset_prefix_cache(self) -> None: ...

@@ -1,6 +1,6 @@
 """Samplers: G completions per prompt with the sampler's per-token log-probs, from any engine.
 
-A `Sampler` is the trainer's own model in this process (`HFSampler`, over gspo.rollout.engine's
+A `Sampler` is the trainer's own model in this process (`HFSampler`, over gspo.rollout.hf_engine's
 continuous-batching engine, which computes each prompt once for its G samples) or an OpenAI-compatible
 server (gspo.rollout.openai.OpenAIBackend). The log-probs are those of the tempered distribution,
 log_softmax(logits / temperature) at the sampled token, which the trainer also scores; top-p truncation
@@ -16,14 +16,14 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from gspo.rollout.engine import Engine
+from gspo.rollout.hf_engine import Engine
 from gspo.rollout.requests import SamplingParams
 from gspo.rollout.user_code import raised, raised_where
 
@@ -84,7 +84,7 @@ def generate(
     batch_size: int = 64,
 ) -> Rollouts:
     """Sample `group_size` completions of each prompt (already templated), `batch_size` at a time, with
-    a sampling engine of its own (gspo.rollout.engine: each prompt computed once for its G samples, slots
+    a sampling engine of its own (gspo.rollout.hf_engine: each prompt computed once for its G samples, slots
     refilled as samples end). params.seed: the random streams (None: drawn from torch's global
     generator)."""
     engine = Engine(model, slots=batch_size, stop_token_ids=[_eos_id(tokenizer)])
@@ -144,7 +144,7 @@ class Sampler(Protocol):
 
 @dataclass
 class HFSampler:
-    """The trainer's own model, sampling in this process through one gspo.rollout.engine.Engine of
+    """The trainer's own model, sampling in this process through one gspo.rollout.hf_engine.Engine of
     `batch_size` slots (each prompt computed once per group, slots refilled as samples end).
 
     context: entered around each call, e.g. FSDP2's gathered parameters and the compute dtype's autocast.
@@ -182,6 +182,11 @@ class HFSampler:
             max_new_tokens, temperature=temperature, top_p=top_p, greedy=greedy, seed=seed
         )
         return engine_rollouts(self.engine, self.tokenizer, prompts, group_size, params)
+
+    def step_engine(self, *, slots: int, stop_token_ids: Sequence[int]) -> Engine:
+        """A streaming engine over the same model, for `gspo serve`: ``slots`` samples decoded at once, each
+        ending at any of ``stop_token_ids`` (gspo.rollout.requests.StepEngine)."""
+        return Engine(self.model, slots=slots, stop_token_ids=list(stop_token_ids), context=self.context)
 
     def sync_weights(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, step: int) -> None:
         """Nothing to copy: it samples from the trainer's own parameters (the engine keeps no prompt

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from gspo.learning.batch import Sample
+from gspo.core.samples import Sample
 from gspo.rollout.samplers import Rollouts, tokenize_prompts
 
 if TYPE_CHECKING:

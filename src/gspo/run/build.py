@@ -19,7 +19,7 @@ from gspo.config import Config, ConfigError, ModelConfig
 from gspo.core.attention import supports_segments
 from gspo.core.layout import layout_is_exact
 from gspo.core.objectives import LossSpec
-from gspo.core.sequence_parallel import supports_split
+from gspo.core.row_slices import supports_split
 from gspo.core.surrogates import register_objective
 from gspo.learning.policy import Policy, UpdateSpec, entropy_control, score, update_choices
 from gspo.models import add_lora, default_model_file, is_lora, load_model

@@ -32,14 +32,13 @@ import numpy as np
 import torch
 
 from gspo.config import Config, save_config
-from gspo.files import fsync, replace_file, write_error
+from gspo.files import fsync, replace_file, run_path, run_tree, write_error
 from gspo.learning.policy import Policy
 from gspo.manifest import MANIFEST_FILE, listed_files, manifest_problem, write_manifest
 from gspo.models import save_model
 from gspo.models.loading import weights_problem
 from gspo.parallel.group import is_main
 from gspo.parallel.state import optimizer_state, savable_model
-from gspo.run.paths import run_path, run_tree
 
 LATEST = "latest"
 STATE_FILE = "trainer_state.pt"

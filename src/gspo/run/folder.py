@@ -14,7 +14,7 @@ from datetime import datetime
 from pathlib import Path
 
 from gspo.config import Config
-from gspo.files import replace_file
+from gspo.files import replace_file, run_path
 from gspo.parallel.collectives import broadcast_object
 from gspo.parallel.group import is_main
 from gspo.run.checkpoint import (
@@ -25,7 +25,6 @@ from gspo.run.checkpoint import (
     latest_checkpoint,
 )
 from gspo.run.lock import LOCK_FILE, RunInUse, acquire, command_line
-from gspo.run.paths import run_path
 from gspo.run.resume import RUN_FILES, RUN_MARKER, RunFolderError, check_resume_config, nothing_to_resume
 
 

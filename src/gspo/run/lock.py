@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gspo.run.paths import RunPathError, run_path
+from gspo.files import RunPathError, run_path
 
 LOCK_FILE = ".gspo_lock"
 

@@ -31,9 +31,8 @@ from typing import Any
 
 import torch
 
-from gspo.files import open_for_appending
+from gspo.files import check_still_there, folder_identity, open_for_appending, run_path
 from gspo.learning.reduction import tensors_to_floats
-from gspo.run.paths import check_still_there, folder_identity, run_path
 from gspo.run.trackers import SAMPLE_COLUMNS, Tracker, open_trackers
 
 METRICS_FILE = "metrics.jsonl"

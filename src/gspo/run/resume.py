@@ -18,10 +18,10 @@ from typing import Any
 import yaml
 
 from gspo.config import Config, ConfigError, ServeConfig, load_config, to_dict
+from gspo.files import run_path
 from gspo.learning.policy import Policy
 from gspo.parallel.state import load_optimizer_state, resume_rank_state
 from gspo.run.checkpoint import CONFIG_FILE, latest_checkpoint, load_trainer_state, set_rng_state
-from gspo.run.paths import run_path
 
 RUN_MARKER = ".gspo_run"
 """Written into every run folder gspo creates: a folder without it (and without checkpoints) is not ours."""

@@ -24,18 +24,19 @@ import transformers
 
 from gspo.config import Config, save_config, to_dict, validate_launch, validate_setup
 from gspo.core.seeds import seed_everything
+from gspo.files import FolderIdentity, check_still_there, folder_identity, run_path
 from gspo.learning.policy import Policy, UpdateSpec, update_choices, with_correction
 from gspo.parallel.collectives import raise_together
 from gspo.parallel.group import barrier, init_from_env, is_main, resolve_device, seed_rank, world_size
 from gspo.parallel.state import rank_states
 from gspo.run import lock
 from gspo.run.build import choose_layout, setup_model, setup_objective, setup_policy
-from gspo.run.checkpoint import latest_checkpoint, rng_state, save_policy
+from gspo.run.checkpoint import checkpoint_step, latest_checkpoint, rng_state, save_policy
 from gspo.run.folder import setup_run_dir, start_fresh
 from gspo.run.metrics import MetricsLogger, SilentLogger
-from gspo.run.paths import FolderIdentity, check_still_there, folder_identity, run_path
 from gspo.run.resume import restore_state
 from gspo.run.trackers import check_installed
+from gspo.run.trust import code_rewards, rewards_override
 
 
 @dataclass(frozen=True)
@@ -190,7 +191,7 @@ class Run:
             self._write_error = error
 
     def _check_folder(self, cause: BaseException | None = None) -> None:
-        """RunFolderGone when the run folder was removed, moved or replaced (gspo.run.paths)."""
+        """RunFolderGone when the run folder was removed, moved or replaced (gspo.files)."""
         if self.identity is not None:
             check_still_there(self.path, self.identity, cause)
 
@@ -204,6 +205,18 @@ class Run:
             self._check_folder(error)
         if error is not None:
             raise error
+
+    def kept(self, then: str, *, code: bool = False) -> str:
+        """What a stopped run kept, and the command that continues it (``code``: the command names the reward
+        code again, which the user is editing: an edited file is no longer the one the run was started
+        with, gspo.run.own_runs)."""
+        command = f"{self.folder.command} --resume {self.path}"
+        if code and code_rewards(self.config):
+            command += f" {rewards_override(self.config)}"
+        latest = latest_checkpoint(self.path)
+        if latest is None:
+            return f"{self.path} holds no checkpoint yet: {then} `{command}`, which starts it again"
+        return f"the run is kept up to step {checkpoint_step(latest)} ({latest}): {then} `{command}`"
 
     def release(self) -> None:
         """Let another process continue the run: its folder is written in full."""

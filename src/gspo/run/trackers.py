@@ -31,8 +31,7 @@ from typing import Any, Protocol
 
 from gspo.config import ConfigError
 from gspo.config.values import shown
-from gspo.files import replace_file
-from gspo.run.paths import run_path, run_tree
+from gspo.files import replace_file, run_path, run_tree
 
 TENSORBOARD_DIR = "tensorboard"
 TRACKERS_FILE = "trackers.json"

@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from gspo.config import Config, ConfigError
+from gspo.config.engines import engine_of
 from gspo.config.loading import RENAMED, code_file
 from gspo.run.own_runs import file_digest, recorded_files
 
@@ -137,23 +138,11 @@ def model_reaches(config: Config, *, copies_gguf: bool) -> list[str]:
 def used_reaches(config: Config) -> list[str]:
     """The `REACHES` keys `config` makes `gspo train` use: its engine's server and weights folders, a data
     file, the model file it reads beside a checkpoint (`model_reaches`)."""
-    rollout = config.rollout
-    used = []
-    if rollout.engine == "openai":
-        used.append("rollout.openai.url")
-        if rollout.openai.api_key_env != type(rollout.openai)().api_key_env:
-            used.append("rollout.openai.api_key_env")
-    vllm = rollout.vllm
-    if rollout.engine == "vllm_server" and vllm.url is not None:
-        used.append("rollout.vllm.url")
-        if vllm.weight_sync == "nccl":
-            used.append("rollout.vllm.nccl_address")
-        else:
-            folders = ("weights_dir", "server_weights_dir")
-            used += [f"rollout.vllm.{name}" for name in folders if getattr(vllm, name) is not None]
+    engine = engine_of(config)  # a user's own sampler factory reaches what its code does: trusted as code
+    used = engine.reaches(config) if engine is not None else []
     if config.task.name == "file" and config.task.data_path is not None:
         used.append("task.data_path")
-    return used + model_reaches(config, copies_gguf=rollout.engine == "llama_cpp")
+    return used + model_reaches(config, copies_gguf=engine is not None and engine.copies_gguf)
 
 
 def check_reaches(

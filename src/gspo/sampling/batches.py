@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gspo.config import RolloutConfig
+from gspo.core.samples import Sample
 from gspo.core.seeds import resample_seed
-from gspo.learning.batch import Sample
 from gspo.rollout.data import Example, batch_fields
 from gspo.rollout.rewards import RewardError, RewardFunction, compute_rewards
 from gspo.rollout.samplers import Sampler
@@ -53,6 +53,18 @@ class Drawn:
     """Groups sampled for it, the extra ones of dynamic sampling included."""
     groups_kept: int = 0
     """Groups of the batch with a reward spread."""
+
+    def rows(self, group_size: int) -> list[dict[str, Any]]:
+        """Its completions as RUN/completions.jsonl keeps them: the step, prompt, completion and reward."""
+        return [
+            {
+                "step": self.step,
+                "prompt": self.prompts[i // group_size],
+                "completion": text,
+                "reward": s.reward,
+            }
+            for i, (text, s) in enumerate(zip(self.completions, self.samples, strict=True))
+        ]
 
     def state(self) -> dict[str, Any]:
         """Plain data for a checkpoint (torch.load's weights_only)."""

@@ -19,8 +19,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gspo.sampling.driver import Driver, Handle, Token
 from gspo.serve.chat import parse_tool_calls, turn_key
-from gspo.serve.driver import Driver, Handle, Token
 from gspo.serve.protocol import ServeError
 from gspo.serve.records import Record, RecordStore, float_array, new_completion_id, token_array
 

@@ -23,8 +23,8 @@ from starlette.responses import JSONResponse, StreamingResponse
 from gspo.config import ServeConfig
 from gspo.core.seeds import stream_key
 from gspo.rollout.requests import SamplingParams
+from gspo.sampling.driver import Busy, Driver, EngineFailure, Handle
 from gspo.serve.chat import ChatPrompt, render_chat, template_supports_tools
-from gspo.serve.driver import Busy, Driver, EngineFailure, Handle
 from gspo.serve.generation import Choice, Decoder, collect, follow, store
 from gspo.serve.protocol import ChatRequest, CompletionRequest, SamplingFields, ServeError
 from gspo.serve.records import RecordStore, new_completion_id

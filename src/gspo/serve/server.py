@@ -26,14 +26,14 @@ import torch
 
 from gspo.config import Config, ConfigError, ServeConfig, load_config, validate
 from gspo.config.checks import LOOPBACK
-from gspo.rollout.engine import Engine
+from gspo.config.engines import ENGINES, engine_of
 from gspo.rollout.openai import api_key_problem
 from gspo.run.own_runs import record
 from gspo.run.resume import resume_config
 from gspo.run.start import open_folder, start_run
 from gspo.run.trust import check_code_keys, check_reaches, model_reaches, users_code_files, users_reaches
+from gspo.sampling.side import SamplingSide
 from gspo.serve.app import Service, create_app
-from gspo.serve.driver import Driver
 from gspo.serve.openai_api import Inference, prompt_char_limit
 from gspo.serve.records import RecordStore
 from gspo.serve.service import TrainService
@@ -133,10 +133,17 @@ def _aligned(model: torch.nn.Module) -> torch.nn.Module:
 def build_service(
     config: Config, *, resume: str | Path | None = None, force: bool = False, key: str | None = None
 ) -> Service:
-    """The run (gspo.run.start, as `gspo train` opens it), engine driver, records and trainer of a `gspo
+    """The run (gspo.run.start, as `gspo train` opens it), sampling side, records and trainer of a `gspo
     serve` run (module docstring)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError("gspo serve runs in one process: start it without torchrun")
+    engine = engine_of(config)
+    if engine is not None and not engine.streams:
+        raise ConfigError(
+            f"gspo serve answers requests token by token (streaming, stop strings, continuous batching), which "
+            f"rollout.engine={config.rollout.engine} does not: serve with rollout.engine="
+            + " or ".join(name for name, e in ENGINES.items() if e.streams)
+        )
     # the folder checked, then locked for this process (one writer per run folder: gspo.run.lock)
     folder = open_folder(config, resume, force=force, command="gspo serve")
     run = start_run(config, folder, prepare=_aligned)
@@ -144,18 +151,18 @@ def build_service(
     served = restored.get("serve", {})  # a checkpoint of `gspo train`: its step is the version
     run.step = int(served.get("version", run.step))
     model, tokenizer, serve = run.policy.model, run.tokenizer, config.serve
-    # stale: the engine samples from a copy while the policy trains; wait: from the policy itself
-    sampling = model if serve.during_update == "wait" else copy.deepcopy(model)
     stops = stop_token_ids(tokenizer, model)
-    driver = Driver(
-        lambda: Engine(
-            sampling, slots=serve.slots, stop_token_ids=sorted(stops), context=run.policy.autocast
-        ),
-        max_waiting=serve.max_waiting,
+    # stale: the engine samples from a copy of its own while the policy trains; wait: from the policy itself
+    side = SamplingSide.open(
+        run,
+        beside=serve.during_update == "stale",
+        threaded=True,
+        engine=lambda sampler: streaming_engine(sampler, serve.slots, stops),
     )
-    driver.version = run.step
     records = RecordStore(serve.max_records, serve.record_ttl)
-    trainer = TrainService(run, driver, records, sampling, dict(served.get("answers", {})))
+    trainer = TrainService(run, side, records, dict(served.get("answers", {})))
+    driver = side.driver
+    assert driver is not None  # a server's side has its thread
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     context = getattr(text, "max_position_embeddings", None) or driver.engine.max_length
     vocab = model.get_input_embeddings().num_embeddings
@@ -164,10 +171,23 @@ def build_service(
     return Service(inference, trainer, key)
 
 
+def streaming_engine(sampler: Any, slots: int, stops: frozenset[int]) -> Any:
+    """The step engine ``sampler`` answers requests with (gspo.rollout.requests.StepEngine); a sampler of
+    your own without one (`step_engine`) cannot serve."""
+    make = getattr(sampler, "step_engine", None)
+    if make is None:
+        raise ConfigError(
+            f"gspo serve answers requests token by token, and the sampler {type(sampler).__name__} has no "
+            "step_engine(slots, stop_token_ids) (gspo.rollout.requests.StepEngine): serve with rollout.engine=hf "
+            "or vllm"
+        )
+    return make(slots=slots, stop_token_ids=sorted(stops))
+
+
 def close_service(service: Service) -> None:
     """Stop sampling, checkpoint what is not on disk yet (serve.durable=false), close the metrics."""
     trainer = service.trainer
-    service.inference.driver.close()
+    trainer.side.close(timeout=10.0)
     if trainer.version != trainer.saved_version:
         trainer._save()
     trainer.logger.close()

@@ -20,10 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from gspo.run.start import Run, run_attribute
-from gspo.serve.driver import Driver
+from gspo.sampling.side import SamplingSide
 from gspo.serve.protocol import ServeError, TrainRequest
 from gspo.serve.records import RecordStore
 from gspo.serve.updates import Snapshot, completion_rows, prepare_update, resolve, run_update
@@ -40,14 +38,14 @@ def request_digest(request: TrainRequest) -> str:
 
 @dataclass
 class TrainService:
-    """Train calls on the live policy of `run` (module docstring), whose step is the policy version.
-    `sampling_model` is the model the engine samples from: the policy's own (during_update=wait) or a copy
-    (stale). `answers`: the last train calls' answers by request_id, restored from a checkpoint."""
+    """Train calls on the live policy of `run` (module docstring), whose step is the policy version; `side`
+    samples, from the policy's own weights (during_update=wait) or a copy (stale), and takes each new version
+    through its one road (SamplingSide.updated). `answers`: the last train calls' answers by request_id,
+    restored from a checkpoint."""
 
     run: Run
-    driver: Driver
+    side: SamplingSide
     records: RecordStore
-    sampling_model: torch.nn.Module
     answers: dict[str, Any] = field(default_factory=dict)
     state: str = "idle"
     calls: int = 0
@@ -96,7 +94,7 @@ class TrainService:
         if wait:
             self.state = "waiting for the running samples"
             try:
-                await self.driver.pause(self.config.serve.request_timeout)
+                await self.side.driver.pause(self.config.serve.request_timeout)
             except TimeoutError as error:
                 raise ServeError(503, f"could not start the update: {error}", code="busy") from None
         try:
@@ -125,7 +123,7 @@ class TrainService:
             await self._publish()
         finally:
             if wait:
-                self.driver.resume()
+                self.side.driver.resume()
         self.calls += 1
         return answer
 
@@ -190,19 +188,8 @@ class TrainService:
         return path
 
     async def _publish(self) -> None:
-        """The sampling engine takes the new weights and version (stale: between two of its steps)."""
-        live = [p for p in self.policy.model.parameters() if p.requires_grad]
-        copy = [p for p in self.sampling_model.parameters() if p.requires_grad]
-        version = self.version
-
-        @torch.no_grad()
-        def take() -> None:
-            if copy and copy[0] is not live[0]:
-                torch._foreach_copy_(copy, [p.detach() for p in live])
-            self.driver.engine.reset_prefix_cache()
-            self.driver.version = version
-
-        await asyncio.wrap_future(self.driver.between_steps(take))
+        """The sampling side takes the new weights and version, between two of its engine's steps."""
+        await asyncio.wrap_future(self.side.updated(self.policy.model, self.version, settled=True))
 
     def _remember(self, request_id: str | None, answer: dict[str, Any]) -> None:
         if request_id is None:

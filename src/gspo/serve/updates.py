@@ -31,10 +31,12 @@ import torch
 
 from gspo.config import Config
 from gspo.core.layout import TokenSequence
+from gspo.core.samples import Sample
 from gspo.core.seeds import step_seed
-from gspo.learning.batch import Batch, Sample
+from gspo.learning.batch import Batch
 from gspo.learning.policy import Policy, UpdateSpec, update_choices, with_correction
 from gspo.learning.step import learn_from_samples
+from gspo.learning.weights import copy_weights
 from gspo.serve.protocol import FLOAT32_MAX, ServeError, TrainRequest, TrajectoryIn
 from gspo.serve.records import Record, RecordStore
 
@@ -275,7 +277,9 @@ class Snapshot:
 
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
-        self.params = [p for p in policy.model.parameters() if p.requires_grad]
+        self.params = [
+            p for p in policy.model.parameters() if p.requires_grad
+        ]  # gradients cleared on restore
         self.weights: list[torch.Tensor] | None = None
         self.state: dict[Any, dict[str, Any]] = {}
         self.groups: list[dict[str, Any]] = []
@@ -283,10 +287,7 @@ class Snapshot:
 
     @torch.no_grad()
     def take(self) -> None:
-        if self.weights is None:
-            self.weights = [p.detach().clone() for p in self.params]
-        else:
-            torch._foreach_copy_(self.weights, [p.detach() for p in self.params])
+        self.weights = copy_weights(self.policy.model, into=self.weights)
         optimizer = self.policy.optimizer
         self.state = {
             p: {k: v.clone() if torch.is_tensor(v) else copy.copy(v) for k, v in s.items()}
@@ -300,7 +301,7 @@ class Snapshot:
     @torch.no_grad()
     def restore(self) -> None:
         assert self.weights is not None, "restore() before take()"
-        torch._foreach_copy_([p.detach() for p in self.params], self.weights)
+        copy_weights(self.weights, into=self.policy.model)
         optimizer = self.policy.optimizer
         optimizer.state = collections.defaultdict(dict, {p: dict(s) for p, s in self.state.items()})
         for group, saved in zip(optimizer.param_groups, self.groups, strict=True):

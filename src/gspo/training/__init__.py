@@ -1,1 +1,1 @@
-"""Runs: the training loop, its setup, checkpoints, metrics and plots."""
+"""`gspo train`: the training loop, its front door, its inputs, evaluation, progress and plots (a run's home, checkpoints and metrics: gspo.run)."""

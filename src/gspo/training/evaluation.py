@@ -23,18 +23,19 @@ from typing import Any
 import torch
 
 from gspo.config import Config, ConfigError, load_config
-from gspo.files import replace_file
+from gspo.core.seeds import evaluation_seed
+from gspo.files import replace_file, run_path
+from gspo.learning.policy import Policy
 from gspo.models import load_model
 from gspo.parallel.collectives import all_gather_list
 from gspo.parallel.group import rank, resolve_device, world_size
 from gspo.rollout.data import Example, batch_fields, format_prompt, load_examples
 from gspo.rollout.rewards import RewardFunction, compute_rewards
 from gspo.rollout.samplers import HFSampler
-from gspo.run.build import load_checkpoint_policy
+from gspo.run.build import generating, load_checkpoint_policy
 from gspo.run.checkpoint import check_output, checkpoint_step, find_checkpoint
-from gspo.run.paths import run_path
 from gspo.run.trust import check_reaches, check_run_folder_config, model_reaches
-from gspo.training.build import build_examples, resolve_rewards
+from gspo.training.inputs import build_examples, resolve_rewards
 
 EVALS_DIR = "evals"
 
@@ -62,6 +63,28 @@ class Evaluation:
 
     metrics: dict[str, float]
     problems: list[dict[str, Any]]
+
+
+def evaluate_policy(
+    policy: Policy,
+    tokenizer: Any,
+    config: Config,
+    examples: Sequence[Example],
+    rewards: Sequence[tuple[str, RewardFunction, float]],
+    step: int,
+) -> dict[str, float]:
+    """The trainer's evaluation at ``step``: greedy completions of the held-out ``examples`` by the policy in
+    training, scored by the run's rewards, drawn with a seed of their own (gspo.core.seeds.evaluation_seed):
+    how often a run evaluates changes nothing it trains on."""
+    sampler = HFSampler(policy.model, tokenizer, config.eval.batch_size, lambda: generating(policy))
+    return evaluate(
+        sampler,
+        examples,
+        rewards,
+        max_new_tokens=config.eval.max_new_tokens,
+        system_prompt=config.task.system_prompt,
+        seed=evaluation_seed(config.seed, step),
+    ).metrics
 
 
 def evaluate(

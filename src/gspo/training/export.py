@@ -15,12 +15,11 @@ from pathlib import Path
 from typing import Literal
 
 from gspo.config import load_config
-from gspo.files import replacing_folder
+from gspo.files import replacing_folder, run_path
 from gspo.models import ModelError, save_model
 from gspo.models.gguf_export import write_gguf
 from gspo.run.build import load_checkpoint_policy, source_gguf
 from gspo.run.checkpoint import CONFIG_FILE, check_output, checkpoint_step, find_checkpoint
-from gspo.run.paths import run_path
 from gspo.run.trust import check_reaches, model_reaches
 
 

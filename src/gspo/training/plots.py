@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gspo.files import replace_file, replacing
+from gspo.files import replace_file, replacing, run_path
 from gspo.run.metrics import iter_metrics
-from gspo.run.paths import run_path
 
 PLOTS_DIR = "plots"
 SUMMARY_FILE = "summary.md"

@@ -1,4 +1,6 @@
-"""The one place the server touches the sampling engine (gspo.rollout.engine): a driver thread steps it.
+"""The sampling side's thread (gspo.sampling.side): it runs the calls it is handed (draws, weight syncs), in
+order, and between them steps a streaming engine for `gspo serve` (gspo's own, gspo.rollout.hf_engine, or
+vLLM's), the one place the server touches an engine.
 
 asyncio handlers `submit` a request's prompts and read its samples' tokens from a `Handle`'s queue as each
 engine step draws them (tokens can be streamed at once), or with `at_end` all at once when its samples have
@@ -24,8 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gspo.rollout.engine import Engine
-from gspo.rollout.requests import Event, SamplingParams
+from gspo.rollout.requests import Event, SamplingParams, StepEngine
 
 
 class Busy(RuntimeError):
@@ -72,12 +73,28 @@ class Handle:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
-class Driver:
-    """Steps `engine_factory()`'s engine in a thread while there is work (module docstring)."""
+class NoEngine:
+    """The engine of a driver that only runs calls (`gspo train` sampling ahead): always idle."""
 
-    def __init__(self, engine_factory: Callable[[], Engine], *, max_waiting: int) -> None:
-        self.engine_factory = engine_factory
-        self.engine = engine_factory()
+    idle = True
+    slots = 0
+
+    def release(self) -> None:
+        pass
+
+    def reset_prefix_cache(self) -> None:
+        pass
+
+
+class Driver:
+    """Runs the calls it is handed and steps `engine_factory()`'s engine (None: none, calls only) in a thread
+    while there is work (module docstring)."""
+
+    def __init__(
+        self, engine_factory: Callable[[], StepEngine] | None = None, *, max_waiting: int = 0
+    ) -> None:
+        self.engine_factory = engine_factory or NoEngine
+        self.engine = self.engine_factory()
         self.max_waiting = max_waiting
         self.version = 0
         """The policy version the engine's weights are (set between steps, or while paused)."""
@@ -153,8 +170,10 @@ class Driver:
             self._paused = False
             self._cond.notify()
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Stop the thread; requests still waiting or running get an error."""
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Stop the thread once the call or step it runs has ended (waiting at most ``timeout`` seconds; None:
+        as long as that takes); calls not begun are cancelled, requests still waiting or running get an
+        error."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
@@ -189,6 +208,9 @@ class Driver:
                         self._drained.set()
                     self._cond.wait(timeout=1.0)
                 if self._stopping:
+                    for _, future in self._calls:  # never to run: whoever waits on one hears so
+                        future.cancel()
+                    self._calls.clear()
                     return
                 calls = list(self._calls)
                 self._calls.clear()
@@ -196,6 +218,8 @@ class Driver:
                 if admitted:
                     self._pending.clear()
             for call, future in calls:
+                if not future.set_running_or_notify_cancel():  # cancelled while it waited
+                    continue
                 try:
                     future.set_result(call())
                 except BaseException as error:  # the caller sees it

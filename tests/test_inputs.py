@@ -39,7 +39,7 @@ def test_a_key_value_cache_that_cannot_fit_is_refused_at_start_with_the_estimate
 ) -> None:
     """The tiny Llama caches 2 (keys, values) x 2 layers x 2 kv heads x 16 dims x 4 bytes (float32) = 512
     bytes per token of each sequence; 64 slots (of 4 x 64 samples) of T tokens need 32,768 x T bytes."""
-    from gspo.training import build
+    from gspo.training import inputs as build
 
     monkeypatch.setattr(build, "available_memory", lambda device: 10 * 2**20)
     overrides = ["rollout.group_size=64", "rollout.max_new_tokens=400"]
@@ -106,7 +106,7 @@ def _brevity(prompts, completions, **_):
 
 def test_reward_functions_from_python_replace_the_configured_rewards(tmp_path: Path) -> None:
     from gspo.rollout.rewards import number_format
-    from gspo.training.build import resolve_rewards
+    from gspo.training.inputs import resolve_rewards
 
     config = tiny_config(tmp_path, "rewards={correct_number: 1.0, brevity: 0.25}")
     resolved = resolve_rewards(config, {"number_format": number_format, "brevity": _brevity})
@@ -126,7 +126,7 @@ def test_reward_functions_from_python_replace_the_configured_rewards(tmp_path: P
 
 
 def test_configured_rewards_are_named_by_their_function_unless_two_share_one() -> None:
-    from gspo.training.build import reward_labels
+    from gspo.training.inputs import reward_labels
 
     names = [
         "correct_number",

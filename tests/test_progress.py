@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from gspo.config import load_config
-from gspo.training.stalls import StallWatch
+from gspo.training.progress import StallWatch
 from gspo.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -341,9 +341,7 @@ def _split_attention_forward(
     values of the local columns -> (B, P, H, Dv), each query against its segment's keys on every rank."""
     layout = _LAYOUT.get()
     if layout is None:
-        raise RuntimeError(
-            f"the {NAME!r} attention runs only inside gspo.core.sequence_parallel.split_attention"
-        )
+        raise RuntimeError(f"the {NAME!r} attention runs only inside gspo.core.row_slices.split_attention")
     if kwargs.get("softcap") is not None:
         raise NotImplementedError(f"{NAME!r}: attention soft-capping is not supported")
     if dropout:

@@ -1,5 +1,6 @@
-"""Building what `gspo train` alone needs, once, from the config: examples, rewards, the checks of their sizes,
-and the old-policy log-probs choice (the run folder and the policy: gspo.run)."""
+"""What `gspo train` trains and evaluates on, built once from the config and checked before the run folder is
+claimed: its examples, its rewards and the rows given in memory (`task_inputs`), and the checks of their
+sizes against the model and the memory (the run folder and the policy: gspo.run)."""
 
 from __future__ import annotations
 
@@ -8,77 +9,121 @@ import dataclasses
 import inspect
 import math
 import os
-import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from gspo.config import Config, ConfigError
+from gspo.config import Config, ConfigError, TaskConfig
+from gspo.config.engines import engine_of
 from gspo.config.loading import code_file
 from gspo.config.values import shown
-from gspo.core.layout import TokenSequence, make_micro_batches
-from gspo.files import replace_file
-from gspo.learning.learner import place
-from gspo.learning.policy import Policy, UpdateSpec, score
+from gspo.files import replace_file, run_path
+from gspo.parallel.group import is_main
 from gspo.rollout.data import (
     TASKS,
     DataError,
     Example,
     arithmetic_task,
     format_prompt,
+    jsonl_lines,
     load_examples,
     rows_examples,
     split_eval,
 )
 from gspo.rollout.reasoning_gym import reasoning_gym_task
 from gspo.rollout.rewards import RewardFunction, resolve_reward, with_timeout
-from gspo.rollout.samplers import Sampler, tokenize_prompts
+from gspo.rollout.samplers import tokenize_prompts
 from gspo.rollout.user_code import CodeFileError
-from gspo.rollout.vllm_engine import VLLMSampler
-from gspo.run.paths import run_path
+from gspo.run.start import Folder, Run
+
+
+@dataclass(frozen=True)
+class TaskInputs:
+    """A run's inputs, checked: ``config`` as the run folder keeps it (the rewards it uses named, rows given in
+    memory read back from RUN/data.jsonl), the ``rewards`` (name, function, weight; the first is the eval
+    accuracy), the ``train`` and ``held_out`` examples, and ``rows``, the text of RUN/data.jsonl (None: no
+    rows were given)."""
+
+    config: Config
+    rewards: list[tuple[str, RewardFunction, float]]
+    train: list[Example]
+    held_out: list[Example]
+    rows: str | None
+
+
+def task_inputs(
+    config: Config, folder: Folder, reward_functions: RewardFunctions | None, data: Any, *, resumed: bool
+) -> TaskInputs:
+    """The inputs of a run whose ``folder`` is open (locked when ``resumed``, and the resume checked, before
+    any reward file is imported): the rows ``data`` given in memory, the rewards (``reward_functions``
+    replace config.rewards), the examples, each checked against the rewards that read it."""
+    given = None
+    if data is not None:  # the rows, and the config that reads them back from the run folder
+        given, config = data_task(config, data, folder.path, resumed=resumed)
+    rewards = resolve_rewards(config, reward_functions)
+    if reward_functions:  # config.yaml names the rewards this run uses (eval and resume look there)
+        config = dataclasses.replace(config, rewards={name: weight for name, _, weight in rewards})
+    train, held_out = build_examples(config, given)
+    check_examples(rewards, train + held_out)
+    rows = jsonl_lines(given, config.task.prompt_field) if given is not None else None
+    return TaskInputs(config, rewards, train, held_out, rows)
+
+
+def _file_examples(task: TaskConfig) -> list[Example]:
+    if task.data_path is not None and not Path(task.data_path).exists():
+        raise FileNotFoundError(
+            f"task.data_path: data file not found: {task.data_path} (a path in a config file is read relative "
+            "to that file's folder, one on the command line relative to the working directory)"
+        )
+    return load_examples(
+        task.data_path, prompt_field=task.prompt_field, answer_fields=tuple(task.answer_fields)
+    )
+
+
+def _arithmetic_examples(task: TaskConfig) -> list[Example]:
+    return arithmetic_task(
+        task.num_train + task.num_eval,
+        operand_min=task.operand_min,
+        operand_max=task.operand_max,
+        operations=task.operations,
+        num_operands=task.num_operands,
+        seed=task.seed,
+    )
+
+
+def _reasoning_gym_examples(task: TaskConfig) -> list[Example]:
+    return reasoning_gym_task(
+        task.num_train + task.num_eval,
+        dataset=task.dataset,
+        dataset_config=task.dataset_config,
+        seed=task.seed,
+    )
+
+
+TASK_EXAMPLES: dict[str, Callable[[TaskConfig], list[Example]]] = {
+    "file": _file_examples,
+    "arithmetic": _arithmetic_examples,
+    "reasoning_gym": _reasoning_gym_examples,
+    **{
+        name: lambda task, make=make: make(task.num_train + task.num_eval, seed=task.seed)
+        for name, make in TASKS.items()
+        if name != "arithmetic"
+    },
+}
+"""Each task.name's examples, from the task's settings: the one place a task's name becomes its problems."""
 
 
 def build_examples(config: Config, given: list[Example] | None = None) -> tuple[list[Example], list[Example]]:
     """The (train, eval) problems of the configured task, or of the examples `given` (rows passed in
     memory); deterministic for `task.seed`."""
     task = config.task
+    if given is None and task.name not in TASK_EXAMPLES:
+        raise ConfigError(f"task.name={task.name!r} is not one of {sorted(TASK_EXAMPLES)}")
     try:
-        if given is not None:
-            examples = given
-        elif task.name == "file":
-            if task.data_path is not None and not Path(task.data_path).exists():
-                raise FileNotFoundError(
-                    f"task.data_path: data file not found: {task.data_path} (a path in a config file is read "
-                    "relative to that file's folder, one on the command line relative to the working "
-                    "directory)"
-                )
-            examples = load_examples(
-                task.data_path, prompt_field=task.prompt_field, answer_fields=tuple(task.answer_fields)
-            )
-        elif task.name == "arithmetic":
-            examples = arithmetic_task(
-                task.num_train + task.num_eval,
-                operand_min=task.operand_min,
-                operand_max=task.operand_max,
-                operations=task.operations,
-                num_operands=task.num_operands,
-                seed=task.seed,
-            )
-        elif task.name == "reasoning_gym":
-            examples = reasoning_gym_task(
-                task.num_train + task.num_eval,
-                dataset=task.dataset,
-                dataset_config=task.dataset_config,
-                seed=task.seed,
-            )
-        elif task.name in TASKS:
-            examples = TASKS[task.name](task.num_train + task.num_eval, seed=task.seed)
-        else:
-            raise ConfigError(
-                f"task.name={task.name!r} is not one of {sorted(TASKS)}, 'reasoning_gym' or 'file'"
-            )
+        examples = given if given is not None else TASK_EXAMPLES[task.name](task)
         return split_eval(examples, task.num_eval, seed=task.seed)
     except ValueError as error:  # too many problems asked for, eval split too large, ...
         if isinstance(error, (ConfigError, DataError)):  # a data file's error names the file and the row
@@ -207,9 +252,11 @@ def data_task(config: Config, data: Any, run_dir: Path, *, resumed: bool) -> tup
     return examples, dataclasses.replace(config, task=dataclasses.replace(task, name="file", data_path=path))
 
 
-def write_data(run_dir: Path, text: str) -> None:
-    """RUN/data.jsonl, by replacement (gspo.files): a kill leaves no half file for --resume to read."""
-    replace_file(run_path(run_dir, DATA_FILE), text)
+def write_data(run: Run, rows: str | None) -> None:
+    """RUN/data.jsonl, the rows a run was given in memory (None: none were), by replacement (gspo.files): a
+    kill leaves no half file for --resume to read."""
+    if rows is not None and is_main():
+        replace_file(run_path(run.path, DATA_FILE), rows)
 
 
 def check_train_arguments(config: Any, overrides: Sequence[str]) -> None:
@@ -346,7 +393,8 @@ def check_generation_memory(
             "eval.max_new_tokens",
         )
     ]
-    if rollout.engine == "hf":
+    engine = engine_of(config)
+    if engine is not None and engine.in_process:  # the trainer's own model generates here
         batch = rollout.prompts_per_step * rollout.group_size
         needs.append(
             (
@@ -365,63 +413,3 @@ def check_generation_memory(
                 f"{tokens_key}) need a key/value cache of about {_size(need)}, and {_size(free)} is free on "
                 f"{device}: lower {slots_key} or {tokens_key}"
             )
-
-
-VLLM_LOGPROB_TOLERANCE = 1e-4
-"""The most a token's log-prob from vLLM may differ from the trainer's, on the start-up probe, for vLLM's
-log-probs to serve as the old policy's under train.old_logprobs=auto: a third of GSPO's lower clip band
-(3e-4), so that the mismatch alone moves no sequence ratio out of it. vLLM fp32 on a CPU: ~5e-7."""
-
-
-def sampler_is_current(config: Config, sampler: Sampler, policy: Policy, probe: list[Example]) -> bool:
-    """Whether ``sampler``'s log-probs are the current weights' own (the `exact` of
-    gspo.learning.policy.update_choices): the trainer's own model is; vLLM is when it is within
-    `VLLM_LOGPROB_TOLERANCE` of the trainer on samples of the `probe` prompts; a server is not."""
-    if isinstance(sampler, VLLMSampler):
-        sampler.logprob_gap = vllm_logprob_gap(config, policy, sampler, probe)
-        sampler.current = sampler.logprob_gap <= VLLM_LOGPROB_TOLERANCE
-        if not sampler.current:
-            warnings.warn(
-                f"train.old_logprobs=auto: vLLM's log-probs differ from the trainer's by up to "
-                f"{sampler.logprob_gap:.1e} on a start-up probe (tolerance {VLLM_LOGPROB_TOLERANCE:.0e}): the "
-                "old policy's are recomputed",
-                stacklevel=2,
-            )
-    return sampler.current
-
-
-def vllm_logprob_gap(config: Config, policy: Policy, sampler: VLLMSampler, probe: list[Example]) -> float:
-    """The largest |log pi_vLLM - log pi_trainer| of a completion token over G=2 samples of each `probe`
-    prompt, drawn as the rollouts are (temperature, length) with a fixed seed (the run's random streams
-    stay untouched), and scored by the trainer's forward."""
-    prompts = [
-        format_prompt(sampler.tokenizer, ex.prompt, system_prompt=config.task.system_prompt) for ex in probe
-    ]
-    rollouts = sampler.generate(
-        prompts,
-        group_size=2,
-        max_new_tokens=config.rollout.max_new_tokens,
-        temperature=config.rollout.temperature,
-        seed=config.seed,
-    )
-    sequences = [
-        TokenSequence(p, c, [True] * len(c))
-        for p, c in zip(rollouts.prompt_ids, rollouts.completion_ids, strict=True)
-    ]
-    spec = UpdateSpec(temperature=config.rollout.temperature, logprob_kernel=config.train.logprob_kernel)
-    device = next(policy.model.parameters()).device
-    gap = 0.0
-    for mb in make_micro_batches(
-        sequences,
-        layout="padded",
-        pack_length=config.train.pack_length,
-        micro_batch_tokens=config.train.micro_batch_tokens,
-        pad_id=0,
-    ):
-        mb = mb.to(device)
-        with torch.no_grad(), policy.autocast():
-            trainer = score(policy.scorer, mb, spec)
-        mask = mb.logprob_mask.reshape(-1)
-        engine = place(rollouts.sampler_logprobs, mb)
-        gap = max(gap, (trainer[mask] - engine[mask]).abs().max().item())
-    return gap

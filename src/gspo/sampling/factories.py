@@ -1,9 +1,11 @@
-"""The samplers of `gspo train`, by rollout.engine: a registry of factories, each `(config, policy, tokenizer,
-run_dir) -> Sampler`; a user's own factory is named as "path/file.py:function" (or "module:function"), under
-the trust rules of reward code (gspo.run.trust)."""
+"""The built-in samplers' factories, which gspo.config.engines names, and `build_sampler`: the sampler
+rollout.engine names, a built-in's or the user's own factory ("path/file.py:function", "module:function",
+under the trust rules of reward code: gspo.run.trust), whose rollouts are then checked as a server's are.
+`sampler_is_current` measures whether a sampler's log-probs are the trainer's own (vLLM's, on a probe)."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import warnings
 from collections.abc import Callable
@@ -13,8 +15,13 @@ from typing import Any
 import torch
 
 from gspo.config import Config, ConfigError
-from gspo.learning.policy import Policy
+from gspo.config.engines import engine_of
+from gspo.core.layout import TokenSequence, make_micro_batches
+from gspo.files import run_path
+from gspo.learning.learner import place
+from gspo.learning.policy import Policy, UpdateSpec, score
 from gspo.parallel.group import world_size
+from gspo.rollout.data import Example, format_prompt
 from gspo.rollout.llama_cpp import GGUFReload, LlamaCppServer, export_policy, require_llama_cpp
 from gspo.rollout.openai import OpenAIBackend, WeightSync, api_key_problem
 from gspo.rollout.samplers import CheckedSampler, HFSampler, Sampler
@@ -22,14 +29,13 @@ from gspo.rollout.user_code import CodeFileError, load_function, raised, raised_
 from gspo.rollout.vllm_engine import VLLMSampler, require_vllm
 from gspo.rollout.vllm_server import ExternalVLLMServer, FileReload, VLLMServer, server_sampler
 from gspo.run.build import generating, source_gguf
-from gspo.run.paths import run_path
 
 SamplerFactory = Callable[[Config, Policy, Any, Path], Sampler]
 """A sampler's factory: (config, policy, tokenizer, run folder) -> `gspo.rollout.samplers.Sampler`."""
 
 
 def hf_sampler(config: Config, policy: Policy, tokenizer: Any, run_dir: Path) -> Sampler:
-    """rollout.engine=hf: the trainer's own model, in this process (gspo.rollout.engine)."""
+    """rollout.engine=hf: the trainer's own model, in this process (gspo.rollout.hf_engine)."""
     return HFSampler(
         policy.model, tokenizer, config.rollout.generation_batch_size, lambda: generating(policy)
     )
@@ -39,10 +45,6 @@ def llama_cpp_sampler(config: Config, policy: Policy, tokenizer: Any, run_dir: P
     """rollout.engine=llama_cpp: a llama.cpp server of ours, given the policy as GGUF files."""
     require_llama_cpp()  # before the export: its absence is known at once
     server = config.rollout.llama_cpp
-    if world_size() > 1:
-        raise ConfigError(
-            "rollout.engine=llama_cpp runs in one process: use rollout.engine=hf under torchrun"
-        )
     source, directory = source_gguf(config.model), run_path(run_dir, "llama_cpp")
     first = export_policy(policy.model, tokenizer, directory / "policy.gguf", server.gguf_quant, source)
     llama = LlamaCppServer(first, threads=torch.get_num_threads(), startup_timeout=server.timeout)
@@ -90,29 +92,24 @@ def vllm_dtype(config: Config) -> torch.dtype | None:
     return None if dtype == "auto" else getattr(torch, dtype)
 
 
-def setup_vllm(config: Config, policy: Policy, tokenizer: Any, run_dir: Path) -> Sampler:
-    """rollout.engine=vllm (in this process) or vllm_server (a `vllm serve` process: `setup_vllm_server`)."""
+def vllm_sampler(config: Config, policy: Policy, tokenizer: Any, run_dir: Path) -> Sampler:
+    """rollout.engine=vllm: a vLLM engine in this process, given the policy's weights at every sync."""
     require_vllm()
-    if world_size() > 1:
-        raise ConfigError(
-            f"rollout.engine={config.rollout.engine} runs in one process: use rollout.engine=hf under torchrun"
-        )
-    settings = config.rollout.vllm
-    if config.rollout.engine == "vllm":
-        return VLLMSampler(
-            policy.model,
-            tokenizer,
-            max_num_seqs=config.rollout.generation_batch_size,
-            kv_cache_gib=settings.kv_cache_gib,
-            seed=config.seed,
-            dtype=vllm_dtype(config),
-        )
-    return setup_vllm_server(config, policy, tokenizer, run_dir)
+    return VLLMSampler(
+        policy.model,
+        tokenizer,
+        max_num_seqs=config.rollout.generation_batch_size,
+        kv_cache_gib=config.rollout.vllm.kv_cache_gib,
+        seed=config.seed,
+        dtype=vllm_dtype(config),
+    )
 
 
-def setup_vllm_server(config: Config, policy: Policy, tokenizer: Any, run_dir: Path) -> Sampler:
-    """gspo's own `vllm serve` (RUN/vllm_server), or the user's at rollout.vllm.url, synced by files or NCCL
-    (rollout.vllm.weight_sync), and given the policy's weights before the first rollout."""
+def vllm_server_sampler(config: Config, policy: Policy, tokenizer: Any, run_dir: Path) -> Sampler:
+    """rollout.engine=vllm_server: gspo's own `vllm serve` (RUN/vllm_server), or the user's at
+    rollout.vllm.url, synced by files or NCCL (rollout.vllm.weight_sync), and given the policy's weights
+    before the first rollout."""
+    require_vllm()
     settings = config.rollout.vllm
     if settings.url is None:
         server = VLLMServer(
@@ -149,23 +146,16 @@ def setup_vllm_server(config: Config, policy: Policy, tokenizer: Any, run_dir: P
     return server_sampler(external, tokenizer, settings.timeout, sync)
 
 
-SAMPLERS: dict[str, SamplerFactory] = {
-    "hf": hf_sampler,
-    "openai": openai_sampler,
-    "llama_cpp": llama_cpp_sampler,
-    "vllm": setup_vllm,
-    "vllm_server": setup_vllm,
-}
-"""rollout.engine's built-in choices; a user's factory is named by its file or module instead."""
-
-
-def setup_sampler(config: Config, policy: Policy, tokenizer: Any, run_dir: Path) -> Sampler:
-    """The sampler rollout.engine names: a built-in's (`SAMPLERS`) or the user's own factory,
-    "path/file.py:function" or "module:function", called with (config, policy, tokenizer, run_dir); its
-    errors name the file, and its sampler's rollouts are checked (gspo.rollout.samplers.CheckedSampler)."""
-    name = config.rollout.engine
-    if name in SAMPLERS:
-        return SAMPLERS[name](config, policy, tokenizer, run_dir)
+def build_sampler(config: Config, policy: Policy, tokenizer: Any, run_dir: Path) -> Sampler:
+    """The sampler rollout.engine names: a built-in's (gspo.config.engines.ENGINES) or the user's own
+    factory, "path/file.py:function" or "module:function", called with (config, policy, tokenizer, run_dir);
+    its errors name the file, and its sampler's rollouts are checked (gspo.rollout.samplers.CheckedSampler)."""
+    name, engine = config.rollout.engine, engine_of(config)
+    if engine is not None and engine.one_process and world_size() > 1:
+        raise ConfigError(f"rollout.engine={name} runs in one process: use rollout.engine=hf under torchrun")
+    if engine is not None:
+        module, _, function = engine.factory.partition(":")
+        return getattr(importlib.import_module(module), function)(config, policy, tokenizer, run_dir)
     try:
         factory = load_function(name, "sampler")
     except (CodeFileError, FileNotFoundError) as error:
@@ -188,3 +178,63 @@ def setup_sampler(config: Config, policy: Policy, tokenizer: Any, run_dir: Path)
             "sampler has generate(), sync_weights() and current (gspo.rollout.samplers.Sampler)"
         )
     return CheckedSampler(sampler, name, tokenizer)  # its rollouts checked as a server's are
+
+
+VLLM_LOGPROB_TOLERANCE = 1e-4
+"""The most a token's log-prob from vLLM may differ from the trainer's, on the start-up probe, for vLLM's
+log-probs to serve as the old policy's under train.old_logprobs=auto: a third of GSPO's lower clip band
+(3e-4), so that the mismatch alone moves no sequence ratio out of it. vLLM fp32 on a CPU: ~5e-7."""
+
+
+def sampler_is_current(config: Config, sampler: Sampler, policy: Policy, probe: list[Example]) -> bool:
+    """Whether ``sampler``'s log-probs are the current weights' own (the `exact` of
+    gspo.learning.policy.update_choices): the trainer's own model is; vLLM is when it is within
+    `VLLM_LOGPROB_TOLERANCE` of the trainer on samples of the `probe` prompts; a server is not."""
+    if isinstance(sampler, VLLMSampler):
+        sampler.logprob_gap = vllm_logprob_gap(config, policy, sampler, probe)
+        sampler.current = sampler.logprob_gap <= VLLM_LOGPROB_TOLERANCE
+        if not sampler.current:
+            warnings.warn(
+                f"train.old_logprobs=auto: vLLM's log-probs differ from the trainer's by up to "
+                f"{sampler.logprob_gap:.1e} on a start-up probe (tolerance {VLLM_LOGPROB_TOLERANCE:.0e}): the "
+                "old policy's are recomputed",
+                stacklevel=2,
+            )
+    return sampler.current
+
+
+def vllm_logprob_gap(config: Config, policy: Policy, sampler: VLLMSampler, probe: list[Example]) -> float:
+    """The largest |log pi_vLLM - log pi_trainer| of a completion token over G=2 samples of each `probe`
+    prompt, drawn as the rollouts are (temperature, length) with a fixed seed (the run's random streams
+    stay untouched), and scored by the trainer's forward."""
+    prompts = [
+        format_prompt(sampler.tokenizer, ex.prompt, system_prompt=config.task.system_prompt) for ex in probe
+    ]
+    rollouts = sampler.generate(
+        prompts,
+        group_size=2,
+        max_new_tokens=config.rollout.max_new_tokens,
+        temperature=config.rollout.temperature,
+        seed=config.seed,
+    )
+    sequences = [
+        TokenSequence(p, c, [True] * len(c))
+        for p, c in zip(rollouts.prompt_ids, rollouts.completion_ids, strict=True)
+    ]
+    spec = UpdateSpec(temperature=config.rollout.temperature, logprob_kernel=config.train.logprob_kernel)
+    device = next(policy.model.parameters()).device
+    gap = 0.0
+    for mb in make_micro_batches(
+        sequences,
+        layout="padded",
+        pack_length=config.train.pack_length,
+        micro_batch_tokens=config.train.micro_batch_tokens,
+        pad_id=0,
+    ):
+        mb = mb.to(device)
+        with torch.no_grad(), policy.autocast():
+            trainer = score(policy.scorer, mb, spec)
+        mask = mb.logprob_mask.reshape(-1)
+        engine = place(rollouts.sampler_logprobs, mb)
+        gap = max(gap, (trainer[mask] - engine[mask]).abs().max().item())
+    return gap
