@@ -32,7 +32,7 @@ from gspo.rollout.data import (
     split_eval,
 )
 from gspo.rollout.reasoning_gym import reasoning_gym_task
-from gspo.rollout.rewards import RewardFunction, resolve_reward, with_timeout
+from gspo.rollout.rewards import RewardFunction, keyword_call, resolve_reward, with_timeout
 from gspo.rollout.samplers import Sampler, tokenize_prompts
 from gspo.rollout.user_code import CodeFileError
 from gspo.rollout.vllm_engine import VLLMSampler
@@ -156,7 +156,7 @@ def resolve_rewards(
                 f"rewards.{name}: importing it raised {type(error).__name__}: {error}"
             ) from error
         label = labels[name]
-        resolved.append((label, with_timeout(function, config.reward_timeout, label), weight))
+        resolved.append((label, with_timeout(keyword_call(function), config.reward_timeout, label), weight))
     return resolved
 
 
