@@ -135,7 +135,7 @@ RULES: dict[str, Rule] = {
     "report_to": names("each tracker once; []: metrics.jsonl only"),
     "completions_per_step": at_least(0, "0: none").upto(BATCH_MAX, "completions of one rollout batch"),
     "device": Rule(lambda v: _DEVICE.fullmatch(v) is not None, '"auto", "cpu", "cuda" or "cuda:N"'),
-    "model.path": non_empty("a model directory or a .gguf file"),
+    "model.path": non_empty("a model directory, a .gguf file or a hub id in the Hugging Face cache"),
     "model.attn_implementation": non_empty('transformers\' attention, e.g. "sdpa" or "eager"'),
     "lora.rank": at_least(0, "0 trains all parameters").upto(2**16, "beyond any layer's width"),
     "lora.alpha": above(0, "the adapters' scale is alpha / rank"),

