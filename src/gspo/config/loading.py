@@ -56,7 +56,7 @@ def _apply(target: Section, values: dict[str, Any], prefix: str) -> None:
     for key, value in values.items():
         where = f"{prefix}{key}"
         if key not in names:
-            raise ConfigError(unknown_key(type(target), key))
+            raise ConfigError(unknown_key(type(target), key, value))
         current = getattr(target, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from gspo.config.rules import ENGINES as ENGINES  # where gspo has always imported it from
 from gspo.config.section import Section
 from gspo.config.values import ConfigError as ConfigError  # where gspo has always imported it from
 from gspo.core.registry import Aggregation, SamplerCorrection
@@ -142,10 +143,6 @@ class VLLMConfig(Section, key="rollout.vllm"):
     group the trainer opens there, on a free port (127.0.0.1: the server on this machine's other GPUs)."""
 
 
-ENGINES = ("hf", "openai", "llama_cpp", "vllm", "vllm_server")
-"""rollout.engine's built-in samplers (gspo.training.samplers.SAMPLERS builds each)."""
-
-
 @dataclass
 class RolloutConfig(Section, key="rollout"):
     engine: str = "hf"
@@ -234,8 +231,9 @@ class TrainConfig(Section, key="train"):
     """AdamW betas."""
     warmup_updates: int = 0
     """Linear warm-up length in optimizer updates."""
-    schedule: Literal["constant", "cosine"] = "constant"
-    """Learning-rate schedule after warm-up."""
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Learning-rate schedule after warm-up: constant, or down to 0 at the last update along a cosine or a
+    line (TRL's default)."""
     max_grad_norm: float = 1.0
     """Gradient-norm clipping threshold (0 disables)."""
     beta: float = 0.0
