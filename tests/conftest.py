@@ -156,6 +156,7 @@ def plant_hub_dataset(datasets_cache: Path, dataset_id: str, rows: list[dict], w
 
     from datasets.packaged_modules.json.json import Json
 
+    workdir.mkdir(parents=True, exist_ok=True)
     source = workdir / "rows.jsonl"
     source.write_text("".join(json.dumps(row) + "\n" for row in rows))
     name = dataset_id.rpartition("/")[2]

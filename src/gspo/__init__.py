@@ -1,7 +1,7 @@
 """gspo: Group Sequence Policy Optimization (GSPO, GSPO-token, GRPO) for language models.
 
 Layers, each importing only the ones below it (checked by import-linter): ``gspo.cli`` | ``gspo.client``
-(the command line; the client of `gspo serve`) > ``gspo.serve`` (the OpenAI-compatible server that trains
+| ``gspo.trl`` (the command line; the client of `gspo serve`; TRL's GRPOTrainer over `train`) > ``gspo.serve`` (the OpenAI-compatible server that trains
 on trajectory groups) | ``gspo.training`` (the loop, its samplers, evaluation, plots), siblings that never
 import each other > ``gspo.run`` (a run's home: folder, trust, checkpoints and resume, metrics, the policy
 built from the config) > ``gspo.rollout`` (the sampling engine, samplers, data, rewards, trajectories) > ``gspo.learning`` (the learner) > ``gspo.parallel`` |

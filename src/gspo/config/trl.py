@@ -54,7 +54,7 @@ class TrlValueError(ConfigError):
     with them."""
 
     def __init__(self, problem: str, instead: dict[str, Any]) -> None:
-        self.instead = instead
+        self.problem, self.instead = problem, instead
         fix = ", ".join(f"{name}={value!r}" for name, value in instead.items())
         super().__init__(f"{problem}: use {fix}" if instead else f"{problem}: leave it out")
 
@@ -132,7 +132,8 @@ def batch_shape(
             f"{gradient_accumulation_steps}, the micro-steps of each optimizer update",
             {
                 "steps_per_generation": max(1, steps // gradient_accumulation_steps)
-                * gradient_accumulation_steps
+                * gradient_accumulation_steps,
+                "gradient_accumulation_steps": gradient_accumulation_steps,
             },
         )
     if num_iterations != 1:
