@@ -9,6 +9,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 import gspo.config.rules
@@ -204,9 +205,14 @@ def test_rewards_are_a_mapping_or_a_list_of_functions_named_by_their_names(tmp_p
     [
         ([lambda p, c, **_: [0.0] * len(c)], "reward_functions[0] is a lambda, which has no name of its own"),
         ([_brevity, _brevity], "reward_functions[1]: two functions are named '_brevity'"),
-        (["exact_answer"], "reward_functions[0] is a str, not a function: a built-in"),
+        (
+            ["exact_answer"],
+            "reward_functions[0]='exact_answer' is a name: reward_functions takes the functions",
+        ),
         ({"exact": "exact_answer"}, "config.rewards (e.g. rewards={'exact_answer': 1.0})"),
         ("exact_answer", "reward_functions='exact_answer' is a name"),
+        ("OpenAssistant/reward-model", "reward_functions='OpenAssistant/reward-model' names a model: gspo's"),
+        ([torch.nn.Linear(2, 1)], "reward_functions[0] is a model (Linear): gspo's rewards are functions"),
     ],
 )
 def test_a_reward_that_is_not_a_named_function_is_one_line_naming_the_fix(functions, message: str) -> None:
@@ -289,3 +295,27 @@ def test_data_misuses_are_one_line_naming_the_fix(tmp_path: Path) -> None:
         with pytest.raises(kind) as error:
             call()
         assert message in one_line(error)
+
+
+def test_a_python_run_stopped_by_its_reward_names_the_python_call_that_continues_it(tmp_path: Path) -> None:
+    """Its rewards are functions of the user's script: `gspo train --resume RUN` would look for a built-in
+    of that name (no such reward), so the message names train(resume=..., reward_functions=[...]), which
+    continues it."""
+    from gspo.rollout.rewards import RewardError
+
+    calls = []
+
+    def flaky(completions, **kwargs):
+        calls.append(len(completions))
+        if len(calls) == 3:  # the first evaluation, step 1, then step 2 fails
+            raise ConnectionError("the judge is down")
+        return [float(c[:1].isdigit()) for c in completions]
+
+    run = tmp_path / "run"
+    with pytest.raises(RewardError) as error:
+        train(_small(run), reward_functions=[flaky], data=ROWS)
+    assert f"`train(resume={str(run)!r}, reward_functions=[flaky])`" in one_line(error)
+    assert "gspo train --resume" not in str(error.value)
+    result = train(resume=run, reward_functions=[flaky])  # as the message says; the judge is back
+    assert len(calls) > 3 and result["run_dir"] == str(run)
+    assert [m["step"] for m in read_metrics(run) if m["kind"] == "train"] == [1, 2]

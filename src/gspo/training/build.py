@@ -98,14 +98,13 @@ def named_rewards(functions: RewardFunctions | None) -> dict[str, RewardFunction
     if isinstance(functions, Mapping):
         named = dict(functions)
     elif isinstance(functions, (str, bytes)):
-        raise ConfigError(
-            f"reward_functions={functions!r} is a name: reward_functions takes the functions themselves; a "
-            f"built-in or a file's function goes in config.rewards (e.g. rewards={{{functions!r}: 1.0}})"
-        )
+        raise ConfigError(_named_not_given(functions, "reward_functions"))
     else:
         listed = [functions] if callable(functions) else list(functions)
         named = {}
         for index, function in enumerate(listed):
+            if isinstance(function, torch.nn.Module):  # a reward model: TRL takes one, gspo does not
+                raise ConfigError(_model_given(function, f"reward_functions[{index}]"))
             name = getattr(function, "__name__", None) if callable(function) else None
             if callable(function) and name in (None, "<lambda>"):
                 what = "a lambda" if name else f"a {type(function).__name__}"
@@ -120,13 +119,37 @@ def named_rewards(functions: RewardFunctions | None) -> dict[str, RewardFunction
                 )
             named[name or index] = function
     for name, function in named.items():
+        if isinstance(function, torch.nn.Module):
+            raise ConfigError(_model_given(function, f"reward_functions[{name!r}]"))
         if not callable(function):
-            key = function if isinstance(function, str) else "exact_answer"
-            raise ConfigError(
-                f"reward_functions[{name!r}] is a {type(function).__name__}, not a function: a built-in or a "
-                f"file's function goes in config.rewards (e.g. rewards={{{key!r}: 1.0}})"
-            )
+            raise ConfigError(_named_not_given(function, f"reward_functions[{name!r}]"))
     return named
+
+
+def _model_given(model: torch.nn.Module, where: str) -> str:
+    return (
+        f"{where} is a model ({type(model).__name__}): gspo's rewards are functions, def reward(completions, "
+        "**kwargs) -> list[float]; score with the model inside one"
+    )
+
+
+def _named_not_given(value: object, where: str) -> str:
+    """The message for a reward given by name where functions go: a built-in's name or a file's function
+    belongs in config.rewards; a hub id (a reward model, as TRL takes) has no place in gspo."""
+    if not isinstance(value, str):
+        return (
+            f"{where} is a {type(value).__name__}, not a function: a built-in or a file's function goes in "
+            "config.rewards (e.g. rewards={'exact_answer': 1.0})"
+        )
+    if "/" in value and ":" not in value:  # "OpenAssistant/reward-model-deberta-v3-large-v2"
+        return (
+            f"{where}={value!r} names a model: gspo's rewards are functions, def reward(completions, **kwargs) "
+            "-> list[float]; score with the model inside one (a reward model is not taken by name)"
+        )
+    return (
+        f"{where}={value!r} is a name: reward_functions takes the functions themselves; a built-in or a "
+        f"file's function goes in config.rewards (e.g. rewards={{{value!r}: 1.0}})"
+    )
 
 
 def resolve_rewards(

@@ -42,8 +42,7 @@ from gspo.run.resume import resume_config
 from gspo.run.start import open_folder, run_attribute, start_run
 from gspo.run.trust import (
     check_run_folder_config,
-    code_rewards,
-    rewards_override,
+    continue_command,
     users_code_files,
     users_reaches,
 )
@@ -115,6 +114,8 @@ class Trainer:
         if data is not None:  # the rows, and the config that reads them back from the run folder
             given, config = data_task(config, data, folder.path, resumed=resume is not None)
         self.rewards = resolve_rewards(config, reward_functions)
+        # a stopped run's message names them again: config.yaml holds their names, no built-in's
+        self._python_rewards = [name for name, _, _ in self.rewards] if reward_functions else []
         if reward_functions:  # config.yaml names the rewards this run uses (eval and resume look there)
             config = dataclasses.replace(config, rewards={name: weight for name, _, weight in self.rewards})
         self.train_examples, self.eval_examples = build_examples(config, given)
@@ -307,20 +308,21 @@ class Trainer:
             # under torchrun, where the other ranks may not have raised and would not join the save.
             if world_size() == 1 and self.step > 0 and self.home.saved_step != self.step:
                 self.checkpoint()
-            # the command names the reward code again: the user is editing it, and an edited file is no
-            # longer the one the run was started with (gspo.run.own_runs)
-            command = f"gspo train --resume {self.run_dir}"
-            if code_rewards(self.config):
-                command += f" {rewards_override(self.config)}"
+            command = self._continue(name_code=True)  # the user is editing the reward code
             raise RewardError(f"{error}; {self._kept('fix the reward function, then', command)}") from error
         except ServerError as error:  # the sampling server: down, dead, or refusing the weights
-            command = f"gspo train --resume {self.run_dir}"
-            raise ServerError(f"{error}; {self._kept('continue it with', command)}") from error
+            raise ServerError(f"{error}; {self._kept('continue it with', self._continue())}") from error
         except KeyboardInterrupt as error:
-            command = f"gspo train --resume {self.run_dir}"
-            raise RunInterrupted(f"interrupted; {self._kept('continue it with', command)}") from error
+            raise RunInterrupted(
+                f"interrupted; {self._kept('continue it with', self._continue())}"
+            ) from error
         finally:
             self.pipeline.close()
+
+    def _continue(self, *, name_code: bool = False) -> str:
+        return continue_command(
+            self.config, self.run_dir, python_rewards=self._python_rewards, name_code=name_code
+        )
 
     def _kept(self, then: str, command: str) -> str:
         """What a stopped run kept, and the command that continues it."""
