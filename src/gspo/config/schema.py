@@ -447,5 +447,6 @@ class Config(Section):
     run's (17 KB per rollout batch, 0.7 MB for its 40); set it with completions_per_step=N, 0 keeps none. The
     trackers' completions tables get every completion either way."""
     progress: bool = True
-    """Show a progress bar and each evaluation's accuracy when stderr is a terminal (logs and pipes get
-    only the final result); false: never."""
+    """Show a progress bar and each evaluation's accuracy when stderr is a terminal, and a line per rollout
+    batch and evaluation when it is not (a pipe, a log file, nohup); false: neither, only the final
+    result."""
