@@ -341,31 +341,16 @@ class GRPOTrainer:
         peft_config: Any = None,
         **others: Any,
     ) -> None:
-        refused = {
-            "eval_dataset": (
-                eval_dataset,
-                "gspo evaluates on rows of train_dataset it holds out: use "
-                "args=GRPOConfig(gspo={'task': {'num_eval': 20}})",
-            ),
-            "processing_class": (processing_class, "gspo loads the model's own tokenizer: leave it out"),
-            "reward_processing_classes": (
-                reward_processing_classes,
-                "gspo's rewards are functions: leave it out",
-            ),
-            "callbacks": (
-                callbacks,
-                "gspo logs each step to metrics.jsonl and report_to's trackers: leave it out",
-            ),
-            "optimizers": (
-                None if optimizers == (None, None) else optimizers,
-                "gspo trains with AdamW and GRPOConfig's learning_rate, lr_scheduler_type: leave it out",
-            ),
-        } | {name: (value, "gspo has no such argument: leave it out") for name, value in others.items()}
-        for name, (value, instead) in refused.items():
-            if value is not None and value != []:
-                raise ConfigError(f"GRPOTrainer({name}=...): {instead}")
-        if train_dataset is None:
-            raise ConfigError("GRPOTrainer needs train_dataset: a datasets.Dataset with a 'prompt' column")
+        _refuse(
+            {
+                "eval_dataset": eval_dataset,
+                "processing_class": processing_class,
+                "reward_processing_classes": reward_processing_classes,
+                "callbacks": callbacks,
+                "optimizers": None if optimizers == (None, None) else optimizers,
+                **others,
+            }
+        )
         self.args = args if args is not None else GRPOConfig()
         self.model_path = _model_path(model)
         functions = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
@@ -373,21 +358,9 @@ class GRPOTrainer:
             _check_reward_function(function)
         self.train_dataset = train_dataset
         columns = _columns(train_dataset)
-        if "prompt" not in columns:
-            raise ConfigError(
-                f"train_dataset has no 'prompt' column (its columns: {columns}): TRL's name for it"
-            )
-        conversational = _conversational(train_dataset)
-        self.reward_funcs = [_trl_call(function, conversational) for function in functions]
+        self.reward_funcs = [_trl_call(function, _conversational(train_dataset)) for function in functions]
         names = list(named_rewards(self.reward_funcs))  # each by its function's name, as TRL names them
-        try:
-            rows = len(train_dataset)
-        except TypeError:  # an IterableDataset
-            raise ConfigError(
-                f"train_dataset is a {type(train_dataset).__name__} without a length: gspo draws its rollout batches "
-                "from rows it holds, a datasets.Dataset (dataset = Dataset.from_list(list(iterable)))"
-            ) from None
-        config = self.args.gspo_config(rows=rows, reward_names=names)
+        config = self.args.gspo_config(rows=_rows(train_dataset), reward_names=names)
         lora = _lora(peft_config)
         self.config = dataclasses.replace(
             config,
@@ -428,6 +401,37 @@ class GRPOTrainer:
         return export_run(run, format="hf", output=None if inside else output_dir)
 
 
+REFUSED_ARGUMENTS = {
+    "eval_dataset": "gspo evaluates on rows of train_dataset it holds out: use "
+    "args=GRPOConfig(gspo={'task': {'num_eval': 20}})",
+    "processing_class": "gspo loads the model's own tokenizer: leave it out",
+    "reward_processing_classes": "gspo's rewards are functions: leave it out",
+    "callbacks": "gspo logs each step to metrics.jsonl and report_to's trackers: leave it out",
+    "optimizers": "gspo trains with AdamW and GRPOConfig's learning_rate, lr_scheduler_type: leave it out",
+}
+"""GRPOTrainer's arguments gspo takes only unset, and what to do instead."""
+
+
+def _refuse(given: dict[str, Any]) -> None:
+    """One line for the first argument given that gspo has no use for (`REFUSED_ARGUMENTS`, or any other
+    of TRL's: tools, rollout_func, environment_factory, quantization_config)."""
+    for name, value in given.items():
+        if value is not None and value != []:
+            instead = REFUSED_ARGUMENTS.get(name, "gspo has no such argument: leave it out")
+            raise ConfigError(f"GRPOTrainer({name}=...): {instead}")
+
+
+def _rows(dataset: Any) -> int:
+    """The dataset's number of rows; a dataset without one (an IterableDataset) is refused."""
+    try:
+        return len(dataset)
+    except TypeError:
+        raise ConfigError(
+            f"train_dataset is a {type(dataset).__name__} without a length: gspo draws its rollout batches "
+            "from rows it holds, a datasets.Dataset (dataset = Dataset.from_list(list(iterable)))"
+        ) from None
+
+
 def _model_path(model: Any) -> str:
     """model= as model.path: a hub id or a local folder; a model object is named by the fix."""
     if isinstance(model, (str, Path)):
@@ -454,6 +458,9 @@ def _check_reward_function(function: Any) -> None:
 
 
 def _columns(dataset: Any) -> list[str]:
+    """The dataset's columns, the prompt among them (TRL's name for it)."""
+    if dataset is None:
+        raise ConfigError("GRPOTrainer needs train_dataset: a datasets.Dataset with a 'prompt' column")
     names = getattr(dataset, "column_names", None)
     if names is None and isinstance(dataset, Sequence) and dataset and isinstance(dataset[0], Mapping):
         names = list(dataset[0])
@@ -461,6 +468,10 @@ def _columns(dataset: Any) -> list[str]:
         raise ConfigError(
             f"train_dataset is a {type(dataset).__name__}: give a datasets.Dataset (or a list of dicts) with a "
             "'prompt' column"
+        )
+    if "prompt" not in names:
+        raise ConfigError(
+            f"train_dataset has no 'prompt' column (its columns: {list(names)}): TRL's name for it"
         )
     return list(names)
 
