@@ -177,7 +177,7 @@ def test_every_hint_for_a_trl_name_names_values_that_work(name: str) -> None:
         ("save_only_model", True, {"checkpoint.optimizer": False}),
     ],
 )  # fmt: skip
-def test_the_issue_s_wrong_hints_now_translate_faithfully(name: str, value, expected: dict) -> None:
+def test_the_hints_that_led_nowhere_now_translate_faithfully(name: str, value, expected: dict) -> None:
     """The hints that led nowhere: importance_sampling_level -> objective 'sequence', loss_type ->
     aggregation 'dr_grpo', num_iterations -> 'train', gradient_accumulation_steps -> completions_per_step,
     use_vllm -> 'eval', epsilon -> eps_low only."""
