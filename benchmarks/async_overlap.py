@@ -54,7 +54,7 @@ def run(lag: int, wait_file: Path, steps: int, folder: Path) -> list[float]:
         start = time.perf_counter()
         trainer.train_step()
         seconds.append(time.perf_counter() - start)
-    trainer.pipeline.close()
+    trainer.rollouts.close()
     trainer.home.release()
     return seconds[1:]
 

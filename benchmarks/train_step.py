@@ -8,6 +8,13 @@ updates compute in. The update phase's FLOPs are counted by torch's FlopCounterM
 (matmuls and attention, forward and backward, through learn's around_update hook), and its FLOPs per
 computed token applied to the timed steps.
 
+--lora RANK: a LoRA update against a full one on the same rollout batches. Each measured round samples a
+rollout batch with the full fine-tune's trainer, then runs the update phase (`learn`: old-policy log-probs
+and train.minibatches optimizer updates) of a full fine-tune and of a rank-RANK LoRA fine-tune (lora.rank,
+the config's lora.target_modules and alpha) on it, in alternating order; prints each one's median times,
+their ratio, the trainable parameters and the optimizer state, and the FLOPs per update token of each
+(counted on one more batch, as above).
+
 --long-prefix: the agent and tool-use case. Synthetic rollout batches of P prompts of 512 tokens, G=8
 completions of 32 tokens each (random token ids; the update phase costs the same whatever the tokens),
 and the update phase of `learn` timed for today's layout (packed rows, samples split across minibatches)
@@ -16,6 +23,7 @@ and the shared-prefix layout (whole groups per minibatch), alternating, on the c
 layout with samples split across minibatches (the default split) is timed too.
 
 Run:  HF_HUB_OFFLINE=1 python benchmarks/train_step.py [CONFIG] [key=value ...] [--steps N]
+      HF_HUB_OFFLINE=1 python benchmarks/train_step.py --lora 16 [CONFIG] [key=value ...] [--steps N]
       HF_HUB_OFFLINE=1 python benchmarks/train_step.py --long-prefix [--system N] [--steps N]
 """
 
@@ -33,9 +41,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from gspo.config import load_config
 from gspo.core.layout import TokenSequence
+from gspo.core.seeds import step_seed
 from gspo.learning.batch import Batch, make_batch
 from gspo.learning.learner import learn
-from gspo.learning.step import step_seed
 from gspo.training.trainer import Trainer
 
 LONG_PREFIX = {"prompt": 512, "group_size": 8, "completion": 32}
@@ -65,8 +73,7 @@ def _phases(trainer: Trainer) -> dict[str, float]:
 
 
 def default_mode(args: argparse.Namespace) -> None:
-    config_path = args.config if args.config and "=" not in args.config else None
-    overrides = ([args.config] if args.config and "=" in args.config else []) + args.overrides
+    config_path, overrides = _config_args(args)
     with tempfile.TemporaryDirectory() as run_dir:
         config = load_config(
             config_path, [*overrides, f"output_dir={run_dir}", "report_to=[]", "progress=false"]
@@ -84,22 +91,7 @@ def default_mode(args: argparse.Namespace) -> None:
         rows = [_phases(trainer) for _ in range(args.steps)]
 
         # one more step's updates, each inside a FLOP counter (learn's around_update hook)
-        counters: list[FlopCounterMode] = []
-
-        def count() -> FlopCounterMode:
-            counters.append(FlopCounterMode(display=False))
-            return counters[-1]
-
-        samples, _ = trainer.sample()
-        batch, _ = make_batch(samples)
-        probe = learn(
-            trainer.policy,
-            trainer.spec,
-            batch,
-            seed=step_seed(trainer.config.seed, trainer.step),
-            around_update=count,
-        )
-        flops_per_token = sum(c.get_total_flops() for c in counters) / probe["update_tokens"]
+        flops_per_token = _update_flops(trainer, _next_batch(trainer))
         peaks.append(matmul_peak(dtype))  # the higher of before and after: the stricter reference
     peak = max(peaks)
     print(
@@ -129,6 +121,92 @@ def default_mode(args: argparse.Namespace) -> None:
         f"updates {med['time_update']:.2f} s, {sum(med.values()):.2f} s per rollout batch; update phase "
         f"{gflops:.1f} GFLOP/s = {100 * gflops / peak:.0f}% of the matmul peak"
     )
+    print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+
+
+def _config_args(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """The config file and the overrides of the command line (a first word with "=" is an override)."""
+    config_path = args.config if args.config and "=" not in args.config else None
+    return config_path, ([args.config] if args.config and "=" in args.config else []) + args.overrides
+
+
+def _update_flops(trainer: Trainer, batch: Batch) -> float:
+    """FLOPs per update token of `trainer`'s update phase on `batch` (matmuls and attention, forward and
+    backward, counted through learn's around_update hook)."""
+    counters: list[FlopCounterMode] = []
+
+    def count() -> FlopCounterMode:
+        counters.append(FlopCounterMode(display=False))
+        return counters[-1]
+
+    # every sample computed, also of groups whose rewards all tie (skipped in training): FLOPs per token
+    # are then defined whatever the batch's rewards
+    spec = dataclasses.replace(trainer.spec, skip_zero_advantage=False)
+    probe = learn(trainer.policy, spec, batch, seed=step_seed(trainer.config.seed, 0), around_update=count)
+    return sum(c.get_total_flops() for c in counters) / probe["update_tokens"]
+
+
+def _next_batch(trainer: Trainer) -> Batch:
+    """The trainer's next rollout batch, its step moved on so that the one after is drawn (as train_step
+    does, without its update: the benchmark runs `learn` itself)."""
+    samples, _ = trainer.sample()
+    trainer.step += 1
+    trainer.rollouts.updated(trainer.policy.model, trainer.step)
+    return make_batch(samples)[0]
+
+
+def lora_mode(args: argparse.Namespace) -> None:
+    """A full fine-tune's and a LoRA fine-tune's update phase on the same rollout batches (docstring)."""
+    config_path, overrides = _config_args(args)
+    common = ["report_to=[]", "progress=false", "eval.every=0"]
+    with tempfile.TemporaryDirectory() as full_dir, tempfile.TemporaryDirectory() as lora_dir:
+        full = Trainer(load_config(config_path, [*overrides, *common, f"output_dir={full_dir}"]))
+        lora_config = load_config(
+            config_path, [*overrides, *common, f"output_dir={lora_dir}", f"lora.rank={args.lora}"]
+        )
+        lora = Trainer(lora_config)
+        trainers = {"full": full, f"lora r={args.lora}": lora}
+        spec = full.spec
+        print(
+            f"batch: {full.config.rollout.prompts_per_step} prompts x G={full.config.rollout.group_size}, "
+            f"{spec.minibatches} minibatches, layout {spec.layout} (LoRA: {lora.spec.layout}), old log-probs "
+            f"{spec.old_logprobs} (LoRA: {lora.spec.old_logprobs}); threads {torch.get_num_threads()}"
+        )
+        times: dict[str, dict[str, list[float]]] = {name: {"update": [], "old": []} for name in trainers}
+        for round_ in range(args.steps + 1):  # the first round warms up
+            batch = _next_batch(full)
+            order = list(trainers.items())
+            for name, trainer in order if round_ % 2 else order[::-1]:
+                metrics = learn(
+                    trainer.policy, trainer.spec, batch, seed=step_seed(trainer.config.seed, round_)
+                )
+                if round_:
+                    times[name]["update"].append(metrics["time_update"])
+                    times[name]["old"].append(metrics["time_old_logprobs"])
+                print(
+                    f"  round {round_}{' (warm-up)' if not round_ else ''}: {name}: update phase "
+                    f"{metrics['time_update']:.2f} s, old log-probs {metrics['time_old_logprobs']:.2f} s",
+                    flush=True,
+                )
+        batch = _next_batch(full)
+        flops = {name: _update_flops(trainer, batch) for name, trainer in trainers.items()}
+        sizes = {}
+        for name, trainer in trainers.items():
+            trained = [p for p in trainer.policy.model.parameters() if p.requires_grad]
+            state = trainer.policy.optimizer.state.values()
+            optimizer_bytes = sum(
+                t.numel() * t.element_size() for s in state for t in s.values() if torch.is_tensor(t)
+            )
+            sizes[name] = (sum(p.numel() for p in trained), optimizer_bytes)
+    base = statistics.median(times["full"]["update"])
+    for name in trainers:
+        update, old = statistics.median(times[name]["update"]), statistics.median(times[name]["old"])
+        params, optimizer_bytes = sizes[name]
+        print(
+            f"{name:<10} median update phase {update:7.2f} s ({base / update:.2f}x the full one's speed), "
+            f"old log-probs {old:.2f} s; {flops[name] / 1e6:.1f} MFLOP per update token; {params:,} trained "
+            f"parameters, AdamW state {optimizer_bytes / 2**20:.1f} MiB"
+        )
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
 
 
@@ -205,6 +283,9 @@ def main() -> None:
     parser.add_argument(
         "--long-prefix", action="store_true", help="512-token prompts, G=8, 32-token completions"
     )
+    parser.add_argument(
+        "--lora", type=int, default=0, metavar="RANK", help="a rank-RANK LoRA update against a full one"
+    )
     parser.add_argument("--prompts", type=int, default=4, help="--long-prefix: prompts per rollout batch")
     parser.add_argument(
         "--system", type=int, default=0, help="--long-prefix: leading prompt tokens common to all prompts"
@@ -212,7 +293,10 @@ def main() -> None:
     args = parser.parse_args()
     if not 0 <= args.system <= LONG_PREFIX["prompt"]:
         parser.error(f"--system must be between 0 and the prompt length, {LONG_PREFIX['prompt']}")
-    (long_prefix_mode if args.long_prefix else default_mode)(args)
+    if args.lora < 0 or (args.lora and args.long_prefix):
+        parser.error("--lora takes a rank > 0, and goes without --long-prefix")
+    mode = long_prefix_mode if args.long_prefix else lora_mode if args.lora else default_mode
+    mode(args)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The wheels benchmarks/gpu.py needs on the lent GPU machine beyond its image (TRL and Liger-Kernel, with
-# the two dependencies of datasets the image lacks), into .whl/ (git-ignored): about 3 MB. docs/gpu.md.
+# The wheels benchmarks/gpu.py needs on a GPU machine without a package index, beyond a CUDA PyTorch image
+# (TRL and Liger-Kernel, with the two dependencies of datasets such images lack), into .whl/ (git-ignored):
+# about 3 MB. docs/gpu.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >>"$(git rev-parse --git-path info/exclude)"

@@ -128,6 +128,52 @@ def run_example_smoke(name: str, out: Path) -> subprocess.CompletedProcess:
     return done
 
 
+HUB_REVISION = "0" * 40
+"""The commit a planted hub-cache entry names as its main revision."""
+
+
+def plant_hub_model(hub_cache: Path, model_id: str, *, seed: int = 0) -> Path:
+    """The tiny random Llama and its tokenizer saved where the Hugging Face cache at ``hub_cache``
+    ($HF_HOME/hub) keeps hub model ``model_id``'s main revision, as `hf download` leaves it; returns its
+    folder. A hub id in code then resolves offline, without the model's real weights."""
+    from gspo.models import tiny_model, tiny_tokenizer
+
+    repo = hub_cache / f"models--{model_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / HUB_REVISION
+    tokenizer = tiny_tokenizer()
+    tiny_model("llama", len(tokenizer), seed).save_pretrained(snapshot)
+    tokenizer.save_pretrained(snapshot)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(HUB_REVISION)
+    return snapshot
+
+
+def plant_hub_dataset(datasets_cache: Path, dataset_id: str, rows: list[dict], workdir: Path) -> None:
+    """``rows`` as the train split of hub dataset ``dataset_id`` in the datasets cache at ``datasets_cache``
+    ($HF_HOME/datasets), where an offline `load_dataset(dataset_id)` reads it (datasets' own builder writes
+    it, then it moves to the folder the hub id names)."""
+    import json
+
+    from datasets.packaged_modules.json.json import Json
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    source = workdir / "rows.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    name = dataset_id.rpartition("/")[2]
+    builder = Json(
+        cache_dir=str(workdir / "build"),
+        dataset_name=name,
+        config_name="default",
+        hash=HUB_REVISION[:16],
+        data_files={"train": str(source)},
+    )
+    builder.download_and_prepare()
+    (built,) = (workdir / "build" / name).iterdir()  # default-<hash of the data files>
+    target = datasets_cache / dataset_id.replace("/", "___") / "default"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    built.rename(target)
+
+
 def tiny_config(run_dir: Path, *overrides: str):
     """configs/tiny.yaml with output_dir=``run_dir``, no TensorBoard and no progress bar, `TINY_NUMERICS`,
     then ``overrides``. A plain function (``from conftest import tiny_config``): spawned worker processes

@@ -375,3 +375,74 @@ def test_a_lone_surrogate_names_the_file_the_row_and_the_field(tmp_path) -> None
         match=r"data\.jsonl: row 2: field 'prompt' holds a lone surrogate \(U\+D800 at character 2\)",
     ):
         load_examples(path)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Conversational prompts: a column of chat messages, TRL's standard form
+
+CHAT_ROWS = [
+    {
+        "prompt": [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hi"}],
+        "a": 1,
+    },
+    {"prompt": [{"role": "user", "content": "2+2?"}], "a": 2},
+    {
+        "prompt": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Bl"}],
+        "a": 3,
+    },
+]
+
+
+def test_chat_message_prompts_are_read_and_templated_as_trl_does(tmp_path) -> None:
+    """A row's own system prompt, a plain user turn, and an assistant turn to continue: each rendered as
+    TRL's own maybe_apply_chat_template renders it; the rows survive the run folder's data.jsonl."""
+    from gspo.models import tiny_tokenizer
+    from gspo.rollout.data import jsonl_lines, rows_examples
+
+    trl_data = pytest.importorskip("trl.data_utils", reason="the dev extra installs TRL")
+    tokenizer = tiny_tokenizer()
+    examples = rows_examples(CHAT_ROWS, answer_fields=["a"])
+    assert [e.prompt for e in examples] == [r["prompt"] for r in CHAT_ROWS]
+    for example, row in zip(examples, CHAT_ROWS, strict=True):
+        expected = trl_data.maybe_apply_chat_template({"prompt": row["prompt"]}, tokenizer)["prompt"]
+        assert format_prompt(tokenizer, example.prompt) == expected
+    assert format_prompt(tokenizer, examples[1].prompt).endswith("<|im_start|>assistant\n")
+    assert format_prompt(tokenizer, examples[2].prompt).endswith("<|im_start|>assistant\nBl")
+    # task.system_prompt fills in for rows without one; a row's own wins
+    with_system = format_prompt(tokenizer, examples[1].prompt, system_prompt="Be brief.")
+    assert with_system.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    assert "Be brief." not in format_prompt(tokenizer, examples[0].prompt, system_prompt="Be brief.")
+    path = tmp_path / "data.jsonl"
+    path.write_text(jsonl_lines(examples, "prompt"))
+    assert load_examples(path, answer_fields=["a"]) == examples
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ([], "an empty list of messages"),
+        (["Hi"], "message 0, which is not a mapping with a 'role'"),
+        ([{"role": "robot", "content": "Hi"}], "message 0 of role 'robot', not one of system, user"),
+        ([{"role": "user", "content": [{"type": "text", "text": "Hi"}]}], "message 0 without text 'content'"),
+        ([{"role": "user", "content": "Hi"}, {"role": "system", "content": "x"}], "a last message of role"),
+        (7, "int"),
+    ],
+)
+def test_a_prompt_that_is_no_text_and_no_conversation_names_the_row(tmp_path, prompt, message) -> None:
+    path = tmp_path / "data.jsonl"
+    path.write_text(
+        json.dumps({"prompt": "fine", "answer": "1"}) + "\n" + json.dumps({"prompt": prompt, "answer": "2"})
+    )
+    with pytest.raises(DataError) as error:
+        load_examples(path)
+    assert (
+        f"data.jsonl: row 2: field 'prompt' must be a string or a list of chat messages, got {message}"
+        in str(error.value)
+    )
+
+
+def test_chat_messages_need_a_chat_template() -> None:
+    with pytest.raises(
+        DataError, match="the prompts are chat messages, and this model's tokenizer has no chat"
+    ):
+        format_prompt(_tiny_tokenizer(None), [{"role": "user", "content": "Hi"}])

@@ -142,3 +142,19 @@ def test_configured_rewards_are_named_by_their_function_unless_two_share_one() -
         "pkg.mod:brevity": "brevity",
         "c.py:exact_answer": "exact_answer",
     }
+
+
+def test_the_linear_schedule_is_transformers_own_after_the_warm_up() -> None:
+    """train.schedule=linear (TRL's default lr_scheduler_type): after the warm-up, the factor of every update
+    is transformers' get_linear_schedule_with_warmup's, down to 0 at the last update."""
+    import torch
+    from transformers import get_linear_schedule_with_warmup
+
+    from gspo.run.build import lr_schedule
+
+    config = load_config(None, ["train.schedule=linear", "train.warmup_updates=3"])
+    ours = lr_schedule(config, total_updates=20)
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    theirs = get_linear_schedule_with_warmup(optimizer, 3, 20).lr_lambdas[0]
+    assert [ours(u) for u in range(3, 21)] == [theirs(u) for u in range(3, 21)]
+    assert ours(20) == 0.0 and ours(3) == 1.0

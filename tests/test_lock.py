@@ -158,3 +158,23 @@ def test_a_holder_that_has_just_locked_is_named_once_it_writes_its_record(tmp_pa
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_process_that_ends_on_an_exception_releases_its_lock_with_no_note_for_the_next(
+    tmp_path: Path, capsys
+) -> None:
+    """A Python session whose Trainer raised still held its lock; at its exit the record is cleared, so the
+    next run takes the folder without saying its holder was killed."""
+    run = tmp_path / "run"
+    code = (
+        "from gspo.run import lock\n"
+        f"lock.acquire({str(run)!r}, 'python my_script.py')\n"
+        "raise RuntimeError('the reward function failed')\n"
+    )
+    run.mkdir()
+    done = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True)
+    assert done.returncode == 1 and "the reward function failed" in done.stderr
+    assert (run / LOCK_FILE).read_text() == ""  # released at exit
+    code, err = _gspo(capsys, "train", TINY, f"output_dir={run}", *FAST)
+    assert code == 0, err
+    assert "ended without releasing" not in err

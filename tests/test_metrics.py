@@ -362,3 +362,21 @@ def test_a_metrics_line_past_the_ceiling_is_refused_as_it_is_read(tmp_path, caps
     assert peak < 4 * LINE_MAX, peak
     assert main(["plot", str(tmp_path)]) == EXIT_CODES["run folder"]
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_the_summary_of_an_interrupted_run_names_the_checkpoint_resume_continues_from(two_step_run, tmp_path):
+    """Stopped after logging step 3 but before its checkpoint: "trained: 3" alone read as if step 3 were
+    kept; the summary says the latest checkpoint is step 2, from which --resume trains step 3 again."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(two_step_run, run)
+    assert "- Latest checkpoint: step 2\n" in write_summary(run)
+    with open(run / "metrics.jsonl", "a") as out:
+        out.write(json.dumps({"step": 3, "kind": "train", "reward_mean": 0.5}) + "\n")
+    text = write_summary(run)
+    assert "trained: 3, steps 1 to 3" in text
+    assert text.endswith(
+        "- Latest checkpoint: step 2, which --resume continues from: steps 3 to 3 were logged but not kept, "
+        "and train again\n"
+    )

@@ -213,3 +213,38 @@ def test_a_config_json_of_a_model_far_larger_than_its_weights_is_refused_before_
             load_model(ModelConfig(path=str(tmp_path)))
     finally:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def test_a_hub_id_resolves_from_the_local_hugging_face_cache_or_says_how_to_get_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """model.path=org/name finds the model where `hf download` put it ($HF_HOME/hub), offline; a command
+    line keeps the id as written (not a folder of the working directory); an id the cache lacks is one
+    line naming the download command."""
+    import huggingface_hub.constants
+
+    from conftest import plant_hub_model
+    from gspo.config import load_config
+
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.chdir(tmp_path)
+    snapshot = plant_hub_model(cache, "HuggingFaceTB/SmolLM2-135M-Instruct", seed=3)
+    config = load_config(None, ["model.path=HuggingFaceTB/SmolLM2-135M-Instruct"])
+    assert config.model.path == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    model, _ = load_model(config.model)
+    planted = AutoModelForCausalLM.from_pretrained(snapshot)
+    assert torch.equal(model.get_input_embeddings().weight, planted.get_input_embeddings().weight)
+    with pytest.raises(FileNotFoundError) as error:
+        load_model(ModelConfig(path="Qwen/Qwen2-0.5B-Instruct"))
+    message = str(error.value)
+    assert "\n" not in message
+    assert (
+        "the Hugging Face cache holds no model 'Qwen/Qwen2-0.5B-Instruct': download it once, online, with "
+        "`hf download Qwen/Qwen2-0.5B-Instruct`" in message
+    )
+    # a folder of that name in the working directory is a path, as before
+    (tmp_path / "Qwen" / "Qwen2-0.5B-Instruct").mkdir(parents=True)
+    assert load_config(None, ["model.path=Qwen/Qwen2-0.5B-Instruct"]).model.path == str(
+        tmp_path / "Qwen" / "Qwen2-0.5B-Instruct"
+    )

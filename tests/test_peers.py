@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from gspo.config.trl import TRL_LOSSES
 from gspo.core.objectives import LossInputs, LossSpec, compute_loss, policy_loss
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer", reason="TRL is part of the dev extra")
@@ -162,19 +163,12 @@ def assert_same(a, b):
     torch.testing.assert_close(a[1], b[1], rtol=0, atol=1e-6)  # the gradients: the same bound
 
 
-# GSPO / GRPO and the aggregations: TRL's loss_type x importance_sampling_level
+# GSPO / GRPO and the aggregations: TRL's loss_type x importance_sampling_level, as gspo.trl's GRPOConfig
+# and the config's hints translate them (gspo.config.trl.TRL_LOSSES, the one table): LUSPO is GSPO's L_i
+# times |y_i| over B; Dr. GRPO's token sums over B x max_completion_length; CISPO's paper and TRL average
+# over tokens
 CASES = [
-    # (trl loss_type, level, our objective, our aggregation)
-    ("grpo", "token", "grpo", "seq-mean-token-mean"),
-    ("grpo", "sequence", "gspo", "seq-mean-token-mean"),  # the GSPO paper's setup in TRL
-    ("dapo", "token", "grpo", "token-mean"),
-    ("bnpo", "token", "grpo", "token-mean"),
-    ("dapo", "sequence", "gspo", "token-mean"),
-    ("luspo", "sequence", "gspo", "seq-mean-token-sum"),  # LUSPO: GSPO's L_i times |y_i|, over B
-    ("dr_grpo", "token", "grpo", "seq-mean-token-sum-norm"),  # Dr. GRPO: over B x max_completion_length
-    ("sapo", "token", "sapo", "seq-mean-token-mean"),
-    ("sapo", "sequence", "sapo_seq", "seq-mean-token-mean"),
-    ("cispo", "token", "cispo", "token-mean"),  # CISPO's paper and TRL average over tokens
+    (loss, level, objective, aggregation) for (loss, level), (objective, aggregation) in TRL_LOSSES.items()
 ]
 
 

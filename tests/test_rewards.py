@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+import inspect
 import math
 
 import numpy as np
@@ -16,6 +17,7 @@ from gspo.rollout.rewards import (
     compute_rewards,
     correct_number,
     exact_answer,
+    keyword_call,
     number_format,
     resolve_reward,
     with_timeout,
@@ -263,3 +265,66 @@ def test_a_hung_reward_function_times_out_once_without_retries_per_sample():
     assert with_timeout(number_format, 5.0, "fmt")(["p"], ["12"]) == [1.0]
     with pytest.raises(RewardError, match="raised ZeroDivisionError"):
         compute_rewards([("div", with_timeout(lambda p, c, **_: [1 / 0], 5.0, "div"), 1.0)], ["p"], ["c"], {})
+
+
+# ---- calling conventions: TRL's keywords, and the positional callers of before -----------------------
+def reward_len(completions, **kwargs):
+    """TRL's documented example reward: its signature names no prompts, so they must come by keyword."""
+    return [-abs(5 - len(completion)) for completion in completions]
+
+
+def accuracy_like(completions, solution, **kwargs):  # TRL's accuracy_reward: a column as a named parameter
+    return [float(c == s) for c, s in zip(completions, solution, strict=True)]
+
+
+def test_trl_signatures_are_called_with_keywords_and_positional_ones_as_before():
+    seen: dict[str, object] = {}
+
+    def positional(p, c, **fields):  # names of its own: positions, as gspo always called it
+        seen["positional"] = (p, c, fields)
+        return [0.0] * len(c)
+
+    def star_args(*args, **fields):  # reads positions: keeps them
+        seen["star"] = args
+        return [0.0] * len(args[1])
+
+    def everything(**kwargs):  # keywords only: TRL's way
+        seen["keywords"] = sorted(kwargs)
+        return [0.0] * len(kwargs["completions"])
+
+    functions = [
+        ("reward_len", keyword_call(reward_len), 1.0),
+        ("accuracy_like", keyword_call(accuracy_like), 1.0),
+        ("positional", keyword_call(positional), 1.0),
+        ("star", keyword_call(star_args), 1.0),
+        ("keywords", keyword_call(everything), 1.0),
+        ("correct", keyword_call(correct_number), 1.0),  # gspo's own contract: prompts, completions named
+    ]
+    fields = {"answer": ["2", "4", "6"], "solution": ["2", "x", "7"]}
+    _, per_function = compute_rewards(functions, PROMPTS, COMPLETIONS, fields)
+    assert per_function["reward_len"].tolist() == [-4.0, -11.0, -4.0]
+    assert per_function["accuracy_like"].tolist() == [1.0, 0.0, 1.0]
+    assert per_function["correct"].tolist() == [1.0, 1.0, 0.0]
+    assert seen["positional"] == (PROMPTS, COMPLETIONS, fields)
+    assert seen["star"] == (PROMPTS, COMPLETIONS)
+    assert seen["keywords"] == ["answer", "completions", "prompts", "solution"]
+    # the wrapper keeps what start-up reads: the signature (fields a reward needs) and validate_example
+    assert keyword_call(correct_number).validate_example is correct_number.validate_example
+    assert "answer" in inspect.signature(keyword_call(correct_number)).parameters
+
+
+def test_a_trl_reward_given_in_python_runs_and_its_failing_sample_is_named():
+    """resolve_rewards applies keyword_call once at start-up: TRL's reward_len takes no positional prompts
+    ("takes 1 positional argument but 2 were given" before), and the per-sample retry of a failing batch
+    calls it the same way."""
+    from gspo.config import Config
+    from gspo.training.inputs import resolve_rewards
+
+    def picky(completions, **kwargs):
+        return [1.0 / len(c) for c in completions]
+
+    rewards = resolve_rewards(Config(), [reward_len, picky])
+    _, per_function = compute_rewards(rewards[:1], PROMPTS, COMPLETIONS, {})
+    assert per_function["reward_len"].tolist() == [-4.0, -11.0, -4.0]
+    with pytest.raises(RewardError, match=r"'picky' raised ZeroDivisionError.* at sample 1"):
+        compute_rewards(rewards[1:], PROMPTS, ["a", "", "b"], {})

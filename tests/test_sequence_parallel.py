@@ -271,7 +271,7 @@ def test_a_continuing_piece_attends_to_its_segment_s_earlier_keys(monkeypatch, p
     gradients: on CPU the flash kernel's parts (prefix blocks of 5, 5 and 3 keys, then the queries' own)
     merged by log-sum-exp; with a sliding window masked, checkpointed blocks (3 of 8 queries); torch's
     lower-right CausalBias (the CUDA path, run on CPU)."""
-    from gspo.core import sequence_parallel
+    from gspo.core import row_slices as sequence_parallel
 
     monkeypatch.setattr(sequence_parallel, "QUERY_BLOCK", 8)
     if path == "causal-bias":

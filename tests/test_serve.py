@@ -275,6 +275,22 @@ def test_multi_turn_training_uses_the_sampled_tokens_bit_for_bit(client, server,
         )
 
 
+def test_the_train_call_takes_groups_as_the_json_docs_agents_md_shows(client, server) -> None:
+    """Client.train with plain mappings, {"trajectories": [{"completion_ids": [...], "reward": r}]} (an
+    Episode among them too), as docs/agents.md writes a train call: it trains ('dict' object has no
+    attribute 'to_json' before)."""
+    ids = [completion_id(_chat(client, QUESTION, seed=seed)) for seed in (21, 22, 23)]
+    version = server.service.trainer.version
+    trajectories = [{"completion_ids": [ids[0]], "reward": 1.0}, Episode([ids[1]], 0.0)]
+    trajectories.append({"completion_ids": [ids[2]], "reward": 0.5})
+    answer = Client(server.url).train([{"trajectories": trajectories}])
+    assert answer["version"] == version + 1
+    with pytest.raises(
+        TypeError, match=r"a group is an EpisodeGroup or a mapping \{'trajectories': \[...\]\}, got list"
+    ):
+        Client(server.url).train([[Episode([ids[0]], 1.0)]])
+
+
 def test_a_rewritten_history_is_trained_as_exact_segments_and_reported(client, server, monkeypatch) -> None:
     seen: list = []
     _capture_learn(monkeypatch, seen)
@@ -325,6 +341,19 @@ def test_bad_requests_get_a_4xx_naming_the_field_and_nothing_else_is_disturbed(c
         status, body = _error(call)
         assert 400 <= status < 500, (field, status, body)
         assert body["param"] == field, (field, body)
+    # a penalty is refused for what it does, not as out of a range ("less than or equal to 0")
+    _, body = _error(cases["frequency_penalty"])
+    assert body["message"] == (
+        "frequency_penalty: a frequency penalty changes the distribution the trainer scores, so gspo serve "
+        "samples without one: leave it out (or send 0)"
+    )
+    assert _chat(client, QUESTION, frequency_penalty=0.0, presence_penalty=0.0).choices
+    json_mode = _error(lambda: _chat(client, QUESTION, response_format={"type": "json_object"}))[1]
+    assert (
+        json_mode["param"] == "response_format"
+        and "JSON mode and schemas constrain the sampling" in (json_mode["message"])
+    )
+    assert _chat(client, QUESTION, response_format={"type": "text"}).choices
     # the context window: a prompt near 512 tokens with room for fewer than max_tokens
     status, body = _error(lambda: client.completions.create(model="gspo", prompt=[[5] * 508], max_tokens=8))
     assert status == 400 and body["code"] == "context_length_exceeded" and body["param"] == "max_tokens"

@@ -4,7 +4,7 @@ stopped at any point continues where it stopped when started again (a finished r
 unfinished one starts over). `--report` prints the per-arm table (held-out accuracy per seed, mean, min,
 wall) and writes RUNS/curves.png: held-out accuracy against step, the mean and the min-max band of each arm.
 
-    HF_HUB_OFFLINE=1 python scripts/experiments/recipe_sweep.py --arms default dynamic --seeds 0 1 2 3 4
+    HF_HUB_OFFLINE=1 python scripts/experiments/recipe_sweep.py --arms default dynamic --seeds 1 2 3 4 5
     HF_HUB_OFFLINE=1 python scripts/experiments/recipe_sweep.py --arm "mine=train.lr=5e-6 rollout.temperature=1.2"
     python scripts/experiments/recipe_sweep.py --report [--arms ...]
 
@@ -24,8 +24,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
+EVERY_5 = ["eval.every=5"]  # evaluations draw from their own seeds: how often changes nothing trained
 ARMS: dict[str, list[str]] = {
-    "default": [],
+    "default": EVERY_5,
+    "dynamic": [*EVERY_5, "rollout.dynamic_sampling=true"],
+    "entropy": [*EVERY_5, "train.entropy_coef=0.01"],
+    "dynamic+entropy": [*EVERY_5, "rollout.dynamic_sampling=true", "train.entropy_coef=0.01"],
+    "dynamic, 2 minibatches": [*EVERY_5, "rollout.dynamic_sampling=true", "train.minibatches=2"],
+    "temperature 1.2": [*EVERY_5, "rollout.temperature=1.2"],
 }
 """Named arms: each a list of `gspo train` overrides of the default config. `--arm NAME=K=V K=V` adds one."""
 

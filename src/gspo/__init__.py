@@ -1,7 +1,8 @@
 """gspo: Group Sequence Policy Optimization (GSPO, GSPO-token, GRPO) for language models.
 
 Layers, each importing only the ones below it (checked by import-linter; docs/architecture.md):
-``gspo.cli`` | ``gspo.client`` (the command line; the client of `gspo serve`) > ``gspo.serve`` (the
+``gspo.cli`` | ``gspo.client`` | ``gspo.trl`` (the command line; the client of `gspo serve`; TRL's
+GRPOTrainer over `train`) > ``gspo.serve`` (the
 OpenAI-compatible server that trains on trajectory groups) | ``gspo.training`` (the loop, its inputs,
 evaluation, plots), siblings that never import each other > ``gspo.sampling`` (the sampling side both share:
 the owner of the sampler, its weights, thread and versions; rollout batches, dynamic sampling, the batches

@@ -23,7 +23,7 @@ import asyncio
 import os
 import uuid
 import warnings
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +82,20 @@ class EpisodeGroup:
         return {"trajectories": [t.to_json() for t in self.trajectories]}
 
 
+def group_json(group: EpisodeGroup | Mapping[str, Any]) -> dict[str, Any]:
+    """A group as the train call's JSON: an EpisodeGroup, or the mapping docs/agents.md shows,
+    ``{"trajectories": [{"completion_ids": [...], "reward": r}, ...]}``, whose trajectories may be Episodes
+    too. The server checks every field (a refusal is a 400 naming it)."""
+    if isinstance(group, EpisodeGroup):
+        return group.to_json()
+    if isinstance(group, Mapping) and isinstance(group.get("trajectories"), (list, tuple)):
+        episodes = [t.to_json() if isinstance(t, Episode) else t for t in group["trajectories"]]
+        return {**group, "trajectories": episodes}
+    raise TypeError(
+        f"a group is an EpisodeGroup or a mapping {{'trajectories': [...]}}, got {type(group).__name__}"
+    )
+
+
 _RENAMED = {"Trajectory": Episode, "TrajectoryGroup": EpisodeGroup}
 
 
@@ -97,6 +111,9 @@ def __getattr__(name: str) -> Any:
         return new
     raise AttributeError(f"module 'gspo.client' has no attribute {name!r}")
 
+
+Group = EpisodeGroup | Mapping[str, Any]
+"""What Client.train takes per group: an EpisodeGroup, or its JSON's mapping (docs/agents.md)."""
 
 Rollout = Callable[[openai.AsyncOpenAI, Any], Awaitable[Episode]]
 """Your agent: (the async client, a scenario) -> a finished Episode with its reward."""
@@ -169,16 +186,15 @@ class Client:
                 groups.append(EpisodeGroup(kept))
         return groups
 
-    def train(self, groups: Iterable[EpisodeGroup], *, request_id: str | None = None) -> dict[str, Any]:
-        """One train call on `groups`; returns the server's answer (version, metrics, split trajectories).
-        A request id makes retries safe: the server applies a call once however often it arrives."""
-        body = {"groups": [g.to_json() for g in groups], "request_id": request_id or uuid.uuid4().hex}
+    def train(self, groups: Iterable[Group], *, request_id: str | None = None) -> dict[str, Any]:
+        """One train call on `groups` (EpisodeGroups, or mappings as the train call's JSON: `group_json`);
+        returns the server's answer (version, metrics, split trajectories). A request id makes retries
+        safe: the server applies a call once however often it arrives."""
+        body = {"groups": [group_json(g) for g in groups], "request_id": request_id or uuid.uuid4().hex}
         return self.openai.post("/train", body=body, cast_to=object)
 
-    async def atrain(
-        self, groups: Iterable[EpisodeGroup], *, request_id: str | None = None
-    ) -> dict[str, Any]:
-        body = {"groups": [g.to_json() for g in groups], "request_id": request_id or uuid.uuid4().hex}
+    async def atrain(self, groups: Iterable[Group], *, request_id: str | None = None) -> dict[str, Any]:
+        body = {"groups": [group_json(g) for g in groups], "request_id": request_id or uuid.uuid4().hex}
         return await self.async_openai.post("/train", body=body, cast_to=object)
 
     def status(self) -> dict[str, Any]:

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 
 from gspo.config.engines import check_engine
 from gspo.config.rules import check_values
 from gspo.config.schema import Config, ConfigError
-from gspo.core.registry import OBJECTIVES, PAPER_DEFAULTS, SEQUENCE_OBJECTIVES
+from gspo.core.registry import PAPER_DEFAULTS, SEQUENCE_OBJECTIVES
 
 
 def validate(config: Config) -> None:
     """Checks of a config on its own (``load_config`` runs them); ``validate_setup`` adds the run's.
 
     First each key's range (gspo.config.rules), then what relates several keys."""
-    check_values(config)
+    check_values(config)  # the objective's and the engine's names among them
     _check_objective(config)
     check_engine(config)
     samples = config.rollout.prompts_per_step * config.rollout.group_size
@@ -55,18 +54,11 @@ def validate(config: Config) -> None:
 
 
 def _check_objective(config: Config) -> None:
-    """A built-in objective or user code; each built-in's knobs: a clip range, or SAPO's temperatures (their
-    ranges: gspo.config.rules). A user objective's knobs are checked when it is loaded."""
+    """Each built-in objective's knobs: a clip range, or SAPO's temperatures (their ranges, and the
+    objective's name: gspo.config.rules). A user objective's knobs are checked when it is loaded."""
     train = config.train
     if ":" in train.objective:  # "module:function" or "path/file.py:function"
         return
-    if train.objective not in OBJECTIVES:
-        close = difflib.get_close_matches(train.objective, OBJECTIVES, n=1, cutoff=0.5)
-        raise ConfigError(
-            f"train.objective: {train.objective!r} is not one of {', '.join(map(repr, OBJECTIVES))}, nor your own "
-            "objective ('path/file.py:function' or 'module:function', docs/objectives.md)"
-            + (f"; did you mean {close[0]!r}?" if close else "")
-        )
     sapo = "tau_pos" in PAPER_DEFAULTS[train.objective]  # a soft gate, not a clip range
     for name in ("eps_low", "eps_high", "tau_pos", "tau_neg"):
         value = getattr(train, name)

@@ -8,7 +8,6 @@ imported only when a run builds its sampler (gspo.sampling.factories.build_sampl
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -59,9 +58,7 @@ def _openai_checks(config: Config) -> None:
 
 def _openai_reaches(config: Config) -> list[str]:
     openai = config.rollout.openai
-    from gspo.config.schema import OpenAIConfig
-
-    default_key = OpenAIConfig().api_key_env
+    default_key = type(openai)().api_key_env  # a key variable of the user's own is a reach of its own
     return ["rollout.openai.url"] + (
         ["rollout.openai.api_key_env"] if openai.api_key_env != default_key else []
     )
@@ -141,17 +138,10 @@ def engine_of(config: Config) -> Engine | None:
 
 
 def check_engine(config: Config) -> None:
-    """rollout.engine names a built-in (whose own checks then run) or the user's factory; what belongs to
-    another engine's settings alone (rollout.vllm.url and its folders) is refused with the fix."""
-    name = config.rollout.engine
+    """What the engine rollout.engine names needs of the config (its own checks), and what belongs to another
+    engine's settings alone (rollout.vllm.url and its folders), refused with the fix."""
+    name = config.rollout.engine  # a built-in's or a factory's, checked as it is set (gspo.config.rules)
     engine = engine_of(config)
-    if engine is None and ":" not in name:
-        close = difflib.get_close_matches(name, ENGINES, n=1, cutoff=0.5)
-        raise ConfigError(
-            f"rollout.engine: {name!r} is not one of {', '.join(map(repr, ENGINES))}, nor your own sampler "
-            "factory ('path/file.py:function' or 'module:function', docs/rollout_servers.md)"
-            + (f"; did you mean {close[0]!r}?" if close else "")
-        )
     vllm = config.rollout.vllm
     if vllm.weight_sync == "nccl" and vllm.url is None:
         raise ConfigError(

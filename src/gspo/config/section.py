@@ -15,29 +15,8 @@ import typing
 from typing import Any, ClassVar
 
 from gspo.config.rules import check_value
+from gspo.config.trl import RENAMED, TRL_NAMES, trl_hint
 from gspo.config.values import ConfigError, coerce, shown
-
-TRL_NAMES = {
-    "learning_rate": "train.lr",
-    "num_generations": "rollout.group_size",
-    "max_completion_length": "rollout.max_new_tokens",
-    "max_steps": "train.steps",
-    "epsilon": "train.eps_low",
-    "epsilon_high": "train.eps_high",
-    "loss_type": "train.aggregation",
-    "importance_sampling_level": "train.objective",
-    "scale_rewards": "train.advantage_scale",
-    "warmup_steps": "train.warmup_updates",
-    "lr_scheduler_type": "train.schedule",
-    "save_steps": "checkpoint.every",
-    "save_total_limit": "checkpoint.keep",
-    "eval_steps": "eval.every",
-    "mask_truncated_completions": "rollout.mask_truncated",
-    "log_completions": "completions_per_step",
-    "reward_weights": "rewards",
-}
-"""TRL's GRPOConfig names of the keys gspo has under another name: only a hint in the message of an
-unknown key (a TRL user's first `Config(learning_rate=...)`), never accepted as a key."""
 
 
 class Section:
@@ -89,7 +68,7 @@ def suggestion(cls: type, name: str) -> str | None:
     """The key below `cls` (dotted relative to it) that an unknown `name` most likely meant: TRL's name for
     it, a key of that name in a subsection, or a close spelling; None if none is close."""
     place = f"{cls._key}." if getattr(cls, "_key", "") else ""  # type: ignore[attr-defined]
-    trl = TRL_NAMES.get(name)
+    trl = RENAMED.get(name)
     if trl is not None and trl.startswith(place):
         return trl.removeprefix(place)
     leaves = _leaves(cls)
@@ -104,11 +83,13 @@ def unknown_key(cls: type, name: str, value: Any = None, *, python: bool = False
     """The message for key `name`, which section `cls` does not have: the key it most likely meant, and with
     ``python`` (keyword arguments) how to write it there."""
     place = getattr(cls, "_key", "")
+    if not place and name in TRL_NAMES:  # at the top, where TRL's flat names land: its value translated
+        return trl_hint(name, value, python=python)
     where = f"{place}.{name}" if place else name
     guess = suggestion(cls, str(name)[:100])
     if guess is None:
         return f"unknown config key {shown(where)}; valid keys: {', '.join(_fields(cls))}"
-    from_trl = f" (TRL's {name})" if name in TRL_NAMES else ""
+    from_trl = f" (TRL's {name})" if name in RENAMED else ""
     message = f"unknown config key {shown(where)}; did you mean {guess!r}{from_trl}?"
     if python:
         message += f" {cls.__name__}({_keyword(guess, value)})"

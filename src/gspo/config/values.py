@@ -38,6 +38,8 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
     keys becomes that section)."""
     if tp is Any:  # free-form values (task.dataset_config), checked where they are used
         return value
+    if where in SPELLINGS:
+        value = SPELLINGS[where](value)
     if dataclasses.is_dataclass(tp):  # a section: the section itself, or its keys
         if isinstance(value, tp):
             return value
@@ -112,3 +114,19 @@ _STRING_HINTS = {
     "model.path": " (a folder's or .gguf file's path; a model object is not a config value)",
 }
 """What a Python user most likely meant by a non-string where a path goes."""
+
+
+def _trackers(value: Any) -> Any:
+    """report_to as TRL (transformers) spells it too: "none" is [], one tracker's name is a list of it."""
+    if value == "all":
+        raise ConfigError(
+            "report_to='all': name the trackers gspo should send to, e.g. report_to=['tensorboard', 'wandb'] "
+            "(of tensorboard, wandb, mlflow, trackio)"
+        )
+    if value == "none" or value is None:
+        return []
+    return [value] if isinstance(value, str) else value
+
+
+SPELLINGS = {"report_to": _trackers}
+"""Keys that take other spellings of their values, turned into the key's own before the type check."""

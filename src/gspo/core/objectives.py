@@ -73,6 +73,14 @@ _HINTS = {
 }
 
 
+class NonFiniteInput(ValueError):
+    """A loss input is NaN or infinite where it counts; ``name`` says which (``logp``, ``old_logp``, ...)."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
 class LossOutputs(NamedTuple):
     """What a loss returns: the scalar to minimise and its metrics, detached 0-d float32 tensors
     (docs/objectives.md, "Metrics"). A tuple too: ``loss, metrics = compute_loss(spec, inputs)``."""
@@ -472,10 +480,11 @@ def _check_finite(name: str, inputs: LossInputs) -> None:
     for key, t, b, unit in bad:
         if b.any():
             i = int(b.nonzero()[0, 0])
-            raise ValueError(
+            raise NonFiniteInput(
+                key,
                 f"{name}: {key} is {t[i].item()} at valid position {_where(i, unit, inputs.padded_shape)} "
                 f"({int(b.sum())} bad in all). Hint: {_HINTS[key]}. Values outside the mask/segments may be "
-                "anything; check_finite=False skips this check."
+                "anything; check_finite=False skips this check.",
             )
     i = int(out_of_range.nonzero()[0, 0])
     raise ValueError(

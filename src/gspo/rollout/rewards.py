@@ -1,8 +1,11 @@
 """Reward functions: plain callables, their built-ins, and the checked call that combines several.
 
-A reward function takes ``(prompts, completions, **fields)`` (lists aligned with one another; every
+A reward function takes ``prompts``, ``completions`` and ``**fields`` (lists aligned with one another; every
 ``Example.fields`` key arrives as a keyword list) and returns one float per completion. Functions accept
-``**_`` so that fields meant for other functions pass through. A function may carry a
+``**_`` so that fields meant for other functions pass through. A function that names a ``completions``
+parameter (``def f(prompts, completions, **_)``, TRL's ``def reward_len(completions, **kwargs)``), or takes
+keywords only, is called with keywords, as TRL calls it; any other (``lambda p, c, **_: ...``) positionally,
+``f(prompts, completions, **fields)`` (`keyword_call` decides once, from the signature). A function may carry a
 ``validate_example(fields)`` attribute raising ValueError for an example it cannot score (``correct_number``:
 an answer that is not a number); the trainer calls it on every example at start-up. ``with_timeout`` gives
 each call a deadline (the trainer's ``reward_timeout``).
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import inspect
 import math
 import numbers
 import re
@@ -40,6 +44,7 @@ __all__ = [
     "correct_number",
     "exact_answer",
     "extract_answer",
+    "keyword_call",
     "number_format",
     "reasoning_gym",
     "resolve_reward",
@@ -320,6 +325,36 @@ def compute_rewards(
             f"{int((~torch.isfinite(total)).nonzero()[0])}: lower the weights or the rewards"
         )
     return total, per_function
+
+
+def keyword_call(function: RewardFunction) -> RewardFunction:
+    """``function`` as ``f(prompts, completions, **fields)``, the one call compute_rewards makes, forwarded by
+    keyword when the function names a ``completions`` parameter or takes keywords only (TRL's contract:
+    ``reward_len(completions, **kwargs)`` gets ``prompts=`` in its kwargs), else positionally as before: a
+    function whose positions are its own names (``lambda p, c, **_``), or that reads ``*args``. The
+    signature is read once, here; a callable without one is called positionally.
+
+    >>> def reward_len(completions, **kwargs):
+    ...     return [-abs(3 - len(c)) for c in completions]
+    >>> keyword_call(reward_len)(["p"], ["abcd"])
+    [-1]
+    """
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # some builtins and C callables have no signature to read
+        return function
+    named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    positional = [
+        p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+    ]
+    if "completions" not in named and positional:
+        return function
+
+    @functools.wraps(function)  # keeps validate_example and the signature check_examples reads
+    def call(prompts: list[Any], completions: list[Any], **fields: Any) -> Any:
+        return function(prompts=prompts, completions=completions, **fields)
+
+    return call
 
 
 def with_timeout(function: RewardFunction, seconds: float, name: str) -> RewardFunction:

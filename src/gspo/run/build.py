@@ -54,16 +54,19 @@ def setup_objective(config: Config) -> None:
 
 
 def lr_schedule(config: Config, total_updates: int) -> Callable[[int], float]:
-    """The learning-rate factor of each optimizer update: linear warm-up, then constant or cosine."""
-    warmup, cosine = config.train.warmup_updates, config.train.schedule == "cosine"
+    """The learning-rate factor of each optimizer update: linear warm-up, then constant, cosine or linear
+    (down to 0 at `total_updates`, as transformers' "linear" schedule, TRL's default)."""
+    warmup, schedule = config.train.warmup_updates, config.train.schedule
 
     def factor(update: int) -> float:
         if update < warmup:
             return (update + 1) / warmup
-        if not cosine:
+        if schedule == "constant":
             return 1.0
-        progress = (update - warmup) / max(1, total_updates - warmup)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        if schedule == "linear":  # written as transformers writes it, so the factors are the same floats
+            return max(0.0, (total_updates - update) / max(1, total_updates - warmup))
+        progress = min(1.0, (update - warmup) / max(1, total_updates - warmup))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor
 

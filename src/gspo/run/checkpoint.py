@@ -1,4 +1,5 @@
-"""Resumable checkpoints: model (or LoRA adapter), optimizer, scheduler, RNG states, step, data position.
+"""Resumable checkpoints: model (or LoRA adapter), optimizer (unless checkpoint.optimizer=false), scheduler,
+RNG states, step, data position.
 
 Layout: RUN_DIR/checkpoints/step_000010/{model/, trainer_state.pt, config.yaml} and RUN_DIR/checkpoints/latest
 (the name of the newest complete checkpoint). A checkpoint is written into a temporary folder, synced, and
@@ -341,16 +342,17 @@ def save_policy(
     **extra: Any,
 ) -> Path | None:
     """A checkpoint of ``policy`` at ``step``, for `gspo train` and `gspo serve` alike: the weights (FSDP2:
-    gathered on rank 0), the optimizer (gathered), the schedule, ``rng`` (default: now) and ``extra`` (the
-    prompt stream, the ranks' states, the server's version). Every rank calls it; rank 0 writes and returns
-    the checkpoint's path."""
+    gathered on rank 0), the optimizer (gathered; left out with checkpoint.optimizer=false), the schedule,
+    ``rng`` (default: now) and ``extra`` (the prompt stream, the ranks' states, the server's version). Every
+    rank calls it; rank 0 writes and returns the checkpoint's path."""
     state = {
-        "optimizer": optimizer_state(policy.model, policy.optimizer),
         "scheduler": policy.scheduler.state_dict(),
         "entropy": policy.entropy.state_dict(),
         "rng": rng if rng is not None else rng_state(),
         **extra,
     }
+    if config.checkpoint.optimizer:  # what an exact resume needs, twice the weights' size
+        state["optimizer"] = optimizer_state(policy.model, policy.optimizer)
     model = savable_model(policy.scorer, policy.model)
     if not is_main():
         return None

@@ -2,8 +2,10 @@
 process trains the run, and released by the kernel when the process ends, however it ends.
 
 The lock file records its holder (pid, host, command, start time), so that a second process is refused
-with an error naming it. A holder killed with SIGKILL cannot clear its record: the next process gets the
-lock (the kernel released it) and says that it takes over from a process that ended without releasing it.
+with an error naming it. A process that exits, on an exception too, clears the record of every lock it
+still holds (atexit: a Python session that trained a `Trainer` which raised keeps its lock until then). A
+holder killed with SIGKILL cannot: the next process gets the lock (the kernel released it) and says that
+it takes over from a process that ended without releasing it.
 
 Under torchrun only rank 0 (the rank that writes) holds the lock; the others learn its outcome by a
 broadcast (gspo.run.folder). Readers (`gspo eval`, `gspo export`) take no lock: they read complete
@@ -13,6 +15,7 @@ re-entrant (a Python session may train, then resume, the same run).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import json
@@ -81,7 +84,8 @@ def acquire(run_dir: str | Path, command: str) -> None:
         other_host = previous.get("host") != socket.gethostname()
         print(
             f"note: {run_dir}: the previous holder of its lock, {_describe(previous)}, ended without "
-            f"releasing it (killed?); taking it over{' (check that it is not running there)' if other_host else ''}",
+            "releasing it (killed, or its machine went down: a process that exits releases its locks); taking "
+            f"it over{' (check that it is not running there)' if other_host else ''}",
             file=sys.stderr,
         )
     record = {
@@ -93,6 +97,15 @@ def acquire(run_dir: str | Path, command: str) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(record).encode(), 0)
     _held[key] = fd
+
+
+@atexit.register
+def _release_all() -> None:
+    """At the interpreter's exit, normal or by an exception, every lock this process still holds: its
+    record cleared, so the next holder finds a lock released, not one whose holder was killed."""
+    for run_dir in list(_held):
+        with contextlib.suppress(OSError):
+            release(run_dir)
 
 
 def _open_lock_file(path: Path) -> int:

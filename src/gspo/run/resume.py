@@ -12,6 +12,7 @@ the checkpoint holds that model's weights and that data's position.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import yaml
 from gspo.config import Config, ConfigError, ServeConfig, load_config, to_dict
 from gspo.files import run_path
 from gspo.learning.policy import Policy
+from gspo.parallel.group import is_main
 from gspo.parallel.state import load_optimizer_state, resume_rank_state
 from gspo.run.checkpoint import CONFIG_FILE, latest_checkpoint, load_trainer_state, set_rng_state
 
@@ -53,6 +55,7 @@ RESUMABLE = frozenset(
         "eval.batch_size",
         "checkpoint.every",
         "checkpoint.keep",
+        "checkpoint.optimizer",
         "report_to",
         "progress",
         "completions_per_step",
@@ -184,7 +187,14 @@ def restore_state(checkpoint: Path, policy: Policy, config: Config) -> tuple[int
     this recomputes the very same values; changed by a forced resume, the change takes effect.
     """
     state = load_trainer_state(checkpoint)
-    load_optimizer_state(policy.model, policy.optimizer, state["optimizer"])
+    if "optimizer" in state:
+        load_optimizer_state(policy.model, policy.optimizer, state["optimizer"])
+    elif is_main():
+        print(
+            f"note: {checkpoint} holds no optimizer state (checkpoint.optimizer=false): AdamW's moments start "
+            "from zero, so the run continues close to, not exactly as, an uninterrupted run",
+            file=sys.stderr,
+        )
     policy.scheduler.load_state_dict(state["scheduler"])
     # an adapted coefficient continues where it was; a fixed one is the config's (a forced resume may change it)
     if "entropy" in state and policy.entropy.target is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ from gspo.run.folder import setup_run_dir, start_fresh
 from gspo.run.metrics import MetricsLogger, SilentLogger
 from gspo.run.resume import restore_state
 from gspo.run.trackers import check_installed
-from gspo.run.trust import code_rewards, rewards_override
+from gspo.run.trust import continue_command
 
 
 @dataclass(frozen=True)
@@ -206,13 +206,11 @@ class Run:
         if error is not None:
             raise error
 
-    def kept(self, then: str, *, code: bool = False) -> str:
-        """What a stopped run kept, and the command that continues it (``code``: the command names the reward
-        code again, which the user is editing: an edited file is no longer the one the run was started
-        with, gspo.run.own_runs)."""
-        command = f"{self.folder.command} --resume {self.path}"
-        if code and code_rewards(self.config):
-            command += f" {rewards_override(self.config)}"
+    def kept(self, then: str, *, code: bool = False, python_rewards: Sequence[str] = ()) -> str:
+        """What a stopped run kept, and the command that continues it (gspo.run.trust.continue_command:
+        ``code``, naming the reward code again, which the user is editing; ``python_rewards``, the names of
+        the Python functions given as rewards, which only a Python call can give again)."""
+        command = continue_command(self.config, self.path, python_rewards=python_rewards, name_code=code)
         latest = latest_checkpoint(self.path)
         if latest is None:
             return f"{self.path} holds no checkpoint yet: {then} `{command}`, which starts it again"

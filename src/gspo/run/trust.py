@@ -41,6 +41,21 @@ def rewards_override(config: Config) -> str:
     return f"'rewards={{{weights}}}'"
 
 
+def continue_command(
+    config: Config, run_dir: Path, *, python_rewards: Sequence[str] = (), name_code: bool = False
+) -> str:
+    """How a stopped run continues: `gspo train --resume RUN` (with ``name_code``, naming its reward code
+    again: the user is editing it, and an edited file is no longer the one the run started with); or, when
+    its rewards were Python functions given to train() or Trainer, the Python call that gives them again (a
+    command line cannot name a function of a script: their names in config.yaml are no built-ins)."""
+    if python_rewards:
+        return f"train(resume={str(run_dir)!r}, reward_functions=[{', '.join(python_rewards)}])"
+    command = f"gspo train --resume {run_dir}"
+    if name_code and code_rewards(config):
+        command += f" {rewards_override(config)}"
+    return command
+
+
 def overridden_keys(overrides: Sequence[str]) -> set[str]:
     """The dotted keys the overrides set, under their current names."""
     keys = {override.partition("=")[0].strip() for override in overrides}

@@ -10,6 +10,7 @@ tokens an assistant message is), and the train request.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -82,6 +83,31 @@ def _text(value: Any) -> Any:
     return value
 
 
+def _unscored(what: str) -> Callable[[Any], Any]:
+    """A field that would sample from another distribution than the policy's, which the trainer scores:
+    only its neutral value (0, {}) is taken, and a refusal says so, not a range."""
+
+    def check(value: Any) -> Any:
+        if value:
+            raise ValueError(
+                f"{what} changes the distribution the trainer scores, so gspo serve samples without one: "
+                "leave it out (or send 0)"
+            )
+        return value
+
+    return check
+
+
+def _plain_text(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """response_format: text only; JSON mode and schemas constrain the sampling (as `_unscored`)."""
+    if value is not None and value != {"type": "text"}:
+        raise ValueError(
+            "JSON mode and schemas constrain the sampling, which changes the distribution the trainer scores: "
+            "leave response_format out (or send {'type': 'text'})"
+        )
+    return value
+
+
 class Message(BaseModel):
     """A chat message; keys beyond these are passed to the chat template (templates may read them)."""
 
@@ -107,10 +133,10 @@ class SamplingFields(_Strict):
     seed: int | None = Field(None, ge=0, lt=2**63)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: float | None = Field(None, ge=0.0, le=0.0)
-    """Refused unless 0: penalties change the distribution the trainer scores."""
-    presence_penalty: float | None = Field(None, ge=0.0, le=0.0)
-    logit_bias: dict[str, float] | None = Field(None, max_length=0)
+    frequency_penalty: Annotated[float | None, AfterValidator(_unscored("a frequency penalty"))] = None
+    """Refused unless 0 (or absent): penalties change the distribution the trainer scores."""
+    presence_penalty: Annotated[float | None, AfterValidator(_unscored("a presence penalty"))] = None
+    logit_bias: Annotated[dict[str, float] | None, AfterValidator(_unscored("a logit bias"))] = None
     user: str | None = None
     metadata: dict[str, Any] | None = None
     store: bool | None = None
@@ -125,7 +151,7 @@ class ChatRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto"] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Literal["text"]] | None = None
+    response_format: Annotated[dict[str, Any] | None, AfterValidator(_plain_text)] = None
 
 
 def prompt_shape(value: Any) -> str | list[str] | list[int] | list[list[int]]:

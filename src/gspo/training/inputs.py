@@ -34,7 +34,7 @@ from gspo.rollout.data import (
     split_eval,
 )
 from gspo.rollout.reasoning_gym import reasoning_gym_task
-from gspo.rollout.rewards import RewardFunction, resolve_reward, with_timeout
+from gspo.rollout.rewards import RewardFunction, keyword_call, resolve_reward, with_timeout
 from gspo.rollout.samplers import tokenize_prompts
 from gspo.rollout.user_code import CodeFileError
 from gspo.run.start import Folder, Run
@@ -145,10 +145,7 @@ def named_rewards(functions: RewardFunctions | None) -> dict[str, RewardFunction
     if isinstance(functions, Mapping):
         named = dict(functions)
     elif isinstance(functions, (str, bytes)):
-        raise ConfigError(
-            f"reward_functions={functions!r} is a name: reward_functions takes the functions themselves; a "
-            f"built-in or a file's function goes in config.rewards (e.g. rewards={{{functions!r}: 1.0}})"
-        )
+        raise ConfigError(_named_not_given(functions, "reward_functions"))
     elif not callable(functions) and not isinstance(functions, Iterable):
         raise ConfigError(
             f"reward_functions={shown(functions)} ({type(functions).__name__}) is not a function, a list of "
@@ -158,6 +155,8 @@ def named_rewards(functions: RewardFunctions | None) -> dict[str, RewardFunction
         listed = [functions] if callable(functions) else list(functions)
         named = {}
         for index, function in enumerate(listed):
+            if isinstance(function, torch.nn.Module):  # a reward model: TRL takes one, gspo does not
+                raise ConfigError(_model_given(function, f"reward_functions[{index}]"))
             name = getattr(function, "__name__", None) if callable(function) else None
             if callable(function) and name in (None, "<lambda>"):
                 what = "a lambda" if name else f"a {type(function).__name__}"
@@ -177,13 +176,37 @@ def named_rewards(functions: RewardFunctions | None) -> dict[str, RewardFunction
             "reward_functions out (None) to use the config's rewards"
         )
     for name, function in named.items():
+        if isinstance(function, torch.nn.Module):
+            raise ConfigError(_model_given(function, f"reward_functions[{name!r}]"))
         if not callable(function):
-            key = function if isinstance(function, str) else "exact_answer"
-            raise ConfigError(
-                f"reward_functions[{name!r}] is a {type(function).__name__}, not a function: a built-in or a "
-                f"file's function goes in config.rewards (e.g. rewards={{{key!r}: 1.0}})"
-            )
+            raise ConfigError(_named_not_given(function, f"reward_functions[{name!r}]"))
     return named
+
+
+def _model_given(model: torch.nn.Module, where: str) -> str:
+    return (
+        f"{where} is a model ({type(model).__name__}): gspo's rewards are functions, def reward(completions, "
+        "**kwargs) -> list[float]; score with the model inside one"
+    )
+
+
+def _named_not_given(value: object, where: str) -> str:
+    """The message for a reward given by name where functions go: a built-in's name or a file's function
+    belongs in config.rewards; a hub id (a reward model, as TRL takes) has no place in gspo."""
+    if not isinstance(value, str):
+        return (
+            f"{where} is a {type(value).__name__}, not a function: a built-in or a file's function goes in "
+            "config.rewards (e.g. rewards={'exact_answer': 1.0})"
+        )
+    if "/" in value and ":" not in value:  # "OpenAssistant/reward-model-deberta-v3-large-v2"
+        return (
+            f"{where}={value!r} names a model: gspo's rewards are functions, def reward(completions, **kwargs) "
+            "-> list[float]; score with the model inside one (a reward model is not taken by name)"
+        )
+    return (
+        f"{where}={value!r} is a name: reward_functions takes the functions themselves; a built-in or a "
+        f"file's function goes in config.rewards (e.g. rewards={{{value!r}: 1.0}})"
+    )
 
 
 def resolve_rewards(
@@ -213,7 +236,7 @@ def resolve_rewards(
                 f"rewards.{name}: importing it raised {type(error).__name__}: {error}"
             ) from error
         label = labels[name]
-        resolved.append((label, with_timeout(function, config.reward_timeout, label), weight))
+        resolved.append((label, with_timeout(keyword_call(function), config.reward_timeout, label), weight))
     return resolved
 
 

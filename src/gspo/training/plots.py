@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gspo.files import replace_file, replacing, run_path
+from gspo.run.checkpoint import checkpoint_step, latest_checkpoint
 from gspo.run.metrics import iter_metrics
 
 PLOTS_DIR = "plots"
@@ -429,11 +430,29 @@ def summary_text(records: Iterable[dict[str, Any]]) -> str:
     return scan.summary.text()
 
 
+def checkpoint_line(run_dir: Path, last_trained: int | None) -> str:
+    """The summary's line on the run's latest checkpoint: what --resume continues from, and, after an
+    interrupted run, that the steps logged after it are not kept (a resume trains them again)."""
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
+        return "- Latest checkpoint: none yet (--resume starts the run again)"
+    step = checkpoint_step(latest)
+    if last_trained is not None and last_trained > step:
+        return (
+            f"- Latest checkpoint: step {step}, which --resume continues from: steps {step + 1} to "
+            f"{last_trained} were logged but not kept, and train again"
+        )
+    return f"- Latest checkpoint: step {step}"
+
+
 def write_summary(run_dir: str | Path, scan: Scan | None = None) -> str:
     """Write ``run_dir/summary.md``: number of steps, first/last/best eval accuracy, first/last train
-    reward, mean clip fractions and total time (sum of the ``time_*`` metrics); returns the text.
-    ``scan``: the file already read by `scan_run`."""
+    reward, mean clip fractions, total time (sum of the ``time_*`` metrics) and the latest checkpoint;
+    returns the text. ``scan``: the file already read by `scan_run`."""
     run_dir = Path(run_dir)
-    text = (scan or scan_run(run_dir)).summary.text()
+    summary = (scan or scan_run(run_dir)).summary
+    text = summary.text()
+    if summary.records:
+        text += checkpoint_line(run_dir, summary.train_range[1] if summary.train_range else None) + "\n"
     replace_file(run_path(run_dir, SUMMARY_FILE), text)
     return text

@@ -70,6 +70,8 @@ class Trainer:
         folder = open_folder(config, resume, force=force, from_step=from_step)  # locked, resume checked
         inputs = task_inputs(config, folder, reward_functions, data, resumed=resume is not None)
         self.rewards, self.train_examples, self.eval_examples = inputs.rewards, inputs.train, inputs.held_out
+        # a stopped run's message names them again: config.yaml holds their names, no built-in's
+        self._python_rewards = [name for name, _, _ in self.rewards] if reward_functions else []
         self.home = start_run(inputs.config, folder)  # the folder claimed: the inputs are checked
         write_data(self.home, inputs.rows)
         check_sizes(self.config, self.tokenizer, self.policy.model, self.train_examples, self.eval_examples)
@@ -207,7 +209,7 @@ class Trainer:
         if world_size() == 1 and self.step > 0 and self.home.saved_step != self.step:
             with contextlib.suppress(Exception):  # kept as far as it can be; the error that stopped it stands
                 self.checkpoint()
-        return self.home.kept(then, code=code)
+        return self.home.kept(then, code=code, python_rewards=self._python_rewards)
 
     def _run_steps(self) -> dict[str, Any]:
         cfg = self.config
