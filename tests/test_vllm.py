@@ -38,7 +38,7 @@ terms of random signs is off by ~0.4*sqrt(n)*u rms relative (u = 2^-24, independ
 the ~25 sums of 2 layers. log pi moves by dh . (w_t - w_mean), for dh of relative size e in a random direction
 ~e |h| |w_t - w_mean| / sqrt(64) = 0.5e with weights moved by `perturb` (0.2e before), plus ~1 ulp (5e-7) of
 its own rounding: ~1e-6 rms, so 1e-5 is ~10 sigma (as tests/test_engine.py's), and below
-build.VLLM_LOGPROB_TOLERANCE (1e-4). Weights not synced move log pi by > 0.1."""
+gspo.sampling.factories.VLLM_LOGPROB_TOLERANCE (1e-4). Weights not synced move log pi by > 0.1."""
 SMOLLM2_LOGPROB_ATOL = 1e-4
 """The same on SmolLM2's 30 layers, an estimate rather than a bound: each of the 60 contributions to the
 residual stream comes through ~6 sums of n <= 1536 terms, ~0.4*sqrt(1536)*u*sqrt(6) = 2.3e-6 relative, and
@@ -218,12 +218,12 @@ def test_the_trainer_trains_on_the_tokens_vllm_sampled_with_its_logprobs_as_the_
 ) -> None:
     """train.old_logprobs=auto: the start-up probe finds vLLM's fp32 log-probs within the tolerance, so they
     serve as the old policy's, and the mismatch metrics are logged from the first minibatch's forward."""
-    from gspo.training import inputs as build
+    from gspo.sampling import factories
     from gspo.training import trainer as trainer_module
 
     trainer = trainer_module.Trainer(vllm_config(tmp_path, tiny_folder))
     assert trainer.spec.old_logprobs == "sampler"
-    assert 0 <= trainer.sampler.logprob_gap < LOGPROB_ATOL < build.VLLM_LOGPROB_TOLERANCE
+    assert 0 <= trainer.sampler.logprob_gap < LOGPROB_ATOL < factories.VLLM_LOGPROB_TOLERANCE
     rollouts, trained, metrics = one_recorded_step(trainer, monkeypatch)
     assert [s.completion_ids for s in trained] == rollouts.completion_ids
     assert [s.prompt_ids for s in trained] == rollouts.prompt_ids
@@ -237,10 +237,10 @@ def test_the_trainer_trains_on_the_tokens_vllm_sampled_with_its_logprobs_as_the_
 def test_log_probs_outside_the_tolerance_are_recomputed_with_a_warning(
     tiny_folder, tmp_path, monkeypatch
 ) -> None:
-    from gspo.training import inputs as build
+    from gspo.sampling import factories
     from gspo.training.trainer import Trainer
 
-    monkeypatch.setattr(build, "VLLM_LOGPROB_TOLERANCE", 1e-12)  # below the fp32 rounding vLLM has
+    monkeypatch.setattr(factories, "VLLM_LOGPROB_TOLERANCE", 1e-12)  # below the fp32 rounding vLLM has
     with pytest.warns(
         UserWarning, match=r"vLLM's log-probs differ from the trainer's by up to .* recomputed"
     ):
