@@ -455,6 +455,18 @@ def test_the_two_level_inverse_cdf_equals_a_full_cumulative_sum() -> None:
     assert bool((rows.gather(1, got[:, None]) > 0).all())
 
 
+def test_a_row_of_nan_logits_draws_a_token_of_the_vocabulary_and_reports_nan() -> None:
+    """A diverged model's NaN logits (the config fuzz: fp16 weights at lr 0.01) must not index past the
+    vocabulary, under or over a block of 256 tokens: the NaN log-prob goes on to the learner, which names it
+    (exit 3)."""
+    for vocab in (99, 700):
+        logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+        logits[1] = float("nan")
+        draws = draw(logits, [Row(0.5), Row(0.5), Row(0.5, top_p=0.9)])
+        assert int(draws.tokens.min()) >= 0 and int(draws.tokens.max()) < vocab
+        assert torch.isnan(draws.logprobs[1]) and bool(torch.isfinite(draws.logprobs[[0, 2]]).all())
+
+
 def test_the_random_streams_are_uniform_and_distinct() -> None:
     draws = torch.tensor([uniform(stream_key(0, s), t) for s in range(50) for t in range(200)])
     assert float(draws.min()) > 0 and float(draws.max()) <= 1

@@ -100,7 +100,10 @@ def _inverse_cdf(probs: Tensor, uniforms: Tensor) -> Tensor:
     inside = probs.gather(1, index.clamp(max=vocab - 1)).masked_fill_(index >= vocab, 0.0).cumsum(-1)
     # rounding may put the rest just past the block's own sum: its last token of positive probability
     rest = torch.minimum(target - before, inside[:, -1])
-    return block * BLOCK + torch.searchsorted(inside, rest[:, None]).squeeze(1).clamp_(max=BLOCK - 1)
+    tokens = block * BLOCK + torch.searchsorted(inside, rest[:, None]).squeeze(1).clamp_(max=BLOCK - 1)
+    # a row that is not finite (a diverged model) finds no token: keep it a valid index, and its NaN
+    # log-prob for the learner's check to name
+    return tokens.clamp_(max=vocab - 1)
 
 
 def _nucleus_draw(probs: Tensor, uniforms: Tensor, top_p: Tensor) -> Tensor:
