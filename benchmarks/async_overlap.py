@@ -1,15 +1,25 @@
-"""Sampling ahead of the updates, timed: the default run (SmolLM2, the arithmetic task) with a reward that
-waits `--wait` seconds per rollout batch, as an LLM judge or a code sandbox would, at rollout.lag = 0 and 1.
-Runs alternate (lag 0, lag 1, lag 0, ...), each `--steps` rollout batches through `Trainer.train_step`; the
-first batch of each run is left out (its sampling has nothing to overlap). Prints each run's median wall
-seconds per rollout batch, the ratio, and the ideal (compute + wait) / max(compute, wait), with the CPU.
+"""Sampling ahead of the updates, and rewards as a stage of their own, timed (docs/async.md, docs/rewards.md).
+
+`--case wait` (the default): the default run (SmolLM2, the arithmetic task) with a reward that waits `--wait`
+seconds per rollout batch, as a code sandbox or a remote scorer would, at rollout.lag = 0 and 1. Runs
+alternate (lag 0, lag 1, lag 0, ...), each `--steps` rollout batches through `Trainer.train_step`; the first
+batch of each run is left out (its sampling has nothing to overlap). Prints each run's median wall seconds per
+rollout batch, the ratio, and the ideal (compute + wait) / max(compute, wait), with the CPU: at lag 1 a batch
+is scored while the next one samples and the trainer learns on the one before.
+
+`--case judge`: an LLM judge's latency, an async reward that waits `--call` seconds per completion, scoring a
+rollout batch's 64 completions (rollout.prompts_per_step x group_size) at the default reward_concurrency: the
+median seconds per batch over `--rounds` batches, against the ideal of calls x wait / concurrency and the
+serial calls x wait.
 
     HF_HUB_OFFLINE=1 python benchmarks/async_overlap.py [--wait 5] [--steps 6] [--rounds 2]
+    python benchmarks/async_overlap.py --case judge [--call 0.1] [--rounds 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 import tempfile
 import time
@@ -59,14 +69,45 @@ def run(lag: int, wait_file: Path, steps: int, folder: Path) -> list[float]:
     return seconds[1:]
 
 
+def judge_case(call: float, rounds: int) -> None:
+    """An async per-completion reward that waits ``call`` seconds, scoring 64 completions (module docstring)."""
+    from gspo.config import Config
+    from gspo.rewards.calling import compute_rewards, prepare
+
+    async def judge(completion: str, **_: object) -> float:
+        await asyncio.sleep(call)
+        return float(len(completion) % 2)
+
+    config = Config()
+    batch = config.rollout.prompts_per_step * config.rollout.group_size
+    prepared = prepare(judge, "judge", timeout=config.reward_timeout, concurrency=config.reward_concurrency)
+    completions = [f"completion {i}" for i in range(batch)]
+    seconds = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        compute_rewards([("judge", prepared, 1.0)], ["p"] * batch, completions, {})
+        seconds.append(time.perf_counter() - start)
+    ideal = call * -(-batch // config.reward_concurrency)
+    print(f"{cpu_name()}; an async reward that waits {call:g} s per completion")
+    print(
+        f"{batch} completions at reward_concurrency={config.reward_concurrency}: {statistics.median(seconds):.3f} s "
+        f"per rollout batch (ideal {ideal:.3f} s; one call at a time: {call * batch:.1f} s)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--case", choices=["wait", "judge"], default="wait")
     parser.add_argument("--wait", type=float, default=5.0, help="seconds the reward waits per rollout batch")
+    parser.add_argument("--call", type=float, default=0.1, help="judge: seconds per completion")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
+    if args.case == "judge":
+        judge_case(args.call, args.rounds)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         wait_file = Path(tmp) / "judge.py"
         wait_file.write_text(JUDGE.replace("WAIT", repr(args.wait)))

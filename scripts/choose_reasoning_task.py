@@ -34,7 +34,7 @@ import yaml
 
 from gspo.config import load_config
 from gspo.models import load_model
-from gspo.rollout.rewards import reasoning_gym
+from gspo.rewards.builtins import reasoning_gym
 from gspo.rollout.samplers import HFSampler
 from gspo.training.evaluation import evaluate
 from gspo.training.inputs import build_examples

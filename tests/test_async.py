@@ -29,8 +29,8 @@ from gspo.core.samples import Sample
 from gspo.core.seeds import sample_seed, step_seed
 from gspo.learning.policy import UpdateSpec, update_choices, with_correction
 from gspo.learning.step import learn_from_samples
+from gspo.rewards.calling import compute_rewards
 from gspo.rollout.data import batch_fields
-from gspo.rollout.rewards import compute_rewards
 from gspo.run.checkpoint import latest_checkpoint, load_trainer_state
 from gspo.run.metrics import read_metrics
 from gspo.training.trainer import Trainer
@@ -324,3 +324,36 @@ def test_correction_bounds_apply_where_auto_chooses_a_correction_and_nowhere_els
     assert (stale.loss.sampler_correction, stale.loss.sampler_correction_max) == ("sequence_truncate", 1.5)
     assert stale.old_logprobs == "recompute"
     assert stale.loss.correction().high == 1.5
+
+
+def test_at_lag_1_a_batch_is_scored_while_the_next_one_is_sampled(tmp_path):
+    """Three stages: each batch's reward waits until the next batch's sampling has begun, which only a
+    scoring stage beside the sampling one allows (in series, the first wait would never end); and the
+    rewards run in the scoring stage's thread."""
+    import threading
+
+    sampling_began = [threading.Event() for _ in range(4)]
+    scored_in: list[str] = []
+
+    def waits_for_the_next_batch(prompts, completions, **_):
+        k = len(scored_in)
+        scored_in.append(threading.current_thread().name)
+        if k + 1 < 3:  # steps 1 and 2: the batch after them is sampled meanwhile
+            assert sampling_began[k + 1].wait(60), f"batch {k + 1} was scored before batch {k + 2} sampled"
+        return [float(len(c) % 2) for c in completions]
+
+    overrides = ["rollout.lag=1", "train.steps=3", "eval.every=0", "task.num_eval=0", "checkpoint.every=0"]
+    overrides.append("reward_timeout=0")  # called in the stage's own thread, not a deadline's
+    trainer = Trainer(
+        tiny_config(tmp_path / "run", *overrides), reward_functions={"waits": waits_for_the_next_batch}
+    )
+    generate, calls = trainer.sampler.generate, []
+
+    def counted(*args, **kwargs):
+        sampling_began[len(calls)].set()
+        calls.append(1)
+        return generate(*args, **kwargs)
+
+    trainer.sampler.generate = counted
+    trainer.run()
+    assert len(scored_in) == 3 and all(name.startswith("gspo-scoring") for name in scored_in), scored_in

@@ -55,6 +55,18 @@ def test_overrides_are_typed_and_nested(tmp_path: Path) -> None:
     assert config.train.eps_low is None  # objective default applies later
 
 
+def test_a_dotted_override_sets_one_reward_and_keeps_the_others() -> None:
+    config = load_config(None, ["rewards.number_format=0", "rewards.my_rewards.py:length=2"])
+    assert config.rewards == {
+        "exact_answer": 1.0,
+        "correct_number": 0.5,
+        "number_format": 0.0,
+        "my_rewards.py:length": 2.0,  # the entry's name keeps its dots
+    }
+    with pytest.raises(ConfigError, match=r"rewards\.number_format: expected a number, got 'abc'"):
+        load_config(None, ["rewards.number_format=abc"])
+
+
 def test_string_fields_take_text_that_yaml_would_read_otherwise() -> None:
     config = load_config(None, ["task.operations=-", "task.system_prompt=on"])
     assert config.task.operations == "-"  # YAML alone reads "-" as a list
@@ -442,18 +454,12 @@ def test_a_config_path_says_what_it_is_and_a_config_file_has_a_ceiling(tmp_path:
 def test_a_list_is_refused_by_its_length_before_its_entries_are_read(tmp_path: Path) -> None:
     """A 5M-entry lora.target_modules took 266 s and 4.2 GB before its refusal: a list or mapping longer
     than LIST_MAX is refused before any entry is checked (or its names compared with the model's)."""
-    import time
-
     from gspo.config.values import LIST_MAX
 
-    names = ", ".join(f"m{i}" for i in range(100_000))  # a 0.7 MB file: within the file's ceiling
+    names = ", ".join(f"m{i}" for i in range(5_000))
     path = tmp_path / "long.yaml"
     path.write_text(f"lora:\n  rank: 4\n  target_modules: [{names}]\n")
-    started = time.perf_counter()
-    with pytest.raises(
-        ConfigError, match=r"^lora\.target_modules holds 100,000 entries, more than the 1,024"
-    ):
+    with pytest.raises(ConfigError, match=r"^lora\.target_modules holds 5,000 entries, more than the 1,024"):
         load_config(path)
-    assert time.perf_counter() - started < 30  # the YAML reader's own time; nothing after it
     with pytest.raises(ConfigError, match=r"^rewards holds 1,025 entries"):
         load_config(None, ["rewards={" + ", ".join(f"r{i}: 1" for i in range(LIST_MAX + 1)) + "}"])

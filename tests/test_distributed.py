@@ -34,7 +34,7 @@ from gspo.core.seeds import step_seed
 from gspo.learning.batch import Batch
 from gspo.learning.learner import learn, minibatches
 from gspo.parallel import clipping, group, wrap
-from gspo.rollout.rewards import RewardError
+from gspo.rewards.calling import RewardError
 from gspo.run.checkpoint import latest_checkpoint, load_trainer_state
 from gspo.run.metrics import read_metrics
 

@@ -13,8 +13,8 @@ import pytest
 
 from conftest import tiny_config
 from gspo.config import ConfigError, load_config
+from gspo.rewards.calling import RewardError
 from gspo.rollout.data import DataError
-from gspo.rollout.rewards import RewardError
 from gspo.run.checkpoint import latest_checkpoint, load_trainer_state
 from gspo.training.trainer import Trainer
 
@@ -105,7 +105,7 @@ def _brevity(prompts, completions, **_):
 
 
 def test_reward_functions_from_python_replace_the_configured_rewards(tmp_path: Path) -> None:
-    from gspo.rollout.rewards import number_format
+    from gspo.rewards.builtins import number_format
     from gspo.training.inputs import resolve_rewards
 
     config = tiny_config(tmp_path, "rewards={correct_number: 1.0, brevity: 0.25}")

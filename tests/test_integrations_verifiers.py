@@ -18,7 +18,7 @@ from conftest import run_example_smoke, tiny_config  # noqa: E402
 from gspo.client import Client  # noqa: E402
 from gspo.integrations.verifiers import harness_config, model_context, rollouts, train_step  # noqa: E402
 from gspo.integrations.verifiers_harness import CALLS  # noqa: E402
-from gspo.rollout.rewards import RewardError  # noqa: E402
+from gspo.rewards.calling import RewardError  # noqa: E402
 from gspo.serve.server import build_service, start_in_thread  # noqa: E402
 
 __all__ = ["DigitsTaskset"]  # this module is the taskset plugin the envs below load (its id: __name__)

@@ -15,8 +15,8 @@ import yaml
 import gspo.config.rules
 from gspo import Config, Trainer, train
 from gspo.config import ConfigError, load_config
+from gspo.rewards.builtins import correct_number, number_format
 from gspo.rollout.data import DataError
-from gspo.rollout.rewards import correct_number, number_format
 from gspo.run.metrics import read_metrics
 from gspo.training.inputs import build_examples, resolve_rewards
 
@@ -305,7 +305,7 @@ def test_a_python_run_stopped_by_its_reward_names_the_python_call_that_continues
     """Its rewards are functions of the user's script: `gspo train --resume RUN` would look for a built-in
     of that name (no such reward), so the message names train(resume=..., reward_functions=[...]), which
     continues it."""
-    from gspo.rollout.rewards import RewardError
+    from gspo.rewards.calling import RewardError
 
     calls = []
 

@@ -16,10 +16,10 @@ import torch
 
 from gspo.cli import main
 from gspo.config import ConfigError, load_config
+from gspo.rewards.builtins import extract_answer
+from gspo.rewards.builtins import reasoning_gym as reasoning_gym_reward
 from gspo.rollout.data import DataError, batch_fields
 from gspo.rollout.reasoning_gym import ANSWER_FORMAT, reasoning_gym_task
-from gspo.rollout.rewards import extract_answer
-from gspo.rollout.rewards import reasoning_gym as reasoning_gym_reward
 from gspo.training.inputs import build_examples, check_examples, resolve_rewards
 from gspo.training.trainer import Trainer
 

@@ -2,26 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
 import doctest
 import inspect
 import math
+import textwrap
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-import gspo.rollout.rewards as rewards_module
-from gspo.rollout.rewards import (
-    BUILTIN_REWARDS,
-    RewardError,
-    compute_rewards,
-    correct_number,
-    exact_answer,
-    keyword_call,
-    number_format,
-    resolve_reward,
-    with_timeout,
-)
+import gspo.rewards.builtins as rewards_module
+from gspo.rewards.builtins import BUILTIN_REWARDS, correct_number, exact_answer, number_format
+from gspo.rewards.calling import RewardError, compute_rewards, prepare, reward
+from gspo.rewards.resolve import resolve_reward
+
+TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 
 
 def test_docstring_examples():
@@ -152,7 +150,7 @@ def test_a_reward_error_points_at_the_users_innermost_line(tmp_path, monkeypatch
     monkeypatch.syspath_prepend(str(tmp_path))
     parsed = resolve_reward(f"{tmp_path / 'task.py'}:parsed")
     with pytest.raises(RewardError) as info:
-        compute_rewards([("parsed", with_timeout(parsed, 5.0, "parsed"), 1.0)], ["p"] * 2, ["1", "x"], {})
+        compute_rewards([("parsed", prepare(parsed, "parsed", timeout=5.0), 1.0)], ["p"] * 2, ["1", "x"], {})
     assert str(info.value).endswith(
         f"at sample 1 (completion 'x') in {tmp_path / 'helpers.py'}:5 `return json.loads(text)`"
     )
@@ -211,7 +209,7 @@ def test_compute_rewards_argument_checks():
 
 def test_resolve_builtin_and_module():
     assert resolve_reward("exact_answer") is exact_answer
-    assert resolve_reward("gspo.rollout.rewards:correct_number") is correct_number
+    assert resolve_reward("gspo.rewards.builtins:correct_number") is correct_number
 
 
 def test_resolve_file(tmp_path):
@@ -258,13 +256,15 @@ def test_a_hung_reward_function_times_out_once_without_retries_per_sample():
 
     start = time.perf_counter()
     with pytest.raises(RewardError, match=r"'hangs' did not return within 0\.3 s \(reward_timeout\)"):
-        compute_rewards([("hangs", with_timeout(hangs, 0.3, "hangs"), 1.0)], ["p"] * 4, ["c"] * 4, {})
+        compute_rewards([("hangs", prepare(hangs, "hangs", timeout=0.3), 1.0)], ["p"] * 4, ["c"] * 4, {})
     assert time.perf_counter() - start < 3 and calls == [4]  # not retried one sample at a time
     never.set()
     # a function that returns in time is unchanged, errors included
-    assert with_timeout(number_format, 5.0, "fmt")(["p"], ["12"]) == [1.0]
+    assert prepare(number_format, "fmt", timeout=5.0)(["p"], ["12"]) == [1.0]
     with pytest.raises(RewardError, match="raised ZeroDivisionError"):
-        compute_rewards([("div", with_timeout(lambda p, c, **_: [1 / 0], 5.0, "div"), 1.0)], ["p"], ["c"], {})
+        compute_rewards(
+            [("div", prepare(lambda p, c, **_: [1 / 0], "div", timeout=5.0), 1.0)], ["p"], ["c"], {}
+        )
 
 
 # ---- calling conventions: TRL's keywords, and the positional callers of before -----------------------
@@ -293,12 +293,16 @@ def test_trl_signatures_are_called_with_keywords_and_positional_ones_as_before()
         return [0.0] * len(kwargs["completions"])
 
     functions = [
-        ("reward_len", keyword_call(reward_len), 1.0),
-        ("accuracy_like", keyword_call(accuracy_like), 1.0),
-        ("positional", keyword_call(positional), 1.0),
-        ("star", keyword_call(star_args), 1.0),
-        ("keywords", keyword_call(everything), 1.0),
-        ("correct", keyword_call(correct_number), 1.0),  # gspo's own contract: prompts, completions named
+        ("reward_len", prepare(reward_len, "reward_len"), 1.0),
+        ("accuracy_like", prepare(accuracy_like, "accuracy_like"), 1.0),
+        ("positional", prepare(positional, "positional"), 1.0),
+        ("star", prepare(star_args, "star_args"), 1.0),
+        ("keywords", prepare(everything, "everything"), 1.0),
+        (
+            "correct",
+            prepare(correct_number, "correct_number"),
+            1.0,
+        ),  # gspo's own contract: prompts, completions named
     ]
     fields = {"answer": ["2", "4", "6"], "solution": ["2", "x", "7"]}
     _, per_function = compute_rewards(functions, PROMPTS, COMPLETIONS, fields)
@@ -309,12 +313,12 @@ def test_trl_signatures_are_called_with_keywords_and_positional_ones_as_before()
     assert seen["star"] == (PROMPTS, COMPLETIONS)
     assert seen["keywords"] == ["answer", "completions", "prompts", "solution"]
     # the wrapper keeps what start-up reads: the signature (fields a reward needs) and validate_example
-    assert keyword_call(correct_number).validate_example is correct_number.validate_example
-    assert "answer" in inspect.signature(keyword_call(correct_number)).parameters
+    assert prepare(correct_number, "correct_number").validate_example is correct_number.validate_example
+    assert "answer" in inspect.signature(prepare(correct_number, "correct_number")).parameters
 
 
 def test_a_trl_reward_given_in_python_runs_and_its_failing_sample_is_named():
-    """resolve_rewards applies keyword_call once at start-up: TRL's reward_len takes no positional prompts
+    """resolve_rewards prepares each function once at start-up: TRL's reward_len takes no positional prompts
     ("takes 1 positional argument but 2 were given" before), and the per-sample retry of a failing batch
     calls it the same way."""
     from gspo.config import Config
@@ -328,3 +332,145 @@ def test_a_trl_reward_given_in_python_runs_and_its_failing_sample_is_named():
     assert per_function["reward_len"].tolist() == [-4.0, -11.0, -4.0]
     with pytest.raises(RewardError, match=r"'picky' raised ZeroDivisionError.* at sample 1"):
         compute_rewards(rewards[1:], PROMPTS, ["a", "", "b"], {})
+
+
+# ---- how a function is declared: by batch or per completion, async or plain, in threads -----------------
+ANSWERS = {"answer": ["2", "4", "6"]}
+
+
+def graded(prompts, completions, *, answer, **_):
+    """The plain batch function the others are twins of: its values, in its order."""
+    return [float(c.strip().endswith(a)) + len(c) / 100 for c, a in zip(completions, answer, strict=True)]
+
+
+async def graded_async(prompts, completions, *, answer, **_):
+    await asyncio.sleep(0.01)
+    return graded(prompts, completions, answer=answer)
+
+
+def graded_one(completion, *, answer, **_):
+    return float(completion.strip().endswith(answer)) + len(completion) / 100
+
+
+async def graded_one_async(completion, answer, prompt):  # no **kwargs: given the keywords it takes only
+    await asyncio.sleep(0.03 - 0.01 * COMPLETIONS.index(completion))  # the first ends last
+    return graded_one(completion, answer=answer)
+
+
+@reward(threads=True)
+def graded_one_threaded(completion, *, answer, **_):
+    time.sleep(0.03 - 0.01 * COMPLETIONS.index(completion))
+    return graded_one(completion, answer=answer)
+
+
+def test_every_declaration_gives_its_plain_twins_values_in_its_order():
+    """An async batch function, and per-completion ones (plain, async, in threads) whose calls end out of
+    order, give the plain batch function's values sample for sample, exactly."""
+    twins = [graded_async, graded_one, graded_one_async, graded_one_threaded]
+    functions = [("graded", graded, 1.0)] + [(f.__name__, f, 1.0) for f in twins]
+    total, per_function = compute_rewards(functions, PROMPTS, COMPLETIONS, ANSWERS)
+    want = graded(PROMPTS, COMPLETIONS, **ANSWERS)
+    for f in twins:
+        assert per_function[f.__name__].tolist() == torch.tensor(want).tolist(), f.__name__
+    assert total.tolist() == (5 * torch.tensor(want)).tolist()
+    kinds = {f.__name__: prepare(f, f.__name__) for f in twins}
+    assert kinds["graded_one_async"].per_completion and kinds["graded_one_async"].is_async
+    assert kinds["graded_one_threaded"].threads and not kinds["graded_async"].per_completion
+
+
+def _in_flight():
+    """An async per-completion reward that counts its calls in flight, and the largest count seen."""
+    state = {"now": 0, "peak": 0}
+
+    async def counted(completion, **_):
+        state["now"] += 1
+        state["peak"] = max(state["peak"], state["now"])
+        await asyncio.sleep(0.02)
+        state["now"] -= 1
+        return 1.0
+
+    return counted, state
+
+
+@pytest.mark.parametrize("bound", [1, 8, 32])
+def test_async_calls_run_concurrently_up_to_the_bound(bound):
+    counted, state = _in_flight()
+    completions = [f"c{i}" for i in range(40)]
+    compute_rewards(
+        [("counted", prepare(counted, "counted", concurrency=bound), 1.0)], ["p"] * 40, completions, {}
+    )
+    assert state["peak"] == bound and state["now"] == 0
+
+
+def test_an_errors_or_a_timeouts_call_is_named_by_its_sample():
+    async def flaky(completion, **_):
+        if completion == COMPLETIONS[2]:
+            raise ValueError("the judge is down")
+        return 1.0
+
+    async def hangs(completion, **_):
+        if completion == COMPLETIONS[1]:
+            await asyncio.sleep(60)
+        return 1.0
+
+    async def batch_flaky(prompts, completions, **_):
+        return [1.0 / (c != COMPLETIONS[1]) for c in completions]
+
+    cases = [
+        (
+            prepare(flaky, "flaky"),
+            r"'flaky' raised ValueError: the judge is down at sample 2 \(completion '7'\)",
+        ),
+        (prepare(hangs, "hangs", timeout=0.2), r"'hangs' did not return within 0\.2 s \(reward_timeout\)"),
+        (prepare(batch_flaky, "batch_flaky"), r"'batch_flaky' raised ZeroDivisionError.* at sample 1"),
+        (
+            prepare(graded_one, "graded_one"),
+            r"'graded_one' raised TypeError.* at sample 0",
+        ),  # no answer field
+    ]
+    for prepared, pattern in cases:
+        start = time.perf_counter()
+        with pytest.raises(RewardError, match=pattern):
+            fields = ANSWERS if prepared.name != "graded_one" else {}
+            compute_rewards([(prepared.name, prepared, 1.0)], PROMPTS, COMPLETIONS, fields)
+        assert time.perf_counter() - start < 10  # a hung call is abandoned at its deadline
+
+
+def test_an_async_reward_that_fails_stops_the_run_in_one_line_and_the_run_resumes(tmp_path, capsys):
+    from gspo.cli import main
+    from gspo.run.checkpoint import latest_checkpoint, load_trainer_state
+
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(
+        textwrap.dedent(
+            """
+            import asyncio
+            from pathlib import Path
+
+            CALLS = Path(__file__).with_name("calls")
+
+
+            async def judged(completion, **_):
+                await asyncio.sleep(0)
+                return float(len(completion) % 2)
+
+
+            async def flaky(prompts, completions, **_):
+                calls = int(CALLS.read_text()) + 1 if CALLS.exists() else 1
+                CALLS.write_text(str(calls))
+                if calls == 3 and not Path(__file__).with_name("fixed").exists():
+                    raise ConnectionError("the judge is down")
+                return [0.0] * len(completions)
+            """
+        )
+    )
+    common = ["progress=false", "report_to=[]", "eval.every=0", "task.num_eval=0", "checkpoint.every=1"]
+    common += ["train.steps=4", f"rewards={{{rewards}:judged: 1.0, {rewards}:flaky: 0.0}}"]
+    code = main(["train", str(TINY), f"output_dir={tmp_path / 'run'}", *common])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 7 and len(err) == 1, err
+    assert "'flaky' raised ConnectionError: the judge is down" in err[0] and "gspo train --resume" in err[0]
+    assert load_trainer_state(latest_checkpoint(tmp_path / "run"))["step"] == 2
+    (tmp_path / "fixed").write_text("")
+    assert main(["train", "--resume", str(tmp_path / "run"), *common[:1]]) == 0
+    assert load_trainer_state(latest_checkpoint(tmp_path / "run"))["step"] == 4

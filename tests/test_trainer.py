@@ -19,7 +19,7 @@ from gspo.core.layout import TokenSequence, make_micro_batches
 from gspo.core.objectives import LossInputs, LossSpec, compute_loss
 from gspo.learning import learner
 from gspo.learning.policy import score
-from gspo.rollout.rewards import RewardError
+from gspo.rewards.calling import RewardError
 from gspo.run import lock
 from gspo.run.checkpoint import latest_checkpoint, load_trainer_state
 from gspo.run.metrics import read_metrics
@@ -266,7 +266,7 @@ def test_cli_reports_config_errors_clearly(tmp_path: Path, capsys, monkeypatch: 
 KILLER = """
 import os, signal, time
 from pathlib import Path
-from gspo.rollout.rewards import correct_number
+from gspo.rewards.builtins import correct_number
 
 def reward(prompts, completions, **fields):
     counter = Path(os.environ["KILL_COUNTER"])

@@ -451,6 +451,26 @@ def test_a_run_folder_cannot_choose_the_vllm_server_or_its_weights_folder(
             connections.clear()
 
 
+def test_a_run_folder_cannot_choose_the_judge_its_completions_go_to(
+    two_step_run: Path, tmp_path: Path, capsys
+) -> None:
+    """A run folder whose rewards name the LLM judge (gspo.rewards.judge) and its judge.url: the judge is
+    sent the completions, and the API key, only when the user names the URL again (or trusts the folder)."""
+    run = tmp_path / "run"
+    shutil.copytree(two_step_run, run)
+    (run / "judge.txt").write_text("Judge $prompt: $completions")
+    with _recording_server() as (url, seen, connections):
+        _plant(run, {"rewards": {"judge": 1.0}, "judge": {"url": url, "template": str(run / "judge.txt")}})
+        resume = ["train", "--resume", str(run), "train.steps=3", "reward_timeout=5"]
+        code, err = _gspo(capsys, *resume)
+        assert (code, err.count("\n")) == (EXIT_CODES["config"], 0), err
+        assert f"names judge.url='{url}', the LLM judge gspo sends the completions" in err
+        assert (connections, seen) == ([], [])  # not even a connection
+        code, err = _gspo(capsys, *resume, f"judge.url={url}")  # named: asked (the listener answers 500)
+        assert code == EXIT_CODES["reward"] and f"the judge at {url} failed" in err, err
+        assert seen and seen[0][":path"] == "/v1/chat/completions"
+
+
 def test_a_server_that_is_not_vllm_is_one_line_not_a_traceback(tmp_path: Path) -> None:
     """The listener of the planted-URL finding answers /health, and /server_info without vLLM's config:
     that was `KeyError: 'vllm_config'`."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gspo import Trainer, Trajectory, TrajectoryGroup, load_config
-from gspo.rollout.rewards import correct_number
+from gspo.rewards.builtins import correct_number
 from gspo.training.export import export_run
 
 HERE = Path(__file__).resolve().parent

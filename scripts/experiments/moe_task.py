@@ -18,9 +18,9 @@ import torch
 
 from gspo.config import load_config
 from gspo.models import save_model, tiny_tokenizer
+from gspo.rewards.builtins import exact_answer
 from gspo.rollout.data import Example, format_prompt
 from gspo.rollout.requests import SamplingParams
-from gspo.rollout.rewards import exact_answer
 from gspo.rollout.samplers import generate, tokenize_prompts
 from gspo.training.inputs import build_examples
 

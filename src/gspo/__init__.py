@@ -37,6 +37,7 @@ _EXPORTS = {
     "group_advantages": "gspo.core.advantages",
     "token_logprobs": "gspo.core.logprobs",
     "causal_lm_logprobs": "gspo.core.logprobs",
+    "reward": "gspo.rewards.calling",
     "Trajectory": "gspo.rollout.trajectories",
     "TrajectoryGroup": "gspo.rollout.trajectories",
     "TrajectoryError": "gspo.rollout.trajectories",

@@ -110,9 +110,9 @@ def classify(error: BaseException, command: str | None = None) -> tuple[str, str
     from gspo.files import RunFolderGone, RunPathError
     from gspo.models import ModelError
     from gspo.models.templates import TemplateError
+    from gspo.rewards.calling import RewardError
     from gspo.rollout.data import DataError
     from gspo.rollout.openai import AlignmentError, ServerError
-    from gspo.rollout.rewards import RewardError
     from gspo.rollout.user_code import CodeFileError
     from gspo.run.checkpoint import CheckpointError
     from gspo.run.lock import RunInUse

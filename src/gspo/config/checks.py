@@ -46,6 +46,7 @@ def validate(config: Config) -> None:
     _check_serve(config)
     _check_sequence_parallel(config)
     _check_skipping(config)
+    _check_configured_rewards(config)
     if config.train.logprob_kernel == "triton" and importlib.util.find_spec("triton") is None:
         raise ConfigError(
             "train.logprob_kernel=triton needs triton (`pip install triton`; CUDA builds of torch bring it): "
@@ -113,6 +114,20 @@ def _check_corrections(config: Config) -> None:
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 """Host names that only this machine reaches: `gspo serve` may listen there without an API key."""
+
+
+def _check_configured_rewards(config: Config) -> None:
+    """The reward model and the judge, where `rewards` names them, with what they need."""
+    if "reward_model" in config.rewards and config.reward_model.path is None:
+        raise ConfigError(
+            "rewards names reward_model: set reward_model.path, a sequence-classification model folder"
+        )
+    if "judge" in config.rewards and (config.judge.url is None or config.judge.template is None):
+        missing = " and ".join(key for key in ("url", "template") if getattr(config.judge, key) is None)
+        raise ConfigError(
+            f"rewards names judge: set judge.{missing.replace(' and ', ' and judge.')} (the server's API root, "
+            'e.g. "http://127.0.0.1:8000/v1", and a prompt template file with $prompt and $completions)'
+        )
 
 
 def _check_skipping(config: Config) -> None:

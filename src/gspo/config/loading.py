@@ -66,6 +66,23 @@ def _apply(target: Section, values: dict[str, Any], prefix: str) -> None:
             setattr(target, key, value)
 
 
+def _set_entry(config: Section, key: str, value: Any) -> bool:
+    """``key`` names one entry of a mapping field (``rewards.number_format=0``, ``rewards.my.py:f=1``): set
+    that entry, keep the others, and say so; False for any other key. (A mapping given whole,
+    ``rewards={...}``, replaces it.)"""
+    parts = key.split(".")
+    target: Any = config
+    for i, part in enumerate(parts[:-1]):
+        current = getattr(target, part, None)
+        if isinstance(current, dict):
+            setattr(target, part, {**current, ".".join(parts[i + 1 :]): value})
+            return True
+        if not dataclasses.is_dataclass(current):
+            return False
+        target = current
+    return False
+
+
 def _nest(key: str, value: Any) -> dict[str, Any]:
     *sections, leaf = key.split(".")
     nested: dict[str, Any] = {leaf: value}
@@ -182,6 +199,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         value = None
         try:
             value = _read_yaml(raw) if raw else ""
+            if _set_entry(config, key, value):
+                continue
             _apply(config, _rename_keys(_nest(key, value), override), "")
         except (ConfigError, yaml.YAMLError) as error:
             if isinstance(error, ConfigError) and isinstance(value, str):  # refused as the text it is
@@ -239,7 +258,8 @@ that name exists (gspo.models.loading.model_location looks it up in the Hugging 
 
 
 def _anchor_paths(config: Config, given: dict[str, Any], config_file: Path | None) -> None:
-    """Make the input paths set in `given` (model.path, task.data_path, reward and objective files) absolute: relative to
+    """Make the input paths set in `given` (model.path, task.data_path, reward_model.path, judge.template, reward and
+    objective files) absolute: relative to
     the folder of the config file that names them, or for an override (`config_file` None) to the working
     directory, as any command-line path. A task's config, data and rewards then travel together and work
     from any directory, and the run folder's config.yaml keeps pointing at them when resumed elsewhere."""
@@ -261,12 +281,15 @@ def _anchor_paths(config: Config, given: dict[str, Any], config_file: Path | Non
         return os.path.abspath(target)
 
     sections = {
-        name: given.get(name) if isinstance(given.get(name), dict) else {} for name in ("model", "task")
+        name: given.get(name) if isinstance(given.get(name), dict) else {}
+        for name in ("model", "task", "reward_model", "judge")
     }
     if sections["model"].get("path") is not None and config.model.path:
         config.model.path = anchored(config.model.path, "model.path")
-    if sections["task"].get("data_path") is not None and config.task.data_path:
-        config.task.data_path = anchored(config.task.data_path, "task.data_path")
+    for section, key in (("task", "data_path"), ("reward_model", "path"), ("judge", "template")):
+        obj = getattr(config, section)
+        if sections[section].get(key) is not None and getattr(obj, key):
+            setattr(obj, key, anchored(getattr(obj, key), f"{section}.{key}"))
     for section_name, key in (("train", "objective"), ("rollout", "engine")):
         section = given.get(section_name) if isinstance(given.get(section_name), dict) else {}
         obj = getattr(config, section_name)

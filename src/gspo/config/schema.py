@@ -418,6 +418,44 @@ class ServeConfig(Section, key="serve"):
 
 
 @dataclass
+class RewardModelConfig(Section, key="reward_model"):
+    path: str | None = None
+    """A local Hugging Face sequence-classification model folder (in a config file: relative to its folder):
+    the reward "reward_model" is its score of each prompt + completion, the first logit of its head
+    (docs/rewards.md)."""
+    batch_size: int = 16
+    """Texts scored at once."""
+    max_length: int = 1024
+    """Tokens of a text the model reads; a longer one is cut."""
+
+
+@dataclass
+class JudgeConfig(Section, key="judge"):
+    url: str | None = None
+    """The API root of an OpenAI-compatible server (`gspo serve`, vLLM, a llama.cpp server, a hosted API),
+    e.g. "http://127.0.0.1:8000/v1": the reward "judge" asks it to score each group's completions against
+    each other, in [0, 1], one chat completion per group (docs/rewards.md). A run folder's URL is used only
+    when you name it again (docs/reliability.md)."""
+    model: str | None = None
+    """The served model's name; None: "judge"."""
+    template: str | None = None
+    """The judge's prompt template, a text file of yours (in a config file: relative to its folder) with
+    $prompt, $completions, $n and any field of the task's examples (e.g. $answer, a reference for the
+    judge), asking for a JSON object {"scores": [...]} (examples/judge/judge.txt)."""
+    api_key_env: str = "OPENAI_API_KEY"
+    """The environment variable holding the server's API key, if it needs one (never written to a file)."""
+    max_tokens: int = 512
+    """The longest answer the judge may give."""
+    temperature: float = 0.0
+    """The judge's sampling temperature (0: greedy, the same groups judged the same)."""
+    response_format: Literal["json_schema", "json_object", "none"] = "json_schema"
+    """How the request asks for the answer's form, {"scores": n numbers in [0, 1]}, so that a server with
+    structured outputs can only answer so: "json_schema", OpenAI's structured outputs (vLLM, llama.cpp's
+    llama-server, OpenAI); "json_object", JSON mode with the schema beside it (llama-cpp-python's server);
+    "none", no response_format (`gspo serve`, which refuses the field)."""
+
+
+@dataclass
 class Config(Section):
     seed: int = 0
     """Seed for sampling, minibatch order and model initialisation (tiny models)."""
@@ -435,12 +473,20 @@ class Config(Section):
     rewards: dict[str, float] = field(
         default_factory=lambda: {"exact_answer": 1.0, "correct_number": 0.5, "number_format": 0.25}
     )
-    """Reward functions and weights: built-in names, "module:function" or "file.py:function" (in a config
-    file, relative to the file's folder). The reward is the weighted sum; the first function alone, averaged
-    over the held-out split, is the eval "accuracy"."""
+    """Reward functions and weights: built-in names, "reward_model" and "judge" (the sections of those names),
+    "module:function" or "file.py:function" (in a config file, relative to the file's folder). The reward is
+    the weighted sum; the first function alone, averaged over the held-out split, is the eval "accuracy".
+    docs/rewards.md: how a function is declared (the batch or one completion per call, async or plain)."""
     reward_timeout: float = 600.0
-    """Seconds one call of a reward function (one rollout batch) may take; a call that hangs longer stops
-    the run with an error naming the function, after a checkpoint to resume from. 0: no limit."""
+    """Seconds one call of a reward function (a batch, or one completion) may take; a call that hangs longer
+    stops the run with an error naming the function, after a checkpoint to resume from. 0: no limit."""
+    reward_concurrency: int = 32
+    """Calls of an async reward function (and of one with @gspo.reward(threads=True), and the judge's groups)
+    in flight at once, on the run's event loop."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """The reward model that the reward named "reward_model" scores with."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """The LLM judge that the reward named "judge" asks."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Sampling of completions."""
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -34,7 +34,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gspo.client import Client, Episode, EpisodeGroup
-from gspo.rollout.rewards import RewardError
+from gspo.rewards.calling import RewardError
 
 if TYPE_CHECKING:
     import verifiers.v1 as vf

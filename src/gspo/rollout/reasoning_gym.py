@@ -28,7 +28,7 @@ __all__ = ["ANSWER_FORMAT", "dataset_names", "reasoning_gym_task", "scorer"]
 ANSWER_FORMAT = "Think step by step, then give your final answer inside <answer></answer> tags."
 """Appended to every question (after a blank line), as reasoning-gym's own default system prompt asks: the
 reward reads the last <answer> block, else the completion's last non-empty line
-(gspo.rollout.rewards.extract_answer)."""
+(gspo.rewards.builtins.extract_answer)."""
 
 # Items drawn per problem asked for (plus a constant) before giving up on finding enough distinct
 # questions: enough for a problem space twice the size asked for (coupon collector: ~1.4 draws each).

@@ -120,13 +120,23 @@ REACHES = {
     "rollout.vllm.server_weights_dir": "the folder gspo tells the vLLM server to load weights from",
     "rollout.vllm.nccl_address": "the address gspo opens its NCCL group on for the server's workers",
     "task.data_path": "the data gspo reads, and copies into its evaluation reports",
+    "judge.url": "the LLM judge gspo sends the completions (and the API key) to",
+    "judge.api_key_env": "the environment variable whose secret gspo sends to the judge as the API key",
+    "judge.template": "the prompt template gspo reads and sends to the judge",
+    "reward_model.path": "the reward model gspo loads and runs",
     "model.path": "the model gspo loads (a LoRA run's base weights, or the GGUF whose metadata it copies)",
 }
 """The keys whose value reaches outside the run folder: a server gspo connects to, a path it reads or writes.
 A run folder's value is used only when the user names it (module docstring); docs/reliability.md's table."""
 
 
-LOCAL_PATHS = ("rollout.vllm.weights_dir", "task.data_path", "model.path")
+LOCAL_PATHS = (
+    "rollout.vllm.weights_dir",
+    "task.data_path",
+    "model.path",
+    "judge.template",
+    "reward_model.path",
+)
 """The `REACHES` keys that are paths on this machine: one inside the run folder is the folder's own (the
 rows a run was given as `data=`, kept in RUN/data.jsonl), not a place outside it."""
 
@@ -157,6 +167,12 @@ def used_reaches(config: Config) -> list[str]:
     used = engine.reaches(config) if engine is not None else []
     if config.task.name == "file" and config.task.data_path is not None:
         used.append("task.data_path")
+    if "judge" in config.rewards:
+        used += ["judge.url", "judge.template"]
+        if config.judge.api_key_env != type(config.judge)().api_key_env:
+            used.append("judge.api_key_env")
+    if "reward_model" in config.rewards:
+        used.append("reward_model.path")
     return used + model_reaches(config, copies_gguf=engine is not None and engine.copies_gguf)
 
 

@@ -24,9 +24,9 @@ from typing import Any
 from gspo.config import RolloutConfig
 from gspo.core.samples import Sample
 from gspo.core.seeds import resample_seed
+from gspo.rewards.calling import RewardError, RewardFunction, compute_rewards
 from gspo.rollout.data import Example, batch_fields
-from gspo.rollout.rewards import RewardError, RewardFunction, compute_rewards
-from gspo.rollout.samplers import Sampler
+from gspo.rollout.samplers import Rollouts, Sampler
 
 
 @dataclass
@@ -53,6 +53,8 @@ class Drawn:
     """Groups sampled for it, the extra ones of dynamic sampling included."""
     groups_kept: int = 0
     """Groups of the batch with a reward spread."""
+    scoring_seconds: float = 0.0
+    """Scoring it (of `seconds`)."""
 
     def rows(self, group_size: int) -> list[dict[str, Any]]:
         """Its completions as RUN/completions.jsonl keeps them: the step, prompt, completion and reward."""
@@ -124,21 +126,83 @@ class _Group:
         return any(s.reward != self.samples[0].reward for s in self.samples)
 
 
-def _draw_groups(
+@dataclass
+class Sampled:
+    """A batch's completions, drawn and not yet scored: what the sampling stage hands the scoring stage."""
+
+    request: Request
+    rollouts: Rollouts
+    seconds: float
+    """Drawing them."""
+
+
+def sample(sampler: Sampler, cfg: RolloutConfig, request: Request) -> Sampled:
+    """The sampling stage: G completions of each of the request's prompts, with its seed."""
+    t0 = time.perf_counter()
+    rollouts = _generate(sampler, cfg, request.prompts, request.seed)
+    return Sampled(request, rollouts, time.perf_counter() - t0)
+
+
+def score(rewards: list[tuple[str, RewardFunction, float]], cfg: RolloutConfig, sampled: Sampled) -> Drawn:
+    """The scoring stage: the sampled completions scored by the rewards (a batch without dynamic sampling's
+    extra draws, whose rounds need the scores before they sample: `draw`)."""
+    t0 = time.perf_counter()
+    request = sampled.request
+    try:
+        groups = _groups(rewards, cfg, request.examples, request.prompts, sampled.rollouts, request.version)
+    except RewardError as error:
+        return _failed(request, sampled.seconds + time.perf_counter() - t0, error)
+    scoring = time.perf_counter() - t0
+    return _batch(
+        request, groups, float(sampled.rollouts.computed_tokens), sampled.seconds + scoring, scoring
+    )
+
+
+def draw(
     sampler: Sampler,
+    rewards: list[tuple[str, RewardFunction, float]],
+    cfg: RolloutConfig,
+    request: Request,
+    resampling: Resampling | None = None,
+) -> Drawn:
+    """Draw and reward one batch, both stages in this thread (module docstring): G completions of each
+    prompt, scored by the rewards, with further groups in place of those without a spread when
+    ``resampling`` is given. No collective: the training side reduces over ranks."""
+    if resampling is None:
+        return score(rewards, cfg, sample(sampler, cfg, request))
+    t0 = time.perf_counter()
+    clock = _Clock()
+    try:
+        groups, tokens = _drawn_groups(
+            sampler, rewards, cfg, request.examples, request.prompts, request.seed, request.version, clock
+        )
+        groups, tokens = _resample(sampler, rewards, cfg, request, resampling, groups, tokens, clock)
+    except RewardError as error:
+        return _failed(request, time.perf_counter() - t0, error)
+    return _batch(request, groups, tokens, time.perf_counter() - t0, clock.scoring)
+
+
+@dataclass
+class _Clock:
+    scoring: float = 0.0
+    """Seconds spent scoring."""
+
+
+def _generate(sampler: Sampler, cfg: RolloutConfig, prompts: list[str], seed: int) -> Rollouts:
+    settings = {"group_size": cfg.group_size, "max_new_tokens": cfg.max_new_tokens, "top_p": cfg.top_p}
+    return sampler.generate(prompts, temperature=cfg.temperature, seed=seed, **settings)
+
+
+def _groups(
     rewards: list[tuple[str, RewardFunction, float]],
     cfg: RolloutConfig,
     examples: list[Example],
     prompts: list[str],
-    *,
-    seed: int,
+    rollouts: Rollouts,
     version: int,
-) -> tuple[list[_Group], float]:
-    """G completions of each prompt, scored: one group per prompt, and the tokens run through the model.
-    Raises RewardError."""
+) -> list[_Group]:
+    """The rollouts scored, one group per prompt. Raises RewardError."""
     G = cfg.group_size
-    settings = {"group_size": G, "max_new_tokens": cfg.max_new_tokens, "top_p": cfg.top_p}
-    rollouts = sampler.generate(prompts, temperature=cfg.temperature, seed=seed, **settings)
     total, per_function = compute_rewards(
         rewards,
         [p for p in prompts for _ in range(G)],
@@ -163,6 +227,25 @@ def _draw_groups(
         ]
         scores = {name: [float(v[i]) for i in rows] for name, v in per_function.items()}
         groups.append(_Group(prompt, samples, [rollouts.completions[i] for i in rows], scores))
+    return groups
+
+
+def _drawn_groups(
+    sampler: Sampler,
+    rewards: list[tuple[str, RewardFunction, float]],
+    cfg: RolloutConfig,
+    examples: list[Example],
+    prompts: list[str],
+    seed: int,
+    version: int,
+    clock: _Clock,
+) -> tuple[list[_Group], float]:
+    """G completions of each prompt, sampled and scored: one group per prompt, and the tokens run through
+    the model."""
+    rollouts = _generate(sampler, cfg, prompts, seed)
+    t0 = time.perf_counter()
+    groups = _groups(rewards, cfg, examples, prompts, rollouts, version)
+    clock.scoring += time.perf_counter() - t0
     return groups, float(rollouts.computed_tokens)
 
 
@@ -174,6 +257,7 @@ def _resample(
     resampling: Resampling,
     groups: list[_Group],
     tokens: float,
+    clock: _Clock,
 ) -> tuple[list[_Group], float]:
     """``groups`` and the extra ones drawn, round after round, until as many have a spread as the request
     has prompts, or the cap is reached (module docstring); and the tokens run through the model."""
@@ -186,43 +270,22 @@ def _resample(
         round_seed = resample_seed(request.seed, round_)
         examples = extra_examples(resampling.pool, n, seed=round_seed, drawn={g.prompt for g in groups})
         prompts = [resampling.prompt(ex) for ex in examples]
-        more, more_tokens = _draw_groups(
-            sampler, rewards, cfg, examples, prompts, seed=round_seed, version=request.version
+        more, more_tokens = _drawn_groups(
+            sampler, rewards, cfg, examples, prompts, round_seed, request.version, clock
         )
         groups, tokens, extra, round_ = groups + more, tokens + more_tokens, extra + n, round_ + 1
     return groups, tokens
 
 
-def draw(
-    sampler: Sampler,
-    rewards: list[tuple[str, RewardFunction, float]],
-    cfg: RolloutConfig,
-    request: Request,
-    resampling: Resampling | None = None,
-) -> Drawn:
-    """Draw and reward one batch (module docstring): G completions of each prompt, scored by the rewards,
-    with further groups in place of those without a spread when ``resampling`` is given. No collective: the
-    training side reduces over ranks (this may run in a worker thread)."""
-    t0 = time.perf_counter()
+def _failed(request: Request, seconds: float, error: RewardError) -> Drawn:
+    """A batch whose scoring failed: the error, raised on every rank together by the training side."""
+    return Drawn(request.step, request.version, [], list(request.prompts), [], {}, seconds, 0.0, str(error))
+
+
+def _batch(request: Request, groups: list[_Group], tokens: float, seconds: float, scoring: float) -> Drawn:
+    """The batch of the drawn ``groups``: the first with a spread, then (the cap reached) the earliest
+    without one, in the order drawn, as many as the request has prompts."""
     wanted = len(request.prompts)
-    try:
-        groups, tokens = _draw_groups(
-            sampler,
-            rewards,
-            cfg,
-            request.examples,
-            request.prompts,
-            seed=request.seed,
-            version=request.version,
-        )
-        if resampling is not None:
-            groups, tokens = _resample(sampler, rewards, cfg, request, resampling, groups, tokens)
-    except RewardError as error:
-        return Drawn(
-            request.step, request.version, [], list(request.prompts), [], {}, time.perf_counter() - t0, 0.0,
-            str(error),
-        )  # fmt: skip
-    # the first groups with a spread, then (the cap reached) the earliest without one, in the order drawn
     spread = [i for i, g in enumerate(groups) if g.spread][:wanted]
     fillers = [i for i, g in enumerate(groups) if not g.spread][: wanted - len(spread)]
     batch = [groups[i] for i in sorted(spread + fillers)]
@@ -236,8 +299,9 @@ def draw(
         [g.prompt for g in batch],
         [c for g in batch for c in g.completions],
         per_function,
-        time.perf_counter() - t0,
+        seconds,
         tokens,
         groups_drawn=len(groups),
         groups_kept=len(spread),
+        scoring_seconds=scoring,
     )

@@ -30,11 +30,11 @@ from gspo.config import Config, ConfigError
 from gspo.core.seeds import sample_seed
 from gspo.parallel.collectives import all_gather_cat, all_reduce_sum, all_reduce_sums, raise_together
 from gspo.parallel.group import rank, rank_slice, world_size
+from gspo.rewards.calling import RewardError, RewardFunction
 from gspo.rollout.data import Example, PromptStream, format_prompt
-from gspo.rollout.rewards import RewardError, RewardFunction
 from gspo.rollout.samplers import Sampler
 from gspo.run.start import Run
-from gspo.sampling.batches import Drawn, Request, Resampling, draw
+from gspo.sampling.batches import Drawn, Request, Resampling, Sampled, draw, sample, score
 from gspo.sampling.side import SamplingSide
 
 
@@ -57,6 +57,9 @@ class Schedule:
     stream: PromptStream
     prompt: Callable[[Example], str]
     draw_batch: Callable[[Request], Drawn]
+    """Both stages at once: in line with the updates, or with dynamic sampling (its rounds need scores)."""
+    sample_batch: Callable[[Request], Sampled]
+    score_batch: Callable[[Sampled], Drawn]
     seed: int
     groups: int
     """Groups in a rollout batch, over every rank (rollout.prompts_per_step)."""
@@ -70,7 +73,13 @@ class Schedule:
     """Each step ahead: its batch drawn (kept by a checkpoint), being drawn (a future), or, in line with the
     updates, the request drawn when the step asks for it."""
     stream_before: dict[int, dict[str, Any]] = field(default_factory=dict)
+    scoring: concurrent.futures.ThreadPoolExecutor | None = None
+    """The scoring stage's thread, beside the sampling side's (None: in line, scored as drawn)."""
     _started: bool = False
+
+    def __post_init__(self) -> None:
+        if self.side.driver is not None and not self.resampling:
+            self.scoring = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gspo-scoring")
 
     @classmethod
     def resume(
@@ -99,6 +108,8 @@ class Schedule:
             stream,
             lambda ex: format_prompt(tokenizer, ex.prompt, system_prompt=system),
             lambda request: draw(side.sampler, rewards, config.rollout, request, resampling),
+            lambda request: sample(side.sampler, config.rollout, request),
+            lambda sampled: score(rewards, config.rollout, sampled),
             config.seed,
             config.rollout.prompts_per_step,
             resampling=resampling is not None,
@@ -141,8 +152,11 @@ class Schedule:
         request = self.request(step, version)
         if self.side.driver is None:  # drawn when the step asks for it, in the trainer's thread
             self.ahead[step] = request
-        else:
+        elif self.scoring is None:  # dynamic sampling: its rounds sample again once scored
             self.ahead[step] = self.side.call(lambda: self.draw_batch(request))
+        else:  # three stages: batch b is scored while b + 1 samples and the trainer learns
+            sampled = self.side.call(lambda: self.sample_batch(request))
+            self.ahead[step] = self.scoring.submit(lambda: self.score_batch(sampled.result()))
 
     def updated(self, model: Any, version: int) -> None:
         """The trainer made ``version``: the sampling side takes its weights, then draws batch version + lag
@@ -171,8 +185,9 @@ class Schedule:
             "staleness_mean": sum(staleness) / max(len(staleness), 1),
             "staleness_max": float(max(staleness, default=0)),
         }
-        if self.side.driver is not None:  # the sampling side's own time, overlapping the updates
-            metrics["time_sampling_overlapped"] = drawn.seconds
+        if self.side.driver is not None:  # the sampling and scoring stages' own time, overlapping the updates
+            metrics["time_sampling_overlapped"] = drawn.seconds - drawn.scoring_seconds
+            metrics["time_scoring_overlapped"] = drawn.scoring_seconds
         if self.resampling:
             groups, kept = all_reduce_sums([float(drawn.groups_drawn), float(drawn.groups_kept)])
             metrics |= {"groups_drawn": groups, "groups_kept": kept, "extra_groups": groups - self.groups}
@@ -215,8 +230,12 @@ class Schedule:
         return {"ahead": kept, "stream": stream}
 
     def close(self) -> None:
-        """Stop the sampling side after the batch it is drawing (none is trained: the run ends or stops)."""
+        """Stop the sampling side after the batch it is drawing, and the scoring stage after the batch it is
+        scoring (none is trained: the run ends or stops)."""
         self.side.close()
+        if self.scoring is not None:
+            self.scoring.shutdown(wait=True, cancel_futures=True)
+            self.scoring = None
 
 
 def dynamic_sampling(config: Config, pool: list[Example], tokenizer: Any) -> Resampling | None:

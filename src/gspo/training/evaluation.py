@@ -29,8 +29,8 @@ from gspo.learning.policy import Policy
 from gspo.models import load_model
 from gspo.parallel.collectives import all_gather_list
 from gspo.parallel.group import rank, resolve_device, world_size
+from gspo.rewards.calling import RewardFunction, compute_rewards
 from gspo.rollout.data import Example, batch_fields, format_prompt, load_examples
-from gspo.rollout.rewards import RewardFunction, compute_rewards
 from gspo.rollout.samplers import HFSampler
 from gspo.run.build import generating, load_checkpoint_policy
 from gspo.run.checkpoint import check_output, checkpoint_step, find_checkpoint

@@ -22,6 +22,8 @@ from gspo.config.loading import code_file
 from gspo.config.values import shown
 from gspo.files import replace_file, run_path
 from gspo.parallel.group import is_main
+from gspo.rewards.calling import RewardFunction, prepare
+from gspo.rewards.resolve import resolve_reward
 from gspo.rollout.data import (
     TASKS,
     DataError,
@@ -34,7 +36,6 @@ from gspo.rollout.data import (
     split_eval,
 )
 from gspo.rollout.reasoning_gym import reasoning_gym_task
-from gspo.rollout.rewards import RewardFunction, keyword_call, resolve_reward, with_timeout
 from gspo.rollout.samplers import tokenize_prompts
 from gspo.rollout.user_code import CodeFileError
 from gspo.run.start import Folder, Run
@@ -63,7 +64,7 @@ def task_inputs(
     given = None
     if data is not None:  # the rows, and the config that reads them back from the run folder
         given, config = data_task(config, data, folder.path, resumed=resumed)
-    rewards = resolve_rewards(config, reward_functions)
+    rewards = resolve_rewards(config, reward_functions, device=folder.device)
     if reward_functions:  # config.yaml names the rewards this run uses (eval and resume look there)
         config = dataclasses.replace(config, rewards={name: weight for name, _, weight in rewards})
     train, held_out = build_examples(config, given)
@@ -210,9 +211,11 @@ def _named_not_given(value: object, where: str) -> str:
 
 
 def resolve_rewards(
-    config: Config, custom: RewardFunctions | None
+    config: Config, custom: RewardFunctions | None, *, device: torch.device | str = "cpu"
 ) -> list[tuple[str, RewardFunction, float]]:
-    """(name, function, weight) of the run's rewards, in order; the first is the eval accuracy.
+    """(name, function, weight) of the run's rewards, in order; the first is the eval accuracy. Each function
+    is prepared (gspo.rewards.calling.prepare): called as it is declared, each call within reward_timeout,
+    at most reward_concurrency of a concurrent one's in flight; a reward model runs on ``device``.
 
     `custom` (Python callables: by name, or a list named by their own names) replaces config.rewards, as
     TRL's reward_funcs do: the run's rewards are exactly these, each weighing config.rewards[name] where the
@@ -224,7 +227,7 @@ def resolve_rewards(
     resolved = []
     for name, weight in weights.items():
         try:
-            function = custom[name] if name in custom else resolve_reward(name)
+            function = custom[name] if name in custom else resolve_reward(name, config, device=device)
         except (CodeFileError, FileNotFoundError) as error:  # the file: missing, or failing when run
             where = " (read from the working directory when named on the command line, else from the folder of the config file that names it)"
             missing = where if isinstance(error, FileNotFoundError) else ""
@@ -236,7 +239,10 @@ def resolve_rewards(
                 f"rewards.{name}: importing it raised {type(error).__name__}: {error}"
             ) from error
         label = labels[name]
-        resolved.append((label, with_timeout(keyword_call(function), config.reward_timeout, label), weight))
+        prepared = prepare(
+            function, label, timeout=config.reward_timeout, concurrency=config.reward_concurrency
+        )
+        resolved.append((label, prepared, weight))
     return resolved
 
 

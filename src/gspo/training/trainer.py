@@ -24,7 +24,7 @@ from gspo.core.seeds import step_seed
 from gspo.learning.policy import UpdateSpec
 from gspo.learning.step import learn_from_samples
 from gspo.parallel.group import is_main, world_size
-from gspo.rollout.rewards import RewardError
+from gspo.rewards.calling import RewardError
 from gspo.rollout.samplers import Sampler, ServerError
 from gspo.rollout.trajectories import TrajectoryGroup, trajectory_samples
 from gspo.run.checkpoint import rng_state
