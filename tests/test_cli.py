@@ -448,6 +448,41 @@ def test_ctrl_c_says_what_the_run_kept_and_how_to_continue(tmp_path: Path, capsy
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*"))[-1] == "step_000004"
 
 
+@pytest.mark.parametrize("lag", [0, 2])
+def test_a_reward_that_raises_keyboard_interrupt_keeps_the_steps_trained_at_every_lag(
+    tmp_path: Path, capsys, monkeypatch, lag: int
+) -> None:
+    """At lag 2 it exited 130 saying the run "holds no checkpoint yet" although step 1 had trained, then
+    with a bare "error: interrupted": the checkpoint of the stop met the batch ahead whose scoring had
+    raised it. The reward's third call (with the start's evaluation: a training batch, scored at lag 2 in
+    the scoring stage's thread, ahead of the updates) stops the run; the steps before it are kept, and the
+    run continues from them."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "stops.py").write_text(
+        "from pathlib import Path\n"
+        "calls = 0\n"
+        "def third(prompts, completions, **_):\n"
+        "    global calls\n"
+        "    calls += 1\n"
+        "    if calls == 3 and not Path('stopped').exists():  # once: the resumed run goes on\n"
+        "        Path('stopped').touch()\n"
+        "        raise KeyboardInterrupt\n"
+        "    return [float(len(c) % 2) for c in completions]\n"
+    )
+    run = tmp_path / "run"
+    argv = (TINY, f"output_dir={run}", "train.steps=4", "eval.every=0", f"rollout.lag={lag}")
+    code, err = _run(capsys, *argv, "rewards={stops.py:third: 1.0}")
+    assert code == EXIT_CODES["interrupted"]
+    kept = re.fullmatch(
+        rf"error: interrupted; the run is kept up to step (\d) \({re.escape(str(run))}/checkpoints/"
+        rf"step_00000(\d)\): continue it with `gspo train --resume {re.escape(str(run))}`",
+        err,
+    )
+    assert kept is not None and kept[1] == kept[2] and int(kept[1]) >= 1, err
+    assert main(["train", "--resume", str(run)]) == 0  # its later calls pass
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*"))[-1] == "step_000004"
+
+
 def test_a_missing_data_file_says_what_its_path_is_relative_to(tmp_path: Path, capsys, monkeypatch) -> None:
     """A task.data_path in a config file is read relative to the file's folder, one on the command line
     relative to the working directory: the error says so, with the path it tried."""

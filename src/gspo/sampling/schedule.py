@@ -220,8 +220,8 @@ class Schedule:
                 break
             try:
                 drawn = pending if isinstance(pending, Drawn) else pending.result()
-            except Exception:  # the error is raised when the step asks for it; the checkpoint stops here
-                break
+            except BaseException:  # raised when the step asks for it (a reward's KeyboardInterrupt too): the
+                break  # checkpoint stops here
             if drawn.failure is not None:
                 break
             kept.append(drawn.state())
