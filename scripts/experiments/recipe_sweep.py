@@ -25,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 EVERY_5 = ["eval.every=5"]  # evaluations draw from their own seeds: how often changes nothing trained
+EXACT = "rewards={exact_answer: 1.0, correct_number: 0.5}"
 ARMS: dict[str, list[str]] = {
     "default": EVERY_5,
     "dynamic": [*EVERY_5, "rollout.dynamic_sampling=true"],
@@ -32,6 +33,43 @@ ARMS: dict[str, list[str]] = {
     "dynamic+entropy": [*EVERY_5, "rollout.dynamic_sampling=true", "train.entropy_coef=0.01"],
     "dynamic, 2 minibatches": [*EVERY_5, "rollout.dynamic_sampling=true", "train.minibatches=2"],
     "temperature 1.2": [*EVERY_5, "rollout.temperature=1.2"],
+    # the centred rewards divided by the batch's std, not each group's: a group where one completion is a
+    # wrong bare number among zeros no longer gives it the largest advantage there is
+    "batch advantages": [*EVERY_5, "train.advantage_scale=batch"],
+    "batch advantages+entropy": [*EVERY_5, "train.advantage_scale=batch", "train.entropy_coef=0.01"],
+    "KL 0.04": [*EVERY_5, "train.beta=0.04"],
+    # no reward for a wrong bare number: early on, when right answers are rare, `number_format` pays any
+    # bare number, and the policy settles on a few constant ones ("10") before it learns the sums
+    "exact rewards": [*EVERY_5, EXACT],
+    "exact rewards+entropy": [*EVERY_5, EXACT, "train.entropy_coef=0.01"],
+    "exact rewards, temperature 1.2": [*EVERY_5, EXACT, "rollout.temperature=1.2"],
+    "exact rewards, lr 2e-5": [*EVERY_5, EXACT, "train.lr=2e-5"],
+    "lr 2e-5": [*EVERY_5, "train.lr=2e-5"],
+    "temperature 1.5": [*EVERY_5, "rollout.temperature=1.5"],
+    "temperature 1.2, lr 2e-5": [*EVERY_5, "rollout.temperature=1.2", "train.lr=2e-5"],
+    "temperature 1.2+entropy": [*EVERY_5, "rollout.temperature=1.2", "train.entropy_coef=0.01"],
+    # with the batch's std, a small format weight gives a wrong bare number a small advantage (with each
+    # group's, any weight gives it the group's largest)
+    "temperature 1.2, lr 2e-5, G16 P4": [
+        *EVERY_5,
+        "rollout.temperature=1.2",
+        "train.lr=2e-5",
+        "rollout.group_size=16",
+        "rollout.prompts_per_step=4",
+    ],
+    "temperature 1.2, lr 3e-5": [*EVERY_5, "rollout.temperature=1.2", "train.lr=3e-5"],
+    "temperature 1.3, lr 2e-5": [*EVERY_5, "rollout.temperature=1.3", "train.lr=2e-5"],
+    "temperature 1.2, lr 2e-5, batch advantages": [
+        *EVERY_5,
+        "rollout.temperature=1.2",
+        "train.lr=2e-5",
+        "train.advantage_scale=batch",
+    ],
+    "batch advantages, format 0.05": [
+        *EVERY_5,
+        "train.advantage_scale=batch",
+        "rewards={exact_answer: 1.0, correct_number: 0.5, number_format: 0.05}",
+    ],
 }
 """Named arms: each a list of `gspo train` overrides of the default config. `--arm NAME=K=V K=V` adds one."""
 
