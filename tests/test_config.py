@@ -31,6 +31,19 @@ def test_every_field_has_a_docstring() -> None:
         assert not missing, f"{cls.__name__} fields without a docstring: {missing}"
 
 
+def test_the_robust_config_is_the_default_run_with_the_three_changes_its_figures_are_for() -> None:
+    """configs/robust.yaml's seeds table (docs/performance.md) was measured with exactly these overrides of
+    the default config (scripts/experiments/recipe_sweep.py's arm "temperature 1.2, lr 2e-5, dynamic")."""
+    robust = load_config(ROOT / "configs" / "robust.yaml")
+    assert (robust.rollout.temperature, robust.train.lr, robust.rollout.dynamic_sampling) == (1.2, 2e-5, True)
+    back = dataclasses.replace(
+        robust,
+        rollout=dataclasses.replace(robust.rollout, temperature=1.0, dynamic_sampling=False),
+        train=dataclasses.replace(robust.train, lr=Config().train.lr),
+    )
+    assert back == Config()
+
+
 def test_default_yaml_is_gspo_config_output() -> None:
     """configs/default.yaml is `gspo config > configs/default.yaml`, byte for byte (docs included)."""
     text = (ROOT / "configs" / "default.yaml").read_text()

@@ -57,6 +57,19 @@ ARMS: dict[str, list[str]] = {
         "rollout.group_size=16",
         "rollout.prompts_per_step=4",
     ],
+    "temperature 1.2, lr 2e-5, entropy 0.01": [
+        *EVERY_5,
+        "rollout.temperature=1.2",
+        "train.lr=2e-5",
+        "train.entropy_coef=0.01",
+    ],
+    # configs/robust.yaml
+    "temperature 1.2, lr 2e-5, dynamic": [
+        *EVERY_5,
+        "rollout.temperature=1.2",
+        "train.lr=2e-5",
+        "rollout.dynamic_sampling=true",
+    ],
     "temperature 1.2, lr 3e-5": [*EVERY_5, "rollout.temperature=1.2", "train.lr=3e-5"],
     "temperature 1.3, lr 2e-5": [*EVERY_5, "rollout.temperature=1.3", "train.lr=2e-5"],
     "temperature 1.2, lr 2e-5, batch advantages": [
