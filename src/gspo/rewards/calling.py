@@ -26,7 +26,7 @@ import inspect
 import math
 import numbers
 import threading
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -76,11 +76,6 @@ def reward_loop() -> asyncio.AbstractEventLoop:
             threading.Thread(target=loop.run_forever, name="gspo-rewards", daemon=True).start()
             _LOOP = loop
         return _LOOP
-
-
-def on_loop(coroutine: Coroutine[Any, Any, T]) -> T:
-    """Run ``coroutine`` on the reward loop and wait for it (from any thread but the loop's own)."""
-    return asyncio.run_coroutine_threadsafe(coroutine, reward_loop()).result()
 
 
 # ---- one function, as gspo calls it -------------------------------------------------------------------
