@@ -70,7 +70,7 @@ G = 8  # completions per prompt
 # ---- models -------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ModelSpec:
-    family: str  # "llama", "qwen2" or "qwen3_moe"
+    family: str  # "llama", "qwen2", "qwen3" or "qwen3_moe"
     vocab: int
     hidden: int
     layers: int
@@ -101,6 +101,8 @@ class ModelSpec:
             return transformers.LlamaConfig(**common, rope_theta=100000.0)
         if self.family == "qwen2":
             return transformers.Qwen2Config(**common, use_sliding_window=False, sliding_window=None)
+        if self.family == "qwen3":
+            return transformers.Qwen3Config(**common, head_dim=self.head_dim, sliding_window=None)
         return transformers.Qwen3MoeConfig(
             **common,
             head_dim=self.head_dim,
@@ -129,6 +131,8 @@ MODELS = {
     # Qwen/Qwen2.5-0.5B's and -1.5B's configurations (q/k/v biases included by the Qwen2 class)
     "qwen2.5-0.5b": ModelSpec("qwen2", 151936, 896, 24, 14, 2, 4864),
     "qwen2.5-1.5b": ModelSpec("qwen2", 151936, 1536, 28, 12, 2, 8960),
+    # Qwen/Qwen3-0.6B's configuration (its head_dim of 128 is not hidden / heads)
+    "qwen3-0.6b": ModelSpec("qwen3", 151936, 1024, 28, 16, 8, 3072, head_dim=128),
     # a small Qwen3-MoE: Qwen3-30B-A3B's shape (128 experts, top 8) scaled down to 0.6B total, 0.25B active
     "qwen3-moe-small": ModelSpec("qwen3_moe", 151936, 1024, 12, 16, 4, 3072, 64, 32, 4, 512),
 }
@@ -507,6 +511,8 @@ def head_rows(spec: ModelSpec, n: int, setup: Setup, kernels: list[str], name: s
             rows.append({"model": name, "tokens": n, "path": path, "seconds": seconds, "extra_gib": peak})
         except torch.cuda.OutOfMemoryError:
             rows.append({"model": name, "tokens": n, "path": path, "note": "out of memory"})
+        except Exception as error:  # one path's failure (a peer's compiled kernel) loses only its row
+            rows.append({"model": name, "tokens": n, "path": path, "note": f"failed: {type(error).__name__}"})
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

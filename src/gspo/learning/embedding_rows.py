@@ -32,6 +32,8 @@ class TiedRows:
             and head is not None
             and head.weight is embedding.weight
             and embedding.weight.requires_grad
+            # a plain tensor: FSDP2's parameters are DTensors, whose gradients arrive sharded and reduced
+            and type(embedding.weight.data) is Tensor
         )
         self.embedding = embedding
         self.rows: list[tuple[Tensor, Tensor]] = []  # (token ids, their embeddings as a leaf)
