@@ -1,6 +1,7 @@
 """Sampling ahead of the updates, and rewards as a stage of their own, timed (docs/async.md, docs/rewards.md).
 
-`--case wait` (the default): the default run (SmolLM2, the arithmetic task) with a reward that waits `--wait`
+`--case wait` (the default): the default run (SmolLM2, the arithmetic task; dynamic sampling off, so every batch
+samples the same number of groups) with a reward that waits `--wait`
 seconds per rollout batch, as a code sandbox or a remote scorer would, at rollout.lag = 0 and 1. Runs
 alternate (lag 0, lag 1, lag 0, ...), each `--steps` rollout batches through `Trainer.train_step`; the first
 batch of each run is left out (its sampling has nothing to overlap). Prints each run's median wall seconds per
@@ -49,6 +50,8 @@ def run(lag: int, wait_file: Path, steps: int, folder: Path) -> list[float]:
         [
             f"output_dir={folder}",
             f"rollout.lag={lag}",
+            # the same groups' worth of work in every batch: dynamic sampling's redraws depend on the scores
+            "rollout.dynamic_sampling=false",
             f"train.steps={steps}",
             f"rewards={rewards}",
             "eval.every=0",
@@ -72,7 +75,8 @@ def run(lag: int, wait_file: Path, steps: int, folder: Path) -> list[float]:
 def judge_case(call: float, rounds: int) -> None:
     """An async per-completion reward that waits ``call`` seconds, scoring 64 completions (module docstring)."""
     from gspo.config import Config
-    from gspo.rewards.calling import compute_rewards, prepare
+    from gspo.rewards.calling import prepare
+    from gspo.rewards.scoring import compute_rewards
 
     async def judge(completion: str, **_: object) -> float:
         await asyncio.sleep(call)

@@ -29,7 +29,7 @@ from gspo.core.samples import Sample
 from gspo.core.seeds import sample_seed, step_seed
 from gspo.learning.policy import UpdateSpec, update_choices, with_correction
 from gspo.learning.step import learn_from_samples
-from gspo.rewards.calling import compute_rewards
+from gspo.rewards.scoring import compute_rewards
 from gspo.rollout.data import batch_fields
 from gspo.run.checkpoint import latest_checkpoint, load_trainer_state
 from gspo.run.metrics import read_metrics
@@ -120,9 +120,12 @@ def test_a_lagged_run_is_reproducible_and_trains_nothing_older_than_the_lag(tmp_
     train = [r for r in lines if r["kind"] == "train"]
     assert [r["staleness_max"] for r in train] == [float(min(lag, s - 1)) for s in range(1, 6)]
     assert all(r["staleness_mean"] == r["staleness_max"] for r in train)  # a batch is drawn by one version
-    # the decoupled objective: pi_prox recomputed, the behaviour weight truncated per sequence (gspo)
-    assert all(r["old_logprobs_recomputed"] == 1.0 for r in train)
-    assert all("sampler_is_weight_mean" in r and r["sampler_is_weight_max"] <= 2.0 for r in train)
+    # the first batch, drawn by the weights it trains: the sampler's log-probs are the old policy's, as at
+    # lag 0; the stale ones take the decoupled objective: pi_prox recomputed, the behaviour weight
+    # truncated per sequence (gspo)
+    assert train[0]["old_logprobs_recomputed"] == 0.0 and "sampler_is_weight_mean" not in train[0]
+    assert all(r["old_logprobs_recomputed"] == 1.0 for r in train[1:])
+    assert all("sampler_is_weight_mean" in r and r["sampler_is_weight_max"] <= 2.0 for r in train[1:])
     assert any(r["sampler_is_weight_mean"] != 1.0 for r in train[1:])  # stale batches are reweighted
 
 

@@ -26,6 +26,11 @@ KNOWN = {
     "core/triton_logprobs.py:backward",
     # 9: model, input_ids and token_logprobs' seven keyword options it passes on
     "core/logprobs.py:causal_lm_logprobs",
+    # 10: the one Python entry point of `gspo train`: the config, the command line's resume options, and
+    # the Trainer's inputs (reward functions, data, eval data, log hooks) it passes on
+    "training/launch.py:train",
+    # 9: the sampler, problems and rewards, and the draw's settings, each a `gspo eval` option
+    "training/evaluation.py:evaluate",
 }
 """Functions over the limits that stay for now, each with its reason."""
 

@@ -84,17 +84,36 @@ def groups_of(drawn) -> list[str]:
     return [c.split("|")[0] for c in drawn.completions[::G]]
 
 
+def chat(ex: Example) -> str:
+    """A template as the sampling side's tokenizer applies one: the drawn groups hold its output."""
+    return f"<|user|>{ex.prompt}<|assistant|>"
+
+
 def test_extra_examples_are_seeded_and_take_fresh_prompts_first():
-    a = extra_examples(POOL, 5, seed=3, drawn={"q1", "q2"})
-    assert a == extra_examples(POOL, 5, seed=3, drawn={"q1", "q2"})  # the seed decides
-    assert a != extra_examples(POOL, 5, seed=4, drawn={"q1", "q2"})
+    drawn = {chat(POOL[1]), chat(POOL[2])}  # the batch's groups: templated prompts
+    a = extra_examples(POOL, 5, seed=3, drawn=drawn, prompt=chat)
+    assert a == extra_examples(POOL, 5, seed=3, drawn=drawn, prompt=chat)  # the seed decides
+    assert a != extra_examples(POOL, 5, seed=4, drawn=drawn, prompt=chat)
     assert len({e.prompt for e in a}) == 5 and not {"q1", "q2"} & {e.prompt for e in a}
     # fewer fresh prompts than asked: the batch's own come again, after every fresh one
     small = POOL[:3]
-    got = [e.prompt for e in extra_examples(small, 3, seed=3, drawn={"q0", "q1"})]
+    got = [
+        e.prompt for e in extra_examples(small, 3, seed=3, drawn={chat(POOL[0]), chat(POOL[1])}, prompt=chat)
+    ]
     assert got[0] == "q2" and sorted(got[1:]) == ["q0", "q1"]
     # a pool smaller than the draw: all of it, then again
-    assert len(extra_examples(small, 7, seed=3, drawn=set())) == 7
+    assert len(extra_examples(small, 7, seed=3, drawn=set(), prompt=chat)) == 7
+
+
+def test_extra_examples_of_chat_message_rows_compare_their_templated_prompts():
+    """A row whose prompt is a list of messages (unhashable) is compared by its templated text."""
+    rows = [Example([{"role": "user", "content": f"q{i}"}], {"answer": str(i)}) for i in range(4)]
+
+    def template(ex: Example) -> str:
+        return "".join(f"<|{m['role']}|>{m['content']}" for m in ex.prompt)
+
+    got = extra_examples(rows, 2, seed=0, drawn={template(rows[0]), template(rows[3])}, prompt=template)
+    assert sorted(template(e) for e in got) == ["<|user|>q1", "<|user|>q2"]
 
 
 def test_flat_groups_are_replaced_until_the_batch_has_a_spread_in_every_group():
@@ -124,6 +143,27 @@ def test_at_the_cap_the_batch_keeps_its_size_with_its_earliest_flat_groups():
     assert groups_of(drawn) == ["q0", "q1", "q2", "q3"]
     assert drawn.groups_kept == 1 and drawn.groups_drawn == 7
     assert sum(len(p) for p, _ in sampler.calls[1:]) == 3
+
+
+@pytest.mark.parametrize("keep_solved", [False, True])
+def test_a_solved_group_is_replaced_unless_keep_solved_groups_keeps_it(keep_solved: bool) -> None:
+    """q1's group all at the reward's best (solved), q3's all below it (stuck), every other with a spread: by
+    default both flat groups are replaced; with rollout.keep_solved_groups only the stuck one."""
+    import gspo
+
+    @gspo.reward(best=1.0)
+    def right(prompts, completions, **_):
+        def value(c: str) -> float:
+            prompt, k = c.split("|")
+            return {"q1": 1.0, "q3": 0.0}.get(prompt, float(int(k) % 2))  # the others: a spread
+
+        return [value(c) for c in completions]
+
+    sampler = CountingSampler()
+    pool = Resampling(POOL, lambda ex: ex.prompt, 8, keep_solved=keep_solved)
+    drawn = draw(sampler, [("right", right, 1.0)], CFG, request(["q0", "q1", "q2", "q3"]), pool)
+    assert [len(prompts) for prompts, _ in sampler.calls] == [4, 1 if keep_solved else 2]  # one round
+    assert ("q1" in groups_of(drawn)) == keep_solved and "q3" not in groups_of(drawn)
 
 
 def test_without_resampling_the_batch_is_what_was_drawn_in_its_order():
@@ -202,3 +242,49 @@ def test_a_run_killed_in_the_middle_of_a_resample_resumes_exactly(tmp_path, fork
     assert load_trainer_state(latest_checkpoint(run))["step"] == 5
     wa, wb = _weights(ref), _weights(run)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.numerics
+def test_a_plain_resume_at_lag_0_equals_the_uninterrupted_run_through_one_group_rounds(tmp_path) -> None:
+    """Seed 13 at temperature 1: a batch that draws one extra group, a prefill of one prompt, whose logits
+    are a one-row product (step 8, when it was found). The uninterrupted run built its model in fresh memory, the resumed one
+    loaded it from the checkpoint, its tensors wherever the file's header put them; MKL's one-row product
+    rounds with the weight's alignment, so the resumed run's sampler log-probs were 1e-7 off from step 8 on
+    (the loss and ratios with them, the final weights' sha256 too). Parameters are aligned as loaded
+    (gspo.models.loading.align_parameters)."""
+    from gspo.cli import main
+
+    common = ["seed=13", "rollout.temperature=1.0", "rollout.dynamic_sampling=true", "train.steps=8"]
+    common += ["checkpoint.every=1", "checkpoint.keep=10", "eval.every=0", "report_to=[]", "progress=false"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    assert main(["train", str(TINY), *common, f"output_dir={ref}"]) == 0
+    lines = _train_lines(ref)
+    assert any(r["step"] == 8 and r["extra_groups"] == 1 for r in lines)  # the one-group round is there
+    import shutil
+
+    shutil.copytree(ref, run)
+    for step in (8,):
+        shutil.rmtree(run / "checkpoints" / f"step_{step:06d}")
+    metrics = run / "metrics.jsonl"
+    metrics.write_text(
+        "".join(line + "\n" for line in metrics.read_text().splitlines() if '"step": 8' not in line)
+    )
+    assert main(["train", "--resume", str(run), "--from-step", "7"]) == 0
+    assert _train_lines(run) == lines
+    wa, wb = _weights(ref), _weights(run)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_parameters_are_aligned_however_the_model_arrives(tmp_path) -> None:
+    """Built in fresh memory or loaded from a file: every parameter starts on a 64-byte boundary, so a
+    one-row product computes the same numbers either way."""
+    from gspo.config import ModelConfig
+    from gspo.models import load_model, save_model, tiny_model, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    built = tiny_model("llama", len(tokenizer), 0)
+    save_model(built, tokenizer, tmp_path / "model")
+    loaded, _ = load_model(ModelConfig(path=str(tmp_path / "model")))
+    assert {p.data_ptr() % 64 for p in loaded.parameters()} == {0}
+    row = torch.randn(1, built.config.hidden_size)
+    assert torch.equal(row @ built.lm_head.weight.T, row @ loaded.lm_head.weight.T)

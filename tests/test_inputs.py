@@ -15,7 +15,7 @@ from conftest import tiny_config
 from gspo.config import ConfigError, load_config
 from gspo.rewards.calling import RewardError
 from gspo.rollout.data import DataError
-from gspo.run.checkpoint import latest_checkpoint, load_trainer_state
+from gspo.run.checkpoint import latest_checkpoint
 from gspo.training.trainer import Trainer
 
 
@@ -80,7 +80,9 @@ def test_an_unknown_reward_name_is_a_config_error(tmp_path: Path) -> None:
         Trainer(tiny_config(tmp_path / "run", "rewards={exact_anwser: 1.0}"))
 
 
-def test_a_hung_reward_function_stops_the_run_with_a_checkpoint_to_resume(tmp_path: Path) -> None:
+def test_a_hung_reward_function_stops_the_run_and_saves_no_step_0(tmp_path: Path) -> None:
+    """Step 1's rewards hang: the run stops with the function's line; nothing was trained, so there is
+    no checkpoint (no step 0 is saved) and the same command starts the run again."""
     never = threading.Event()
     calls = {"n": 0}
 
@@ -97,7 +99,7 @@ def test_a_hung_reward_function_stops_the_run_with_a_checkpoint_to_resume(tmp_pa
         trainer.run()
     never.set()
     assert time.perf_counter() - start < 30
-    assert load_trainer_state(latest_checkpoint(trainer.run_dir))["step"] == 0
+    assert latest_checkpoint(trainer.run_dir) is None
 
 
 def _brevity(prompts, completions, **_):
@@ -106,7 +108,7 @@ def _brevity(prompts, completions, **_):
 
 def test_reward_functions_from_python_replace_the_configured_rewards(tmp_path: Path) -> None:
     from gspo.rewards.builtins import number_format
-    from gspo.training.inputs import resolve_rewards
+    from gspo.rewards.resolve import resolve_rewards
 
     config = tiny_config(tmp_path, "rewards={correct_number: 1.0, brevity: 0.25}")
     resolved = resolve_rewards(config, {"number_format": number_format, "brevity": _brevity})
@@ -126,7 +128,7 @@ def test_reward_functions_from_python_replace_the_configured_rewards(tmp_path: P
 
 
 def test_configured_rewards_are_named_by_their_function_unless_two_share_one() -> None:
-    from gspo.training.inputs import reward_labels
+    from gspo.rewards.resolve import reward_labels
 
     names = [
         "correct_number",

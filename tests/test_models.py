@@ -215,6 +215,33 @@ def test_a_config_json_of_a_model_far_larger_than_its_weights_is_refused_before_
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
+def test_weights_that_do_not_fit_their_config_are_named_not_sent_to_a_report_nobody_saw(
+    tmp_path: Path,
+) -> None:
+    """A config.json a little off its weights (an intermediate size of 120 for weights of 128): transformers
+    raised "... look at the above report!", a report its logger printed where a run shows nothing. The line
+    names the tensors and both shapes."""
+    import json
+
+    from gspo.models import tiny_model
+
+    tokenizer = tiny_tokenizer()
+    save_model(tiny_model("llama", len(tokenizer), 0), tokenizer, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"intermediate_size": 120}))
+    with pytest.raises(ModelError) as error:
+        load_model(ModelConfig(path=str(tmp_path)))
+    message = str(error.value)
+    assert (
+        "report" not in message and "its weights do not fit its config.json: model.layers.0.mlp." in message
+    )
+    import re
+
+    assert re.search(
+        r"is \[(128, 64|64, 128)\] in the files and \[(120, 64|64, 120)\] by the config", message
+    )
+
+
 def test_a_hub_id_resolves_from_the_local_hugging_face_cache_or_says_how_to_get_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -16,9 +16,10 @@ import gspo.config.rules
 from gspo import Config, Trainer, train
 from gspo.config import ConfigError, load_config
 from gspo.rewards.builtins import correct_number, number_format
+from gspo.rewards.resolve import resolve_rewards
 from gspo.rollout.data import DataError
 from gspo.run.metrics import read_metrics
-from gspo.training.inputs import build_examples, resolve_rewards
+from gspo.training.inputs import build_examples
 
 datasets = pytest.importorskip("datasets", reason="the dev extra installs datasets")
 
@@ -127,6 +128,19 @@ TRL_VALUES = {  # a value a TRL user writes for each name the table knows (TRL's
     "sync_ref_model": True, "multi_objective_aggregation": "normalize_then_sum", "use_liger_kernel": True,
     "warmup_ratio": 0.1, "eval_strategy": "steps", "do_eval": True, "vllm_server_base_url": "http://x:8000",
     "use_transformers_continuous_batching": True, "vllm_importance_sampling_correction": False,
+    "entropy_coef_max": 0.5, "entropy_coef_delta": 0.01, "use_adaptive_entropy": True, "entropy_target": 0.3,
+    "save_strategy": "no", "generation_kwargs": {"temperature": 0.7},
+    "model_init_kwargs": {"torch_dtype": "bfloat16"}, "optim": "adamw_torch_fused", "disable_tqdm": True,
+    "ddp_find_unused_parameters": True, "logging_strategy": "steps", "logging_first_step": True,
+    "logging_dir": "logs", "run_name": "x", "gradient_checkpointing_kwargs": {"use_reentrant": False},
+    "num_completions_to_print": 4, "max_prompt_length": 512, "remove_unused_columns": False,
+    "dataloader_num_workers": 2, "disable_dropout": True, "cast_lm_head_to_fp32": True, "hub_model_id": "me/model",
+    "chat_template_kwargs": {"enable_thinking": False}, "entropy_coef_min": 0.01,
+    "vllm_gpu_memory_utilization": 0.9, "vllm_tensor_parallel_size": 2, "adam_epsilon": 1e-6,
+    "lr_scheduler_kwargs": {"num_cycles": 2}, "torch_compile": True, "deepspeed": "ds.json", "fsdp": "full_shard",
+    "trust_remote_code": True, "push_to_hub": True, "overwrite_output_dir": True,
+    "resume_from_checkpoint": "out/checkpoint-10", "load_best_model_at_end": True, "shuffle_dataset": False,
+    "data_seed": 1, "save_safetensors": False, "tools": ["search"], "max_tool_calling_iterations": 3,
 }  # fmt: skip
 
 

@@ -18,9 +18,10 @@ from gspo.cli import main
 from gspo.config import ConfigError, load_config
 from gspo.rewards.builtins import extract_answer
 from gspo.rewards.builtins import reasoning_gym as reasoning_gym_reward
+from gspo.rewards.resolve import check_examples, resolve_rewards
 from gspo.rollout.data import DataError, batch_fields
 from gspo.rollout.reasoning_gym import ANSWER_FORMAT, reasoning_gym_task
-from gspo.training.inputs import build_examples, check_examples, resolve_rewards
+from gspo.training.inputs import build_examples
 from gspo.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]

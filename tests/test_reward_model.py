@@ -12,9 +12,9 @@ import torch
 from bounds import assert_sums_close, tiny_gradient_rtol
 from gspo.config import ConfigError, load_config
 from gspo.models import tiny_tokenizer
-from gspo.rewards.calling import compute_rewards
 from gspo.rewards.models import RewardModel
-from gspo.training.inputs import resolve_rewards
+from gspo.rewards.resolve import resolve_rewards
+from gspo.rewards.scoring import compute_rewards
 
 PROMPTS = ["<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"] * 2 + ["Name a colour: "]
 COMPLETIONS = ["5", "The answer is five, I believe.", "blue"]
@@ -75,5 +75,80 @@ def test_the_config_names_it_and_the_run_scores_with_it(folder: Path, tmp_path: 
     assert per_function["reward_model"].tolist() == torch.tensor(want).tolist()
     with pytest.raises(ConfigError, match=r"rewards names reward_model: set reward_model\.path"):
         load_config(None, ["rewards={reward_model: 1.0}"])
-    with pytest.raises(FileNotFoundError, match="is not a Hugging Face model folder"):
+    from gspo.rewards.models import RewardModelError
+
+    with pytest.raises(RewardModelError, match=r"reward_model\.path: .* is not a Hugging Face model folder"):
         RewardModel(tmp_path)
+
+
+def _copy(folder: Path, to: Path) -> Path:
+    import shutil
+
+    shutil.copytree(folder, to)
+    return to
+
+
+def test_a_folder_without_a_classification_head_is_refused_saying_what_it_holds(
+    folder: Path, tmp_path: Path
+) -> None:
+    """A causal LM's folder loaded as a sequence classifier gets a head initialised at random: random rewards
+    and a run that exits 0, transformers' MISSING note the only hint. Refused, naming what was found."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from gspo.rewards.models import RewardModelError
+
+    causal = tmp_path / "causal"
+    LlamaForCausalLM(LlamaConfig(**{**_tiny_config(folder), "architectures": None})).save_pretrained(causal)
+    tiny_tokenizer().save_pretrained(causal)
+    with pytest.raises(
+        RewardModelError, match=r"holds LlamaForCausalLM, not a sequence-classification model"
+    ):
+        RewardModel(causal)
+    # a classifier's config with weights that lack its head: the head's names said
+    headless = _copy(folder, tmp_path / "headless")
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(headless / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if not k.startswith("score")}, headless / "model.safetensors")
+    with pytest.raises(
+        RewardModelError, match=r"weights do not hold score\.weight, which would be initialised"
+    ):
+        RewardModel(headless)
+
+
+def test_a_file_linked_out_of_the_folder_is_refused_by_name(folder: Path, tmp_path: Path) -> None:
+    """A tokenizer_config.json linked to another file read it and failed with "Expecting value: line 1
+    column 1"; a link out of the folder is refused before anything is read."""
+    from gspo.rewards.models import RewardModelError
+
+    linked = _copy(folder, tmp_path / "linked")
+    (tmp_path / "elsewhere.txt").write_text("not a tokenizer config")
+    (linked / "tokenizer_config.json").unlink()
+    (linked / "tokenizer_config.json").symlink_to(tmp_path / "elsewhere.txt")
+    with pytest.raises(
+        RewardModelError, match=r"tokenizer_config\.json is a link to .*elsewhere\.txt, outside"
+    ):
+        RewardModel(linked)
+
+
+def test_a_reward_model_folder_error_is_exit_4_and_never_says_importing(
+    folder: Path, tmp_path: Path, capsys
+) -> None:
+    from gspo.cli import EXIT_CODES, main
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+    argv = ["train", str(tiny), f"output_dir={tmp_path / 'run'}", "report_to=[]"]
+    argv += ["rewards={reward_model: 1.0}", f"reward_model.path={empty}"]
+    assert main(argv) == EXIT_CODES["input"]
+    err = capsys.readouterr().err
+    assert "is not a Hugging Face model folder (no config.json)" in err and "importing" not in err
+
+
+def _tiny_config(folder: Path) -> dict:
+    import json
+
+    config = json.loads((folder / "config.json").read_text())
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    return {key: config[key] for key in (*keys, "num_key_value_heads", "pad_token_id")}

@@ -16,8 +16,9 @@ import torch
 
 import gspo.rewards.builtins as rewards_module
 from gspo.rewards.builtins import BUILTIN_REWARDS, correct_number, exact_answer, number_format
-from gspo.rewards.calling import RewardError, compute_rewards, prepare, reward
+from gspo.rewards.calling import RewardError, prepare, reward
 from gspo.rewards.resolve import resolve_reward
+from gspo.rewards.scoring import RewardWarning, compute_rewards
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 
@@ -115,8 +116,34 @@ def test_compute_rewards_passes_fields_as_keyword_lists():
 
     fields = {"answer": ["2", "4", "6"], "unit": ["a", "b", "c"]}
     total, _ = compute_rewards([("spy", spy, 1.0)], PROMPTS, COMPLETIONS, fields)
-    assert received == {"prompts": PROMPTS, "completions": COMPLETIONS, **fields}
+    state, log = received.pop("trainer_state"), received.pop("log_metric")
+    # gspo's keywords beside the fields, as TRL passes them: each completion's group (one group here)
+    assert received == {"prompts": PROMPTS, "completions": COMPLETIONS, **fields, "group_ids": [0, 0, 0]}
+    assert state.global_step == 0 and callable(log)
     assert total.tolist() == [0.25, 0.5, 0.75]
+
+
+def test_none_is_a_function_that_does_not_score_that_sample():
+    """TRL's multi-task convention: a function returns None for a sample it does not apply to. Its value is
+    NaN there (left out of its reward/ mean), the total the weighted sum of the functions that scored; a
+    sample no function scored gets 0 and a warning naming it."""
+
+    def math_only(prompts, completions, **_):
+        return [1.0, None, 0.5]
+
+    def code_only(prompts, completions, **_):
+        return [None, 0.25, None]
+
+    total, per = compute_rewards([("m", math_only, 2.0), ("c", code_only, 4.0)], PROMPTS, COMPLETIONS, {})
+    assert total.tolist() == [2.0, 1.0, 1.0]
+    assert per["m"][1].isnan() and per["c"][0].isnan() and per["m"][0] == 1.0
+
+    def nothing(prompts, completions, **_):
+        return [None, 1.0, 1.0]
+
+    with pytest.warns(RewardWarning, match=r"every reward function returned None for sample 0"):
+        total, _ = compute_rewards([("n", nothing, 1.0)], PROMPTS, COMPLETIONS, {})
+    assert total.tolist() == [0.0, 1.0, 1.0]
 
 
 def test_raising_function_names_function_and_sample():
@@ -175,7 +202,6 @@ def test_batch_only_failure_is_reported_for_the_batch():
         ([1.0, math.nan, 0.0], r"'bad' returned nan at sample 1 \(completion 'The answer is 4.'\)"),
         ([1.0, 0.0, math.inf], r"'bad' returned inf at sample 2"),
         ([1.0, "1", 0.0], r"'bad' returned '1' at sample 1"),
-        ([1.0, None, 0.0], r"'bad' returned None at sample 1"),
         # taken as 1.0: a boolean is no amount of reward
         ([1.0, True, 0.0], r"'bad' returned True at sample 1 .*not booleans: return 1\.0 or 0\.0"),
         (torch.tensor([True, False, True]), r"'bad' returned True at sample 0 .*not booleans"),
@@ -309,9 +335,12 @@ def test_trl_signatures_are_called_with_keywords_and_positional_ones_as_before()
     assert per_function["reward_len"].tolist() == [-4.0, -11.0, -4.0]
     assert per_function["accuracy_like"].tolist() == [1.0, 0.0, 1.0]
     assert per_function["correct"].tolist() == [1.0, 1.0, 0.0]
-    assert seen["positional"] == (PROMPTS, COMPLETIONS, fields)
+    shared = ["group_ids", "log_metric", "trainer_state"]  # gspo's keywords, to what takes **kwargs
+    assert seen["positional"][:2] == (PROMPTS, COMPLETIONS)
+    assert {k: v for k, v in seen["positional"][2].items() if k not in shared} == fields
+    assert sorted(seen["positional"][2]) == sorted([*fields, *shared])
     assert seen["star"] == (PROMPTS, COMPLETIONS)
-    assert seen["keywords"] == ["answer", "completions", "prompts", "solution"]
+    assert seen["keywords"] == sorted(["answer", "completions", "prompts", "solution", *shared])
     # the wrapper keeps what start-up reads: the signature (fields a reward needs) and validate_example
     assert prepare(correct_number, "correct_number").validate_example is correct_number.validate_example
     assert "answer" in inspect.signature(prepare(correct_number, "correct_number")).parameters
@@ -322,7 +351,7 @@ def test_a_trl_reward_given_in_python_runs_and_its_failing_sample_is_named():
     ("takes 1 positional argument but 2 were given" before), and the per-sample retry of a failing batch
     calls it the same way."""
     from gspo.config import Config
-    from gspo.training.inputs import resolve_rewards
+    from gspo.rewards.resolve import resolve_rewards
 
     def picky(completions, **kwargs):
         return [1.0 / len(c) for c in completions]

@@ -354,6 +354,12 @@ def test_bad_requests_get_a_4xx_naming_the_field_and_nothing_else_is_disturbed(c
         and "JSON mode and schemas constrain the sampling" in (json_mode["message"])
     )
     assert _chat(client, QUESTION, response_format={"type": "text"}).choices
+    # a forced tool call: a bare "Input should be 'none' or 'auto'" before; now the reason and what to send
+    for forced in ("required", {"type": "function", "function": {"name": "f"}}):
+        status, body = _error(lambda forced=forced: _chat(client, QUESTION, tool_choice=forced))
+        assert status == 400 and body["param"] == "tool_choice", body
+        assert "forces a tool call, which constrains the sampling" in body["message"]
+        assert "send tool_choice='auto'" in body["message"]
     # the context window: a prompt near 512 tokens with room for fewer than max_tokens
     status, body = _error(lambda: client.completions.create(model="gspo", prompt=[[5] * 508], max_tokens=8))
     assert status == 400 and body["code"] == "context_length_exceeded" and body["param"] == "max_tokens"

@@ -1,10 +1,11 @@
-"""gspo.trl: TRL's own GRPO code runs with one change, its import; GRPOConfig translates TRL's names
+"""gspo.trl: TRL's quick start runs with one change, its import; GRPOConfig translates TRL's names
 faithfully, and every refusal names keywords that work."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import plant_hub_dataset, plant_hub_model
-from gspo.config import ConfigError
+from gspo.config import Config, ConfigError
 from gspo.config.trl import LACKING, TrlValueError
 from gspo.models import save_model, tiny_model, tiny_tokenizer
 from gspo.run.checkpoint import latest_checkpoint
@@ -162,6 +163,19 @@ def test_trls_batch_names_and_counts_become_gspos_rollout_batch() -> None:
     assert weighted.rewards == {"a": 1.0, "b": 0.5}
 
 
+LACKING_VALUES = {  # a value TRL takes for each setting gspo lacks, which GRPOConfig refuses
+    "top_k": 50, "min_p": 0.1, "repetition_penalty": 1.1, "chat_template_kwargs": {"enable_thinking": False},
+    "fp16": True, "delta": 1.5, "num_generations_eval": 2, "top_entropy_quantile": 0.2, "entropy_coef_min": 0.01,
+    "sync_ref_model": True, "multi_objective_aggregation": "normalize_then_sum", "use_liger_kernel": True,
+    "warmup_ratio": 0.1, "vllm_server_base_url": "http://x:8000", "vllm_gpu_memory_utilization": 0.9,
+    "vllm_tensor_parallel_size": 2, "use_transformers_continuous_batching": True,
+    "vllm_importance_sampling_correction": False, "adam_epsilon": 1e-6, "lr_scheduler_kwargs": {"num_cycles": 2},
+    "torch_compile": True, "deepspeed": "ds.json", "fsdp": "full_shard", "trust_remote_code": True,
+    "push_to_hub": True, "overwrite_output_dir": True, "resume_from_checkpoint": "out/checkpoint-10",
+    "load_best_model_at_end": True, "shuffle_dataset": False, "data_seed": 1, "save_safetensors": False,
+    "tools": [print], "max_tool_calling_iterations": 3,
+}  # fmt: skip
+
 REFUSED = {  # for each name GRPOConfig refuses in some value: such a value, with the settings it needs
     "loss_type": {"loss_type": "vespo"},
     "importance_sampling_level": {"importance_sampling_level": "segment"},
@@ -175,9 +189,17 @@ REFUSED = {  # for each name GRPOConfig refuses in some value: such a value, wit
     "scale_rewards": {"scale_rewards": "max"},
     "max_steps": {"max_steps": 10, "steps_per_generation": 4},  # 2.5 rollout batches of 4 updates
     "num_train_epochs": {"num_train_epochs": 0},
-    **{name: {name: "x" if isinstance(default, str) else 7 if default in (None, 0, 1.0) else not default}
-       for name, (default, _, _) in LACKING.items()},  # TRL takes these values; gspo has no such setting
+    "save_strategy": {"save_strategy": "epoch"},
+    "eval_strategy": {"eval_strategy": "epoch"},
+    "generation_kwargs": {"generation_kwargs": {"top_k": 5, "temperature": 0.7}},
+    "model_init_kwargs": {"model_init_kwargs": {"device_map": "auto"}},
+    "optim": {"optim": "adafactor"},
+    **{name: {name: value} for name, value in LACKING_VALUES.items()},  # TRL takes these; gspo has no such setting
 }  # fmt: skip
+
+
+def test_every_setting_gspo_lacks_has_a_value_to_try() -> None:
+    assert set(LACKING_VALUES) == set(LACKING)
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
@@ -194,22 +216,125 @@ def test_every_refusal_of_a_trl_setting_names_keywords_that_work(name: str) -> N
     GRPOConfig(**{k: v for k, v in given.items() if k != name} | fix)  # the suggestion, accepted
 
 
-def test_every_trl_name_of_the_table_is_a_setting_of_grpo_config() -> None:
+def test_every_trl_name_of_the_table_is_a_setting_of_grpo_config_and_back() -> None:
     from gspo.config.trl import TRL_NAMES
 
-    assert TRL_NAMES - {"model_name_or_path", "eval_steps", "per_device_eval_batch_size"} <= set(
-        GRPOConfig.__dataclass_fields__
-    )
+    own = {"output_dir", "seed", "report_to", "adam_beta1", "adam_beta2", "gspo"}  # one key each, as gspo's
+    assert set(GRPOConfig.__dataclass_fields__) == (TRL_NAMES - {"model_name_or_path"}) | own
 
 
-def test_a_name_grpo_config_does_not_take_is_one_line_naming_the_gspo_escape() -> None:
+def gspo_of(**settings) -> Config:
+    return GRPOConfig(**settings).gspo_config(rows=40, reward_names=["r"])
+
+
+def test_trl_names_for_what_gspo_has_translate_to_its_keys() -> None:
+    """The entropy bonus and its adaptive control, the sampling keys of generation_kwargs (over
+    temperature, top_p and max_completion_length, as TRL applies them), the model's dtype, the progress
+    bar, save_strategy='no', TRL's eval_steps and save_steps in optimizer updates; max_prompt_length and
+    the logging names change nothing."""
+    assert "entropy_coef" not in LACKING
+    assert gspo_of(entropy_coef=0.01).train.entropy_coef == 0.01
+    adaptive = gspo_of(use_adaptive_entropy=True, entropy_target=0.3, entropy_coef_delta=0.01).train
+    assert (adaptive.entropy_target, adaptive.entropy_coef_delta) == (0.3, 0.01)
+    assert gspo_of(entropy_target=0.3).train.entropy_target is None  # TRL reads it with the flag alone
+    sampled = gspo_of(temperature=0.9, generation_kwargs={"temperature": 0.7, "top_p": 0.8, "max_tokens": 16})
+    assert (sampled.rollout.temperature, sampled.rollout.top_p) == (0.7, 0.8)
+    assert (sampled.rollout.max_new_tokens, sampled.eval.max_new_tokens) == (16, 16)
+    assert gspo_of(model_init_kwargs={"torch_dtype": torch.bfloat16}).model.dtype == "bfloat16"
+    assert gspo_of(disable_tqdm=True).progress is False
+    assert gspo_of(save_strategy="no").checkpoint.every == 0
+    # 4 updates per rollout batch: TRL's 8 updates are 2 rollout batches
+    counted = gspo_of(steps_per_generation=4, save_steps=8, eval_strategy="steps", eval_steps=8, max_steps=40)
+    assert (counted.train.minibatches, counted.checkpoint.every, counted.eval.every) == (4, 2, 2)
+    assert gspo_of(eval_strategy="steps", logging_steps=4, max_steps=8).eval.every == 4  # eval_steps None
+    assert gspo_of(max_prompt_length=16, logging_strategy="no", run_name="x") == gspo_of()
+
+
+TYPES = [  # (setting, what the message names, the value it suggests)
+    ({"max_steps": "10"}, "max_steps is an integer", 10),
+    ({"save_steps": "1"}, "save_steps is a finite number", 1.0),
+    ({"warmup_steps": "x"}, "warmup_steps is a finite number", 0),
+    ({"num_train_epochs": "1"}, "num_train_epochs is a finite number", 1.0),
+    ({"per_device_train_batch_size": "8"}, "per_device_train_batch_size is an integer", 8),
+    ({"gradient_accumulation_steps": "2"}, "gradient_accumulation_steps is an integer", 2),
+    ({"num_generations": "4"}, "num_generations is an integer", 4),
+    ({"num_generations": 8.5}, "num_generations is an integer", 8),
+    ({"num_generations": True}, "num_generations is an integer", 8),
+    ({"bf16": "yes"}, "bf16 is True or False or None", True),
+    ({"learning_rate": float("nan")}, "learning_rate is a finite number", 1e-6),
+    ({"steps_per_generation": 0}, "steps_per_generation is at least 1", None),
+    ({"num_generations": 1}, "num_generations is at least 2", 8),
+    ({"save_steps": 0}, "save_steps is > 0", 500),
+    ({"reward_weights": ["1"]}, "reward_weights is a list of finite numbers or None", None),
+    ({"gspo": "train.lr=1e-5"}, "gspo is a dict of gspo's own sections", {"task": {"num_eval": 20}}),
+    ({"gspo": ["train.lr=1e-5"]}, "gspo is a dict of gspo's own sections", {"task": {"num_eval": 20}}),
+    ({"gspo": None}, "gspo is a dict of gspo's own sections", {"task": {"num_eval": 20}}),
+]
+
+
+@pytest.mark.parametrize(("given", "what", "fix"), TYPES, ids=[str(t[0]) for t in TYPES])
+def test_a_value_of_the_wrong_type_or_range_is_one_line_naming_a_value_that_works(given, what, fix) -> None:
+    """Checked against the field's annotation as gspo's config checks its own (an int is not a bool, a
+    float takes an int, a string is no number) and against TRL's range, in the constructor and in an
+    assignment; the suggested value is taken."""
+    ((name, value),) = given.items()
     with pytest.raises(ConfigError) as error:
-        GRPOConfig(learnin_rate=1e-5)
+        GRPOConfig(**given)
     message = str(error.value)
-    assert (
-        "(did you mean 'learning_rate'?)" in message
-        and "GRPOConfig(gspo={'task': {'num_eval': 20}})" in message
-    )
+    assert "\n" not in message and message.startswith(f"GRPOConfig({name}=")
+    assert what in message and message.endswith(f"use {name}={fix!r}"), message
+    assert "per_device_train_batch_size=8.5" not in message
+    args = GRPOConfig(**{name: fix})  # the suggestion, accepted
+    with pytest.raises(ConfigError, match=re.escape(what)):
+        setattr(args, name, value)  # an assignment is checked as the constructor's keyword
+    assert getattr(args, name) == fix
+
+
+UNKNOWN = [  # (name, value, what the message says): a close name only when it is really close
+    ("learnin_rate", 1e-5, "did you mean 'learning_rate'? GRPOConfig(learning_rate=1e-05)"),
+    ("micro_batch_tokens", 2048, "gspo's key train.micro_batch_tokens goes in gspo=: "
+     "GRPOConfig(gspo={'train': {'micro_batch_tokens': 2048}})"),
+    ("micro_batch_token", 2048, "did you mean gspo's train.micro_batch_tokens? "
+     "GRPOConfig(gspo={'train': {'micro_batch_tokens': 2048}})"),
+    ("lr", 1e-5, "gspo's train.lr is TRL's learning_rate: GRPOConfig(learning_rate=1e-05)"),
+    ("train", {"lr": 1e-5}, "gspo's train goes in gspo=: GRPOConfig(gspo={'train': {'lr': 1e-05}})"),
+    ("eval_accumulation_steps", 2, "GRPOConfig has no setting 'eval_accumulation_steps', TRL's or gspo's"),
+    ("max_seq_length", 512, "GRPOConfig has no setting 'max_seq_length', TRL's or gspo's"),
+    ("generation_config", {}, "GRPOConfig has no setting 'generation_config', TRL's or gspo's"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "value", "said"), UNKNOWN, ids=[u[0] for u in UNKNOWN])
+def test_a_name_grpo_config_does_not_take_is_one_line_naming_what_fits(name, value, said) -> None:
+    """A typo of a setting suggests it; a gspo key goes in gspo= with the user's value; a name that only
+    shares words with a setting (max_seq_length, max_prompt_length) suggests none of them, but the gspo
+    escape."""
+    with pytest.raises(ConfigError) as error:
+        GRPOConfig(**{name: value})
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(f"GRPOConfig({name}=") and said in message, message
+    assert ("did you mean" in message) == ("did you mean" in said)
+
+
+def test_trls_names_that_mislead_today_are_known() -> None:
+    """The names whose closest spelling misled (max_prompt_length -> max_completion_length, save_strategy
+    -> eval_strategy, generation_kwargs -> num_generations) are GRPOConfig's own: translated or ignored."""
+    for name, value in (("max_prompt_length", 512), ("save_strategy", "steps"), ("generation_kwargs", {})):
+        GRPOConfig(**{name: value})
+    with pytest.raises(ConfigError) as error:
+        GRPOConfig(chat_template_kwargs={"enable_thinking": False})
+    assert "chat_template_kwargs={'enable_thinking': False}: gspo has no such setting" in str(error.value)
+    with pytest.raises(ConfigError) as error:
+        GRPOConfig(generation_kwargs={"repetition_penalty": 1.1, "temperature": 0.7})
+    assert "generation_kwargs holds 'repetition_penalty'" in str(error.value)
+    assert str(error.value).endswith("use generation_kwargs={'temperature': 0.7}")
+    with pytest.raises(
+        ConfigError, match=r"tools=\[<built-in function print>\]: gspo has no such .*docs/agents"
+    ):
+        GRPOConfig(tools=[print])
+
+
+def test_gspos_own_keys_apply_last_and_errors_name_the_setting() -> None:
     assert (
         GRPOConfig(gspo={"task": {"num_eval": 20}}).gspo_config(rows=40, reward_names=[]).task.num_eval == 20
     )
@@ -232,17 +357,28 @@ def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def test_grpo_trainer_refuses_what_gspo_lacks_in_one_line_naming_the_fix(tiny_folder: str, tmp_path) -> None:
-    rows = datasets.Dataset.from_list([{"prompt": p} for p in POSTS])
+    rows = datasets.Dataset.from_list([{"prompt": p, "answer": "1"} for p in POSTS])
     args = GRPOConfig(output_dir=str(tmp_path / "run"))
+    other_tokenizer = tiny_tokenizer()
+    other_tokenizer.name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
     cases = [
-        (dict(model=torch.nn.Linear(1, 1)), "gspo loads the model itself, from a hub id in your Hugging Face cache"),
-        (dict(reward_funcs="OpenAssistant/reward-model"), "a reward model (an id or a model) is not supported"),
-        (dict(reward_funcs=torch.nn.Linear(1, 1)), "gspo's rewards are Python functions"),
-        (dict(reward_funcs=lambda completions, **kw: [0.0]), "is a lambda, which has no name of its own"),
-        (dict(eval_dataset=rows), "GRPOTrainer(eval_dataset=...): gspo evaluates on rows of train_dataset"),
-        (dict(processing_class=tiny_tokenizer()), "gspo loads the model's own tokenizer"),
+        (dict(model=torch.nn.Linear(1, 1)), "give a hub id in your Hugging Face cache, a model folder, or a transformers model"),
+        (dict(reward_funcs="no-such/reward-model"), "the Hugging Face cache holds no model 'no-such/reward-model': gspo downloads nothing"),
+        (dict(reward_funcs=torch.nn.Linear(1, 1)), "reward_funcs is a model object (Linear): gspo loads a reward model from its folder"),
+        (dict(reward_funcs=lambda completions, **kw: [0.0]), "is a lambda, which has no name of its own: TRL names each"),
+        (dict(reward_funcs=[reward_len, reward_len]), "reward_funcs[1]: two rewards are named 'reward_len'"),
+        (dict(processing_class=other_tokenizer), "gspo trains with the model's own tokenizer, which it loads with the model"),
         (dict(train_dataset=rows.rename_column("prompt", "query")), "train_dataset has no 'prompt' column"),
         (dict(train_dataset=rows.to_iterable_dataset()), "without a length: gspo draws its rollout batches"),
+        (dict(train_dataset=rows.select([])), "train_dataset has no rows: give at least one"),
+        (dict(train_dataset=datasets.DatasetDict({"train": rows})), "give one split, e.g. train_dataset=dataset['train']"),
+        (dict(eval_dataset=rows.remove_columns("answer")), "eval_dataset has no column 'answer', which train_dataset has"),
+        (dict(args={"max_steps": 2}), "GRPOTrainer(args={'max_steps': 2}): args is a GRPOConfig (from gspo.trl): args=GRPOConfig(**{'max_steps': 2})"),
+        (dict(args="runs/x"), "args is a GRPOConfig (from gspo.trl): args=GRPOConfig(output_dir='runs/x')"),
+        (dict(tools=[print]), "GRPOTrainer(tools=...): gspo trains tool-using agents through `gspo serve`"),
+        (dict(optimizers=(object(), None)), "GRPOTrainer(optimizers=...): gspo trains with AdamW"),
+        (dict(rollout_func=print), "GRPOTrainer(rollout_func=...): gspo has no such argument"),
+        (dict(callbacks=[print]), "callbacks[0] is a builtin_function_or_method: give transformers.TrainerCallback"),
     ]  # fmt: skip
     for change, message in cases:
         call = {
@@ -254,7 +390,25 @@ def test_grpo_trainer_refuses_what_gspo_lacks_in_one_line_naming_the_fix(tiny_fo
         }
         with pytest.raises(ConfigError) as error:
             GRPOTrainer(**call)
-        assert message in str(error.value) and "\n" not in str(error.value), change
+        assert message in str(error.value) and "\n" not in str(error.value), (change, str(error.value))
+    from transformers import AutoTokenizer  # the model's own tokenizer is taken
+
+    GRPOTrainer(
+        tiny_folder, reward_len, args, rows, processing_class=AutoTokenizer.from_pretrained(tiny_folder)
+    )
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")  # TRL's own config
+def test_trls_own_config_is_named_with_the_import_to_change(tiny_folder: str) -> None:
+    trl = pytest.importorskip("trl", reason="the dev extra installs TRL")
+    rows = datasets.Dataset.from_list([{"prompt": p} for p in POSTS])
+    with pytest.raises(ConfigError) as error:
+        GRPOTrainer(
+            tiny_folder, reward_len, trl.GRPOConfig(output_dir="x", report_to="none", bf16=False), rows
+        )
+    assert "TRL's own config; import gspo's as well: from gspo.trl import GRPOConfig, GRPOTrainer" in str(
+        error.value
+    )
 
 
 def test_a_conversational_dataset_trains_and_rewards_get_trls_arguments(tiny_folder: str, tmp_path) -> None:
@@ -273,6 +427,7 @@ def test_a_conversational_dataset_trains_and_rewards_get_trls_arguments(tiny_fol
         seen.append((prompts, completions, target, sorted(kwargs)))
         return [float(len(c[0]["content"])) for c in completions]
 
+    # dynamic sampling on (the default): a flat group's replacement is drawn among message-list prompts
     args = GRPOConfig(
         output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=4, num_generations=4,
         max_completion_length=3, learning_rate=1e-2,
@@ -283,7 +438,7 @@ def test_a_conversational_dataset_trains_and_rewards_get_trls_arguments(tiny_fol
         args=args,
         train_dataset=datasets.Dataset.from_list(rows),
     )
-    result = trainer.train()
+    run = Path(trainer.train().metrics["run_dir"])
     prompts, completions, targets, others = seen[0]
     assert len(prompts) == len(completions) == len(targets) == 4  # one prompt x G=4
     assert (
@@ -291,13 +446,14 @@ def test_a_conversational_dataset_trains_and_rewards_get_trls_arguments(tiny_fol
         and targets[0] == rows[[r["prompt"] for r in rows].index(prompts[0])]["target"]
     )
     assert all(c[0]["role"] == "assistant" and isinstance(c[0]["content"], str) for c in completions)
-    assert others == []  # no "prompt" and no "completion" among the keywords, as TRL
-    metrics = [m for m in read_metrics(result["run_dir"]) if m["kind"] == "train"]
+    # TRL's keywords, no "prompt" and no "completion" among them, as TRL; none of gspo's own
+    assert others == ["completion_ids", "log_extra", "log_metric", "trainer_state"]
+    metrics = [m for m in read_metrics(run) if m["kind"] == "train"]
     assert len(metrics) == 2 and "reward/think_format_reward" in metrics[0]
-    kept = [json.loads(line) for line in (Path(result["run_dir"]) / "data.jsonl").read_text().splitlines()]
+    kept = [json.loads(line) for line in (run / "data.jsonl").read_text().splitlines()]
     assert [k["prompt"] for k in kept] == [r["prompt"] for r in rows]
     exported = trainer.save_model()
-    assert (exported / "config.json").is_file() and exported.parent == Path(result["run_dir"]) / "export"
+    assert (exported / "config.json").is_file() and exported.parent == run / "export"
 
 
 def test_the_example_runs_in_its_smoke_mode(tmp_path: Path) -> None:

@@ -435,9 +435,14 @@ def test_a_run_folder_cannot_choose_the_vllm_server_or_its_weights_folder(
         code, err = _gspo(capsys, *resume)
         assert (code, err.count("\n")) == (EXIT_CODES["config"], 0), err
         assert f"names rollout.vllm.url='{url}', the vLLM server gspo sends its prompts" in err
-        assert f"pass rollout.vllm.url={url} on the command line to confirm it, or --trust-run-folder" in err
+        assert (
+            f"rollout.vllm.weights_dir='{weights}', the folder gspo writes the policy's weights into" in err
+        )
+        both = f"rollout.vllm.url={url} rollout.vllm.weights_dir={weights}"
+        assert f"pass {both} on the command line to confirm them, or --trust-run-folder" in err  # at once
         code, err = _gspo(capsys, *resume, f"rollout.vllm.url={url}")
         assert code == EXIT_CODES["config"] and f"names rollout.vllm.weights_dir='{weights}'" in err, err
+        assert "rollout.vllm.url=" not in err.split("names", 1)[1]  # the one confirmed is not asked again
         assert (connections, seen) == ([], []) and not weights.exists()  # not even a connection
         # named, or trusted: the server is asked (the listener answers 500: no vLLM server there)
         for named in (
@@ -469,6 +474,34 @@ def test_a_run_folder_cannot_choose_the_judge_its_completions_go_to(
         code, err = _gspo(capsys, *resume, f"judge.url={url}")  # named: asked (the listener answers 500)
         assert code == EXIT_CODES["reward"] and f"the judge at {url} failed" in err, err
         assert seen and seen[0][":path"] == "/v1/chat/completions"
+
+
+def test_gspo_eval_of_a_planted_folder_reaches_neither_judge_nor_secret_nor_reward_model(
+    two_step_run: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """`gspo eval RUN` follows --resume's rule: a judge URL, template, key variable or reward-model path the
+    folder names is used only when the user names it again (or trusts the folder). Before, eval sent the
+    held-out completions to the planted URL, with the planted variable's secret as the Bearer token, and
+    loaded the planted reward model."""
+    run = tmp_path / "run"
+    shutil.copytree(two_step_run, run)
+    (run / "judge.txt").write_text("Judge $prompt: $completions")
+    monkeypatch.setenv("GSPO_TEST_PLANTED_SECRET", "sk-do-not-send")
+    with _recording_server() as (url, seen, connections):
+        judge = {"url": url, "template": str(run / "judge.txt"), "api_key_env": "GSPO_TEST_PLANTED_SECRET"}
+        _plant(run, {"rewards": {"judge": 1.0}, "judge": judge})
+        code, err = _gspo(capsys, "eval", str(run))
+        assert (code, err.count("\n")) == (EXIT_CODES["config"], 0), err
+        assert f"names judge.url='{url}', the LLM judge gspo sends the completions" in err
+        code, err = _gspo(capsys, "eval", str(run), f"judge.url={url}")  # the URL named, not the variable
+        assert code == EXIT_CODES["config"] and "judge.api_key_env='GSPO_TEST_PLANTED_SECRET'" in err, err
+        assert (connections, seen) == ([], [])  # not even a connection, no secret
+    model = tmp_path / "planted_reward_model"
+    model.mkdir()
+    _plant(run, {"rewards": {"reward_model": 1.0}, "reward_model.path": str(model), "judge.url": None})
+    code, err = _gspo(capsys, "eval", str(run))
+    assert (code, err.count("\n")) == (EXIT_CODES["config"], 0), err
+    assert f"reward_model.path='{model}', the reward model gspo loads and runs" in err
 
 
 def test_a_server_that_is_not_vllm_is_one_line_not_a_traceback(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ decoupled correction (the default with lag > 0), GSPO with the sampler's log-pro
 writes RUNS/study.json and RUNS/study.png, and prints the table.
 
     HF_HUB_OFFLINE=1 python scripts/experiments/async_study.py [--seeds 0 1 2] [--runs runs/async-study]
+    HF_HUB_OFFLINE=1 python scripts/experiments/async_study.py --arms "gspo decoupled" --seeds 0 1 2 3 4
     HF_HUB_OFFLINE=1 python scripts/experiments/async_study.py --vllm   # the vllm_server arm (.venv-vllm)
 """
 
@@ -114,11 +115,14 @@ def main() -> None:
     parser.add_argument("--lags", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "async-study")
     parser.add_argument("--vllm", action="store_true", help="also the vllm_server bf16 arm at lag 1")
+    parser.add_argument("--arms", nargs="+", choices=sorted(ARMS), help="the arms to run (default: all)")
+    parser.add_argument("--steps", type=int, default=40, help="train.steps of the runs (the default run's)")
     args = parser.parse_args()
-    steps = 40
+    steps = args.steps
     plan = [
-        (f"{arm} k={k}", [*overrides, f"rollout.lag={k}"], sys.executable)
+        (f"{arm} k={k}", [*overrides, f"rollout.lag={k}", f"train.steps={steps}"], sys.executable)
         for arm, overrides in ARMS.items()
+        if args.arms is None or arm in args.arms
         for k in args.lags
     ]
     if args.vllm:

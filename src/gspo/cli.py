@@ -38,14 +38,9 @@ EXIT_CODES = {
 }
 
 
-KNOWN_WARNINGS = [
-    # peft asks transformers for a property transformers renamed; nothing for the user to do
-    (FutureWarning, r"`is_gradient_checkpointing` is deprecated"),
-    # peft saving LoRA adapters of a model loaded from a .gguf file (the embedded SmolLM2) finds no config.json
-    (UserWarning, r"Could not find a config file in .* will assume that the vocabulary was not modified"),
-]
-"""(category, message regex) of the third-party warnings the commands filter out: they say nothing a user
-can act on. gspo's own warnings (deprecated config keys, sampler mismatch, ...) stay."""
+KNOWN_WARNINGS: list[tuple[type[Warning], str]] = []
+"""(category, message regex) of third-party warnings the commands filter out: none now (gspo's calls into
+peft filter what peft says of them: gspo.models.loading.quiet_peft). gspo's own warnings stay."""
 
 
 @contextlib.contextmanager

@@ -143,7 +143,9 @@ class Client:
 
     @property
     def async_openai(self) -> openai.AsyncOpenAI:
-        """An async client for the running event loop (a new one per loop: each asyncio.run has its own)."""
+        """An async client for the running event loop (a new one per loop: each asyncio.run has its own).
+        `gather` and `atrain` use clients of their own, closed before their loop ends; close this one
+        (``await client.async_openai.close()``) before yours does if you call it across asyncio.run calls."""
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -174,8 +176,11 @@ class Client:
         Each rollout gets the same scenario object: build the episode's own state from it (rollouts that
         change one shared environment corrupt each other's episodes)."""
         scenarios = list(scenarios)
-        tasks = [[rollout(self.async_openai, s) for _ in range(group_size)] for s in scenarios]
-        results = await asyncio.gather(*(t for group in tasks for t in group), return_exceptions=True)
+        # a client of this call's own, closed in the loop that made it: `asyncio.run(client.gather(...))`
+        # once per step leaves no connection of a closed loop behind ("Event loop is closed")
+        async with openai.AsyncOpenAI(**self._settings) as agent:
+            tasks = [[rollout(agent, s) for _ in range(group_size)] for s in scenarios]
+            results = await asyncio.gather(*(t for group in tasks for t in group), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if len(failed) > max_exceptions:
             raise failed[0]
@@ -195,7 +200,8 @@ class Client:
 
     async def atrain(self, groups: Iterable[Group], *, request_id: str | None = None) -> dict[str, Any]:
         body = {"groups": [group_json(g) for g in groups], "request_id": request_id or uuid.uuid4().hex}
-        return await self.async_openai.post("/train", body=body, cast_to=object)
+        async with openai.AsyncOpenAI(**self._settings) as server:  # closed in this loop, as `gather`'s
+            return await server.post("/train", body=body, cast_to=object)
 
     def status(self) -> dict[str, Any]:
         return self.openai.get("/status", cast_to=object)

@@ -41,10 +41,12 @@ class Engine:
 
 
 def _server_temperature(config: Config) -> None:
-    if config.rollout.temperature != 1.0:
+    temperature = config.rollout.temperature
+    if temperature != 1.0:
         raise ConfigError(
-            f"rollout.temperature={config.rollout.temperature} with rollout.engine={config.rollout.engine}: "
-            "servers report log-probs of the untempered distribution; sample at rollout.temperature=1.0"
+            f"rollout.temperature={temperature} with rollout.engine={config.rollout.engine}: servers report "
+            "log-probs of the untempered distribution (the default temperature is the in-process engines'); "
+            "add rollout.temperature=1.0"
         )
 
 

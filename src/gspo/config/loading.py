@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from gspo.config.checks import validate
+from gspo.config.renamed import RENAMED, DeprecatedKey, note_renamed
 from gspo.config.schema import Config
 from gspo.config.section import Section, unknown_key
 from gspo.config.values import ConfigError, shown
@@ -91,33 +92,6 @@ def _nest(key: str, value: Any) -> dict[str, Any]:
     return nested
 
 
-RENAMED: dict[str, tuple[str, ...]] = {
-    "train.packing": ("train.layout",),
-    "train.minibatches_per_rollout": ("train.minibatches",),
-    "train.sapo_tau_pos": ("train.tau_pos",),
-    "train.sapo_tau_neg": ("train.tau_neg",),
-    **{f"rollout.server.{k}": (f"rollout.openai.{k}",) for k in ("url", "model", "concurrency", "token_ids")},
-    "rollout.server.api_key_env": ("rollout.openai.api_key_env",),
-    "rollout.server.timeout": ("rollout.openai.timeout", "rollout.llama_cpp.timeout"),
-    "rollout.server.sync_every": ("rollout.llama_cpp.sync_every",),
-    "rollout.server.gguf_quant": ("rollout.llama_cpp.gguf_quant",),
-}
-"""Keys of earlier gspo versions and the keys that replaced them (the config's names are the code's names
-now): an old key still loads, with a deprecation note, so old configs and run folders keep working."""
-
-
-class DeprecatedKey(FutureWarning):
-    """A config key of an earlier gspo version was used; it loads under its new name."""
-
-
-def _note_renamed(old: str, new: tuple[str, ...]) -> None:
-    warnings.warn(
-        f"config key {old} is now {' and '.join(new)}; the old name still loads (rename it in your config)",
-        DeprecatedKey,
-        stacklevel=4,
-    )
-
-
 def _rename_keys(data: dict[str, Any], where: str) -> dict[str, Any]:
     """A nested config mapping with every key of `RENAMED` moved to its new place (a copy)."""
     data = copy.deepcopy(data)
@@ -143,7 +117,7 @@ def _rename_keys(data: dict[str, Any], where: str) -> dict[str, Any]:
             if target_leaf in node:
                 raise ConfigError(f"{where}: both {old} and {target} are set; keep only {target}")
             node[target_leaf] = value
-        _note_renamed(old, new)
+        note_renamed(old, new, stacklevel=4)
     _migrate_tensorboard(data, where)
     return data
 
@@ -286,7 +260,12 @@ def _anchor_paths(config: Config, given: dict[str, Any], config_file: Path | Non
     }
     if sections["model"].get("path") is not None and config.model.path:
         config.model.path = anchored(config.model.path, "model.path")
-    for section, key in (("task", "data_path"), ("reward_model", "path"), ("judge", "template")):
+    for section, key in (
+        ("task", "data_path"),
+        ("task", "eval_data_path"),
+        ("reward_model", "path"),
+        ("judge", "template"),
+    ):
         obj = getattr(config, section)
         if sections[section].get(key) is not None and getattr(obj, key):
             setattr(obj, key, anchored(getattr(obj, key), f"{section}.{key}"))

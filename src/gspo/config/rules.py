@@ -164,6 +164,7 @@ RULES: dict[str, Rule] = {
     "lora.target_modules": names("the module names that get adapters", allow_empty=False),
     "task.name": non_empty(),
     "task.data_path": non_empty("a .jsonl, .csv or datasets directory"),
+    "task.eval_data_path": non_empty("a .jsonl, .csv or datasets directory"),
     "task.prompt_field": non_empty("the column holding the prompt"),
     "task.answer_fields": names("columns passed to the rewards"),
     "task.num_train": at_least(1, "the prompt stream needs at least one training problem").upto(

@@ -62,7 +62,13 @@ class TaskConfig(Section, key="task"):
     num_train: int = 60
     """Number of generated training problems (built-in tasks)."""
     num_eval: int = 40
-    """Held-out problems for greedy evaluation, disjoint from the training ones."""
+    """Held-out problems for greedy evaluation, disjoint from the training ones (a random share of the
+    task's problems; with `eval_data_path`, ignored)."""
+    eval_data_path: str | None = None
+    """JSONL, CSV or a local `datasets` directory whose every row is a held-out problem, read like
+    `data_path` (its prompt_field and answer_fields), instead of `num_eval` rows of the task's own: a test set
+    of your own (TRL's eval_dataset). In a config file, relative to the file's folder; rows in memory go to
+    train(config, eval_data=rows)."""
     dataset: str | None = None
     """The reasoning-gym dataset (task.name=reasoning_gym), e.g. "chain_sum"; its questions are the
     prompts (with an answer-format line), its own scorer the `reasoning_gym` reward. Needs
@@ -181,10 +187,16 @@ class RolloutConfig(Section, key="rollout"):
     rollout batch holds prompts_per_step groups with a reward spread, or max_extra_groups were drawn; then
     the batch trains on its groups with a spread and, to keep its size, the earliest without one. The extra
     draws are seeded by the batch's own seed (a run is reproducible and resumes exactly). Metrics
-    groups_drawn, groups_kept and extra_groups."""
+    groups_drawn, groups_kept, groups_solved (all at the rewards' best), groups_stuck (all equal below it),
+    groups_agreeing and extra_groups."""
     max_extra_groups: int | None = None
     """The most extra groups dynamic sampling draws for one rollout batch (each costs G completions and their
     rewards); None: 3 x prompts_per_step."""
+    keep_solved_groups: bool = False
+    """Dynamic sampling keeps a solved group (its completions all at the rewards' best, each reward declared
+    with @gspo.reward(best=...)) and draws nothing in its place, as if it had a spread: cheaper late in a
+    run, when most groups are all right. Off by default: with it (and max_extra_groups 8) the default run
+    held out less at seeds 1-3 (docs/performance.md)."""
     lag: int = 0
     """Rollout batches sampled ahead of the updates (docs/async.md): batch n + lag is sampled, and rewarded,
     from the weights of version n while the trainer updates on batch n, so slow sampling, rewards and
@@ -437,7 +449,8 @@ class JudgeConfig(Section, key="judge"):
     each other, in [0, 1], one chat completion per group (docs/rewards.md). A run folder's URL is used only
     when you name it again (docs/reliability.md)."""
     model: str | None = None
-    """The served model's name; None: "judge"."""
+    """The served model's name; None: the one the server serves (the first of its /models: `gspo serve`'s
+    "gspo", vLLM's), else "judge"."""
     template: str | None = None
     """The judge's prompt template, a text file of yours (in a config file: relative to its folder) with
     $prompt, $completions, $n and any field of the task's examples (e.g. $answer, a reference for the

@@ -5,7 +5,7 @@ an override) and by gspo.trl's GRPOConfig, which takes the names themselves.
 `translate` takes a name and the value a TRL user writes and gives gspo's keys and values (dotted), or
 raises `TrlValueError` whose ``instead`` names GRPOConfig keywords that work. Counts translate under TRL's
 default batch shape (one optimizer update per rollout batch), where TRL's optimizer steps and gspo's
-rollout batches agree.
+rollout batches agree. `TRL_RANGES` holds the ranges of the names that have no gspo key to check them.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +67,35 @@ class Translation:
     note: str = ""
 
 
+TRL_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "per_device_train_batch_size": (lambda v: v >= 1, "at least 1"),
+    "gradient_accumulation_steps": (lambda v: v >= 1, "at least 1"),
+    "steps_per_generation": (lambda v: v >= 1, "at least 1 (None: gradient_accumulation_steps)"),
+    "generation_batch_size": (lambda v: v >= 1, "at least 1 (None: from the batch names)"),
+    "num_iterations": (lambda v: v >= 1, "at least 1"),
+    "num_generations": (lambda v: v >= 2, "at least 2 (advantages compare the completions of a prompt)"),
+    "max_completion_length": (lambda v: v >= 1, "at least 1"),
+    "save_steps": (lambda v: v > 0, "> 0 (below 1: a share of the run's updates)"),
+    "eval_steps": (lambda v: v > 0, "> 0 (below 1: a share of the run's updates; None: logging_steps)"),
+    "logging_steps": (lambda v: v > 0, "> 0"),
+    "warmup_steps": (lambda v: v >= 0, "at least 0 (below 1: a share of the run's updates)"),
+}
+"""What the TRL names without a gspo key of their own must be (the others: their gspo key's rule)."""
+
+
+def check_range(name: str, value: Any, example: Any, said: str | None = None) -> None:
+    """A TrlValueError naming ``example`` where `TRL_RANGES` refuses ``value`` (None: unset, not checked);
+    its message starts with ``said`` (default: NAME=VALUE)."""
+    if name not in TRL_RANGES or value is None:
+        return
+    test, must = TRL_RANGES[name]
+    said = said or f"{name}={shown(value)}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TrlValueError(f"{said}: {name} is a number, {must}", {name: example})
+    if not test(value):
+        raise TrlValueError(f"{said}: {name} is {must}", {name: example})
+
+
 def loss_keys(loss_type: str, level: str) -> dict[str, Any]:
     """train.objective and train.aggregation of TRL's loss_type at importance_sampling_level."""
     if (loss_type, level) in TRL_LOSSES:
@@ -82,6 +111,27 @@ def loss_keys(loss_type: str, level: str) -> dict[str, Any]:
         f"loss_type={loss_type!r} at importance_sampling_level={level!r} is not one gspo has",
         {"loss_type": loss_type, "importance_sampling_level": other},
     )
+
+
+def _micro_steps(
+    share: int, steps_per_generation: int | None, generation_batch_size: int | None, accumulation: int
+) -> int:
+    """The micro-steps of one rollout batch (TRL's steps_per_generation), each ``share`` completions: given,
+    from generation_batch_size, or TRL's default, gradient_accumulation_steps."""
+    if steps_per_generation is not None and generation_batch_size is not None:
+        raise TrlValueError(
+            "generation_batch_size and steps_per_generation are both set (TRL refuses it too)",
+            {"steps_per_generation": steps_per_generation},
+        )
+    if generation_batch_size is None:
+        return accumulation if steps_per_generation is None else steps_per_generation
+    if generation_batch_size % share:
+        raise TrlValueError(
+            f"generation_batch_size={generation_batch_size} is not a multiple of per_device_train_batch_size"
+            f" x processes = {share}",
+            {"generation_batch_size": max(1, generation_batch_size // share) * share},
+        )
+    return generation_batch_size // share
 
 
 def batch_shape(
@@ -102,21 +152,18 @@ def batch_shape(
     num_iterations passes. gspo's rollout batch: prompts_per_step x group_size completions, and
     train.minibatches updates in one pass.
     """
-    if steps_per_generation is not None and generation_batch_size is not None:
-        raise TrlValueError(
-            "generation_batch_size and steps_per_generation are both set (TRL refuses it too)",
-            {"steps_per_generation": steps_per_generation},
-        )
+    given = {
+        "per_device_train_batch_size": per_device_train_batch_size,
+        "gradient_accumulation_steps": gradient_accumulation_steps,
+        "steps_per_generation": steps_per_generation,
+        "generation_batch_size": generation_batch_size,
+        "num_generations": num_generations,
+        "num_iterations": num_iterations,
+    }
+    for name, value in given.items():  # a 0 here divides by zero below
+        check_range(name, value, TRL_BATCH_DEFAULTS[name] or 1)
     share = per_device_train_batch_size * world_size  # the completions of one optimizer micro-step
-    if generation_batch_size is not None:
-        if generation_batch_size % share:
-            raise TrlValueError(
-                f"generation_batch_size={generation_batch_size} is not a multiple of per_device_train_batch_size"
-                f" x processes = {share}",
-                {"generation_batch_size": max(1, generation_batch_size // share) * share},
-            )
-        steps_per_generation = generation_batch_size // share
-    steps = gradient_accumulation_steps if steps_per_generation is None else steps_per_generation
+    steps = _micro_steps(share, steps_per_generation, generation_batch_size, gradient_accumulation_steps)
     completions = share * steps
     if completions % num_generations:
         # each process's share whole groups: a per-device count that is a multiple of num_generations
@@ -261,6 +308,119 @@ def _batch_name(name: str) -> Callable[[Any], Translation]:
     return translate
 
 
+def _save_strategy(value: Any) -> Translation:
+    if value == "steps":
+        return Translation({}, "a checkpoint every save_steps optimizer updates")
+    if value == "no":
+        return Translation(
+            {"checkpoint.every": 0}, "gspo still saves the last step, which a resume starts from"
+        )
+    raise TrlValueError(
+        f"save_strategy={shown(value)}: gspo saves every save_steps optimizer updates ('steps') or at the "
+        "end alone ('no')",
+        {"save_strategy": "steps", "save_steps": 100},
+    )
+
+
+def _eval_strategy(value: Any) -> Translation:
+    if value == "no":
+        return Translation(
+            {"eval.every": 0}, "gspo still evaluates before and after training, on rows held out"
+        )
+    if value == "steps":
+        return Translation(
+            {}, "every eval_steps optimizer updates, on eval_dataset's rows (gspo's eval.every)"
+        )
+    raise TrlValueError(
+        f"eval_strategy={shown(value)}: gspo evaluates every eval_steps optimizer updates ('steps'), or before "
+        "and after training alone ('no')",
+        {"eval_strategy": "steps", "eval_steps": 100},
+    )
+
+
+SAMPLING_KEYS = {
+    "temperature": "rollout.temperature",
+    "top_p": "rollout.top_p",
+    "max_new_tokens": "rollout.max_new_tokens",  # transformers' GenerationConfig
+    "max_tokens": "rollout.max_new_tokens",  # vLLM's SamplingParams
+}
+"""generation_kwargs' keys that gspo's samplers draw with (gspo.rollout.requests.SamplingParams)."""
+
+
+def _generation_kwargs(value: Any) -> Translation:
+    """TRL's generation_kwargs, which TRL applies over temperature, top_p and max_completion_length: the
+    keys gspo's samplers have; any other is refused by name."""
+    if value is None:
+        return Translation({})
+    if not isinstance(value, Mapping):
+        raise TrlValueError(
+            f"generation_kwargs={shown(value)} is not a dict", {"generation_kwargs": {"temperature": 0.9}}
+        )
+    others = [key for key in value if key not in SAMPLING_KEYS]
+    if others:
+        raise TrlValueError(
+            f"generation_kwargs holds {', '.join(map(repr, others))}: gspo's samplers draw with temperature, "
+            f"top_p and a length alone ({', '.join(SAMPLING_KEYS)})",
+            {"generation_kwargs": {k: v for k, v in value.items() if k in SAMPLING_KEYS}},
+        )
+    keys = {SAMPLING_KEYS[key]: item for key, item in value.items()}
+    if "rollout.max_new_tokens" in keys:  # as max_completion_length: the evaluation's length too
+        keys["eval.max_new_tokens"] = keys["rollout.max_new_tokens"]
+    return Translation(keys, "over temperature, top_p and max_completion_length, as TRL applies them")
+
+
+MODEL_INIT_KEYS = {
+    "torch_dtype": "model.dtype",
+    "dtype": "model.dtype",
+    "attn_implementation": "model.attn_implementation",
+}
+"""model_init_kwargs' keys that gspo's model loading has."""
+
+
+def _model_init_kwargs(value: Any) -> Translation:
+    if not value:
+        return Translation({})
+    if not isinstance(value, Mapping):
+        raise TrlValueError(
+            f"model_init_kwargs={shown(value)} is not a dict", {"model_init_kwargs": {"dtype": "bfloat16"}}
+        )
+    others = [key for key in value if key not in MODEL_INIT_KEYS]
+    if others:
+        raise TrlValueError(
+            f"model_init_kwargs holds {', '.join(map(repr, others))}: gspo loads the model with a dtype and an "
+            "attention implementation alone",
+            {"model_init_kwargs": {k: v for k, v in value.items() if k in MODEL_INIT_KEYS}},
+        )
+    # a torch.dtype as its name: torch.bfloat16 -> "bfloat16"
+    return Translation({MODEL_INIT_KEYS[k]: str(v).removeprefix("torch.") for k, v in value.items()})
+
+
+def _optim(value: Any) -> Translation:
+    if value in ("adamw_torch", "adamw_torch_fused"):
+        return Translation({}, "gspo's AdamW is torch's, fused")
+    raise TrlValueError(f"optim={shown(value)}: gspo trains with torch's AdamW", {"optim": "adamw_torch"})
+
+
+def _disable_tqdm(value: bool | None) -> Translation:
+    if value is None:
+        return Translation({}, "a progress bar on a terminal, a line per rollout batch elsewhere")
+    return Translation({"progress": not value})
+
+
+def _find_unused(value: bool | None) -> Translation:
+    return Translation({} if value is None else {"distributed.find_unused_parameters": value})
+
+
+def _adaptive_entropy(value: bool) -> Translation:
+    if not value:
+        return Translation({}, "a fixed entropy_coef")
+    return Translation({"train.entropy_target": 0.2}, "TRL's entropy_target, 0.2, unless it is given")
+
+
+def _entropy_target(value: float) -> Translation:
+    return Translation({"train.entropy_target": value}, "with use_adaptive_entropy=True, as TRL reads it")
+
+
 def _ignored(why: str) -> Callable[[Any], Translation]:
     """A TRL name that changes nothing in gspo, whatever its value."""
     return lambda value: Translation({}, why)
@@ -284,6 +444,9 @@ RENAMED: dict[str, str] = {
     "per_device_eval_batch_size": "eval.batch_size",
     "off_policy_mask_threshold": "train.opsm_delta",
     "model_name_or_path": "model.path",
+    "entropy_coef": "train.entropy_coef",
+    "entropy_coef_max": "train.entropy_coef_max",
+    "entropy_coef_delta": "train.entropy_coef_delta",
 }
 """TRL's names of keys gspo has under another name, with the same value."""
 
@@ -303,21 +466,56 @@ TRANSLATED: dict[str, Callable[[Any], Translation]] = {
     "sapo_temperature_pos": _sapo_temperature("train.tau_pos"),
     "sapo_temperature_neg": _sapo_temperature("train.tau_neg"),
     **{name: _batch_name(name) for name in TRL_BATCH_DEFAULTS if name != "num_generations"},
+    "save_strategy": _save_strategy,
+    "eval_strategy": _eval_strategy,
+    "generation_kwargs": _generation_kwargs,
+    "model_init_kwargs": _model_init_kwargs,
+    "optim": _optim,
+    "disable_tqdm": _disable_tqdm,
+    "ddp_find_unused_parameters": _find_unused,
+    "use_adaptive_entropy": _adaptive_entropy,
+    "entropy_target": _entropy_target,
     "logging_steps": _ignored("gspo logs every rollout batch, to metrics.jsonl and report_to's trackers"),
+    "logging_strategy": _ignored("gspo logs every rollout batch, to metrics.jsonl and report_to's trackers"),
+    "logging_first_step": _ignored("gspo logs every rollout batch, the first too"),
+    "logging_dir": _ignored("report_to's trackers write into the run folder"),
+    "run_name": _ignored("report_to's trackers name each run after its folder"),
     "gradient_checkpointing": _ignored("train.micro_batch_tokens bounds the memory of a pass"),
+    "gradient_checkpointing_kwargs": _ignored("train.micro_batch_tokens bounds the memory of a pass"),
     "log_completions": _ignored("completions.jsonl and report_to's tables keep completions always"),
+    "num_completions_to_print": _ignored("completions.jsonl keeps each rollout batch's completions"),
+    "max_prompt_length": _ignored(
+        "gspo keeps every prompt whole, and refuses at start-up one that does not fit the model's context with "
+        "its completion"
+    ),
+    "remove_unused_columns": _ignored("every column but the prompt reaches the reward functions, as in TRL"),
+    "dataloader_num_workers": _ignored("gspo draws its prompts from rows in memory"),
+    "disable_dropout": _ignored(
+        "gspo trains with dropout off (the model in eval mode), as disable_dropout=True"
+    ),
+    "cast_lm_head_to_fp32": _ignored("gspo computes the log-softmax over the vocabulary in fp32 always"),
+    "do_eval": _ignored("gspo evaluates whenever it holds rows out (eval_dataset)"),
+    "hub_model_id": _ignored("it names the upload of push_to_hub, which gspo does not do"),
 }
-"""TRL's names whose value becomes other values, or several keys, in gspo."""
+"""TRL's names whose value becomes other values, or several keys, in gspo (or none: ignored, and why)."""
+
+_VLLM_SERVER = {"gspo": {"rollout": {"engine": "vllm_server"}}}
+_AGENTS = "gspo trains tool-using agents through `gspo serve` and your agent's own loop (docs/agents.md)"
 
 LACKING: dict[str, tuple[Any, str, dict[str, Any]]] = {
     "top_k": (0, "gspo samples with temperature and top_p alone", {"top_p": 0.9}),
     "min_p": (None, "gspo samples with temperature and top_p alone", {"top_p": 0.9}),
     "repetition_penalty": (1.0, "a penalty changes the distribution the trainer scores", {}),
+    "chat_template_kwargs": (
+        None,
+        "gspo applies the model's chat template with its defaults; a system message goes in task.system_prompt",
+        {},
+    ),
     "fp16": (False, "gspo computes in bf16 or fp32", {"bf16": True}),
     "delta": (None, "gspo clips as the papers do, one bound per sign of the advantage", {}),
     "num_generations_eval": (None, "evaluation is greedy, one completion per held-out problem", {}),
     "top_entropy_quantile": (1.0, "gspo trains every completion token", {}),
-    "entropy_coef": (0.0, "gspo has no entropy bonus", {}),
+    "entropy_coef_min": (0.0, "gspo's adaptive coefficient stays within [0, entropy_coef_max]", {}),
     "sync_ref_model": (False, "gspo's reference (beta > 0) is the initial policy", {}),
     "multi_objective_aggregation": (
         "sum_then_normalize",
@@ -330,30 +528,58 @@ LACKING: dict[str, tuple[Any, str, dict[str, Any]]] = {
         "below 1, warmup_steps is a share of the updates, as TRL reads it",
         {"warmup_steps": 0.1},
     ),
-    "eval_strategy": (
-        "no",
-        "gspo evaluates greedily on rows of train_dataset it holds out, every eval.every steps",
-        {"gspo": {"task": {"num_eval": 20}, "eval": {"every": 10}}},
-    ),
-    "do_eval": (
-        False,
-        "gspo evaluates on rows of train_dataset it holds out",
-        {"gspo": {"task": {"num_eval": 20}}},
-    ),
     "vllm_server_base_url": (
         None,
         "gspo does not talk to `trl vllm-serve`; it starts a `vllm serve` of its own, or uses yours",
-        {"gspo": {"rollout": {"engine": "vllm_server"}}},
+        _VLLM_SERVER,
     ),
+    "vllm_gpu_memory_utilization": (
+        0.3,
+        "gspo sizes vLLM's key/value cache in GiB (rollout.vllm.kv_cache_gib)",
+        {"gspo": {"rollout": {"vllm": {"kv_cache_gib": 8.0}}}},
+    ),
+    "vllm_tensor_parallel_size": (1, "gspo's vLLM engine runs on the trainer's own device", {}),
     "use_transformers_continuous_batching": (False, "gspo's own engine refills its slots as samples end", {}),
     "vllm_importance_sampling_correction": (
         True,
         "gspo corrects the sampler's mismatch with train.sampler_correction",
         {"gspo": {"train": {"sampler_correction": "auto"}}},
     ),
+    "adam_epsilon": (1e-8, "gspo's AdamW keeps torch's eps, 1e-8", {}),
+    "lr_scheduler_kwargs": (None, "gspo's schedules take no arguments but warmup_steps", {}),
+    "torch_compile": (False, "gspo runs the model as transformers builds it", {}),
+    "deepspeed": (
+        None,
+        "under torchrun gspo shards with FSDP2",
+        {"gspo": {"distributed": {"wrapper": "fsdp2"}}},
+    ),
+    "fsdp": (None, "under torchrun gspo shards with FSDP2", {"gspo": {"distributed": {"wrapper": "fsdp2"}}}),
+    "trust_remote_code": (False, "gspo loads models with transformers' own code alone", {}),
+    "push_to_hub": (
+        False,
+        "gspo uploads nothing: trainer.save_model() writes a model folder, which `hf upload` sends",
+        {},
+    ),
+    "overwrite_output_dir": (
+        False,
+        "gspo overwrites no run: continue it with trainer.train(resume_from_checkpoint=True), or choose "
+        "another output_dir",
+        {},
+    ),
+    "resume_from_checkpoint": (
+        None,
+        "gspo takes it where TRL's trainer does: trainer.train(resume_from_checkpoint=...)",
+        {},
+    ),
+    "load_best_model_at_end": (False, "gspo keeps the latest checkpoints (save_total_limit)", {}),
+    "shuffle_dataset": (True, "gspo draws the prompts in an order its seed shuffles", {}),
+    "data_seed": (None, "gspo's prompt order follows seed", {}),
+    "save_safetensors": (True, "gspo saves safetensors always", {}),
+    "tools": (None, _AGENTS, {}),
+    "max_tool_calling_iterations": (None, _AGENTS, {}),
 }
-"""TRL's names of settings gspo does not have: TRL's default (taken: it changes nothing), why, and
-GRPOConfig keywords to use instead (none: leave it out)."""
+"""TRL's names of settings gspo does not have: TRL's default (taken: it changes nothing; where the
+default is None, an empty value too), why, and GRPOConfig keywords to use instead (none: leave it out)."""
 
 TRL_NAMES = frozenset(RENAMED) | frozenset(TRANSLATED) | frozenset(LACKING)
 """Every TRL name the table knows."""
@@ -367,9 +593,14 @@ def translate(name: str, value: Any) -> Translation:
     if name in TRANSLATED:
         return TRANSLATED[name](value)
     default, why, instead = LACKING[name]
-    if value == default:
+    if value == default or (default is None and _empty(value)):
         return Translation({}, f"TRL's default; {why}")
     raise TrlValueError(f"{name}={shown(value)}: gspo has no such setting ({why})", instead)
+
+
+def _empty(value: Any) -> bool:
+    """An empty dict, list or string, or False: what a setting whose default is None holds unset."""
+    return value is False or (isinstance(value, (Mapping, list, tuple, str)) and not value)
 
 
 def nested(keys: dict[str, Any]) -> dict[str, Any]:

@@ -13,6 +13,8 @@ import types
 import typing
 from typing import Any, Literal
 
+from gspo.config.renamed import renamed_in_section
+
 LIST_MAX = 1024
 """Entries of a config list or mapping (LoRA's module names, answer columns, rewards, trackers): checked
 before any entry is read, so a list of millions is refused at once (a 5M-entry target_modules took 266 s)."""
@@ -33,6 +35,35 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+def _section(value: Any, tp: Any, where: str) -> Any:
+    """A section: the section itself, or a mapping of its keys (a renamed key under its new name)."""
+    if isinstance(value, tp):
+        return value
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected a mapping of its fields, got {shown(value)}")
+    try:
+        value = renamed_in_section(where, value)  # a key of an earlier version, under its new name
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    return tp(**value)  # each key checked as it is set
+
+
+def _union(value: Any, tp: Any, where: str) -> Any:
+    """The first of the union's types that takes ``value`` (None where the union has it)."""
+    args = typing.get_args(tp)
+    if value is None and type(None) in args:
+        return None
+    errors = []
+    for arg in args:
+        if arg is type(None):
+            continue
+        try:
+            return coerce(value, arg, where)
+        except ConfigError as error:
+            errors.append(str(error))
+    raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: {shown(value)} is not a {_type_name(tp)}")
+
+
 def coerce(value: Any, tp: Any, where: str) -> Any:
     """Check `value` against the annotation `tp`; return it (ints widen to floats, a mapping of a section's
     keys becomes that section)."""
@@ -41,27 +72,11 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
     if where in SPELLINGS:
         value = SPELLINGS[where](value)
     if dataclasses.is_dataclass(tp):  # a section: the section itself, or its keys
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping of its fields, got {shown(value)}")
-        return tp(**value)  # type: ignore[operator]  (each key checked as it is set)
+        return _section(value, tp, where)
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return coerce(value, arg, where)
-            except ConfigError as error:
-                errors.append(str(error))
-        raise ConfigError(
-            errors[0] if len(errors) == 1 else f"{where}: {shown(value)} is not a {_type_name(tp)}"
-        )
+        return _union(value, tp, where)
     if origin is Literal:
         if value not in args:
             choices = ", ".join(repr(a) for a in args)

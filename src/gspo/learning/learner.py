@@ -150,8 +150,8 @@ class UpdateBatch:
     """Its loss normaliser, over the whole minibatch on every rank (skipped sequences included)."""
     tokens: float
     """Its trained tokens on every rank: the entropy bonus's denominator."""
-    old: list[torch.Tensor]
-    """The old policy's log-probs."""
+    old: list[torch.Tensor] | None
+    """The old policy's log-probs; None: its update's own forward, detached (`first_forward_is_old`)."""
     sampled: list[torch.Tensor]
     """The sampler's log-probs (NaN where unknown), which the mismatch correction weighs by."""
     ref: list[torch.Tensor] | None = None
@@ -160,12 +160,14 @@ class UpdateBatch:
     """MoE models: the old policy's expert choices, replayed or compared with during the update."""
     old_is_sampled: bool = False
     """``old`` is ``sampled``: the sampler's log-probs serve as the old policy's (not recomputed)."""
+    mismatch: MismatchMeter | None = None
+    """Where its update's forward adds the sampler/trainer mismatch (None: measured elsewhere, or not)."""
 
     @property
     def measures_mismatch(self) -> bool:
-        """Its update's forward is the old policy's (the sampler's log-probs are the old ones, and the policy
-        has not moved yet): the sampler/trainer mismatch comes at no extra cost."""
-        return self.old_is_sampled and self.index == 0
+        """Its update's forward is the old policy's (the policy has not moved yet): the sampler/trainer
+        mismatch comes at no extra cost there."""
+        return self.mismatch is not None
 
 
 class MismatchMeter:
@@ -218,7 +220,10 @@ def old_policy(
     with torch.no_grad(), full_parameters(policy.scorer):
         for index, (ids, micro, *_) in enumerate(layout):
             sampled = [place([batch.sampler_logprobs[i] for i in ids], mb) for mb in micro]
-            if recompute:
+            own = index == 0 and first_forward_is_old(policy, spec)
+            if own:  # the first update's forward is the old policy's: no pass of its own
+                old, routes = None, None
+            elif recompute:
                 old, routes = _recompute(policy, spec, micro, sampled, mismatch)
             else:  # the sampler's log-probs are the old ones
                 old, routes = sampled, _expert_choices(policy, spec, micro)
@@ -235,15 +240,26 @@ def old_policy(
                     ref,
                     routes,
                     old_is_sampled=not recompute,
+                    mismatch=mismatch if own or (index == 0 and not recompute) else None,
                 )
             )
-    if spec.old_logprobs == "recompute":  # both log-probs known: how far apart
-        metrics = mismatch.metrics()
+    if (
+        spec.old_logprobs == "recompute"
+    ):  # both log-probs known: how far apart (the first update's own, with it)
+        metrics = {} if parts and parts[0].measures_mismatch else mismatch.metrics()
     else:
         trained = sum(sum(batch.sequences[i].train_mask) for i in computed)
         metrics = {"sampler_logprob_missing_frac": unknown / max(trained, 1)}  # recomputed by the trainer
     metrics["old_logprobs_recomputed"] = float(recompute)
     return parts, metrics
+
+
+def first_forward_is_old(policy: Policy, spec: UpdateSpec) -> bool:
+    """Whether the first update's own forward gives the old policy's log-probs (recomputed, detached): the
+    weights have not moved yet, so a pass of their own would compute the same values again. Not for MoE
+    models (the old pass records the expert choices the updates replay or compare with) nor a row split
+    across ranks (sequence parallelism)."""
+    return spec.old_logprobs == "recompute" and not policy.moe and spec.sequence_parallel == 1
 
 
 def _recompute(
@@ -301,7 +317,6 @@ def update(
     routing = moe.UpdateRouting(policy.model, minibatch.routes, replay=spec.routing_replay)
     sequence = sequence_group(spec.sequence_parallel)
     reduce = sequence.segment_sum_reduce if sequence is not None else None
-    mismatch = MismatchMeter() if minibatch.measures_mismatch else None
     policy.optimizer.zero_grad(set_to_none=True)
     metrics, losses, entropy_sums = [], [], []
     for j, mb in enumerate(minibatch.micro):
@@ -312,7 +327,8 @@ def update(
                 if with_entropy
                 else (score(policy.scorer, mb, spec), None)
             )
-        inputs = _loss_inputs(spec, minibatch, j, logp, advantages)
+        old = minibatch.old[j] if minibatch.old is not None else logp.detach()  # the first forward's own
+        inputs = _loss_inputs(spec, minibatch, j, logp, old, advantages)
         if entropy is not None:
             inputs = dataclasses.replace(inputs, entropy=entropy, entropy_normalizer=minibatch.tokens)
             entropy_sums.append(torch.where(mb.segment_ids >= 0, entropy.detach(), 0.0).sum())
@@ -324,8 +340,8 @@ def update(
             if sequence is not None and not sequence.leads:  # each sequence counted once in its group
                 m |= {key: torch.zeros(()) for key in ("num_sequences", "num_seq_nonzero_adv")}
             metrics.append(m)
-            if mismatch is not None:
-                mismatch.add(logp.detach(), minibatch.old[j], mb)
+            if minibatch.mismatch is not None:
+                minibatch.mismatch.add(logp.detach(), minibatch.sampled[j], mb)
     grad_norm = _step(policy, spec)
     out = reduce_metrics(all_gather_metrics(metrics))  # all ranks' micro-batches
     out["loss"] = all_reduce_sum(float(torch.stack(losses).sum()) if losses else 0.0)
@@ -339,7 +355,7 @@ def update(
         out |= {"entropy": mean, "entropy_coef": loss_spec.entropy_coef}
         policy.entropy.observe(mean)
     out |= routing.metrics(updates_before=minibatch.index)
-    return out | (mismatch.metrics() if mismatch is not None else {})
+    return out | (minibatch.mismatch.metrics() if minibatch.mismatch is not None else {})
 
 
 def _normalizer(spec: UpdateSpec, split: Split) -> float:
@@ -355,9 +371,11 @@ def _loss_inputs(
     minibatch: UpdateBatch,
     j: int,
     logp: torch.Tensor,
+    old: torch.Tensor,
     advantages: Advantages,
 ) -> LossInputs:
-    """The loss's inputs of micro-batch j of a minibatch, with the current policy's log-probs ``logp``."""
+    """The loss's inputs of micro-batch j of a minibatch, with the current policy's log-probs ``logp`` and
+    the old policy's ``old``."""
     mb, ids = minibatch.micro[j], minibatch.ids
     if isinstance(advantages, torch.Tensor):
         adv = advantages[[ids[i] for i in mb.indices]].to(logp.device)
@@ -370,7 +388,7 @@ def _loss_inputs(
     ref = None if minibatch.ref is None else minibatch.ref[j]
     return LossInputs(
         logp,
-        minibatch.old[j],
+        old,
         adv,
         mb.segment_ids,
         len(mb.indices),

@@ -7,6 +7,7 @@ everything downstream, checkpoints included, sees an ordinary `PreTrainedModel`.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -14,6 +15,8 @@ import os
 import shutil
 import sys
 import time
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -107,16 +110,42 @@ def _weight_files(directory: Path, *, index: bool = True) -> list[Path]:
     ]
 
 
-def _stored_parameters(files: list[Path]) -> int:
-    """The number of values the safetensors files hold, from their headers (read after `weights_problem`)."""
-    total = 0
+def _stored_shapes(files: list[Path]) -> dict[str, list[int]]:
+    """Each tensor's shape in the safetensors files, from their headers (read after `weights_problem`)."""
+    shapes = {}
     for file in files:
         with file.open("rb") as handle:
             header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
         for name, entry in header.items():
             if name != "__metadata__":
-                total += math.prod(entry.get("shape") or [1])
-    return total
+                shapes[name] = list(entry.get("shape") or [])
+    return shapes
+
+
+def _stored_parameters(files: list[Path]) -> int:
+    """The number of values the safetensors files hold, from their headers (read after `weights_problem`)."""
+    return sum(math.prod(shape or [1]) for shape in _stored_shapes(files).values())
+
+
+def mismatched_shapes(directory: Path) -> str | None:
+    """What transformers' loading report would list of a folder whose weights do not fit its config.json:
+    the first tensors whose shape in the files differs from the config's (built on the meta device), or
+    None where none does (or the model cannot be built)."""
+    from transformers import AutoConfig
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
+        stored = _stored_shapes(_weight_files(directory))
+    except Exception:  # a config transformers cannot build, an unreadable file: nothing to compare
+        return None
+    described = {name: list(p.shape) for name, p in model.state_dict().items()}
+    differ = [name for name, shape in stored.items() if name in described and described[name] != shape]
+    if not differ:
+        return None
+    shown = ", ".join(f"{n} is {stored[n]} in the files and {described[n]} by the config" for n in differ[:2])
+    more = f" (and {len(differ) - 2} more)" if len(differ) > 2 else ""
+    return f"its weights do not fit its config.json: {shown}{more}"
 
 
 def size_problem(directory: Path) -> str | None:
@@ -379,17 +408,37 @@ def load_model(config: ModelConfig, *, seed: int = 0) -> tuple[PreTrainedModel, 
                 tokenizer = AutoTokenizer.from_pretrained(path)
                 model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
             except (OSError, ValueError, KeyError, SafetensorError, RuntimeError) as error:
-                raise ModelError(
-                    f"model.path={str(path)!r} cannot be loaded as a model ({type(error).__name__}: "
-                    f"{_first_line(error)})"
-                ) from error
+                # transformers' own message may point at a report it logged (which a run does not show)
+                why = mismatched_shapes(path) if "report" in str(error) else None
+                why = why or f"{type(error).__name__}: {_first_line(error)}"
+                raise ModelError(f"model.path={str(path)!r} cannot be loaded as a model ({why})") from error
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if config.tiny is None:  # a template from a folder or a file: rendered under a budget
         bound_chat_template(tokenizer, str(path))
     model.config.use_cache = False  # training forwards; generate() turns the cache on itself
     model.eval()
+    align_parameters(model)
     return model, tokenizer
+
+
+ALIGNMENT = 64
+"""Bytes every parameter's storage starts on (a cache line; what torch's CPU allocator gives a new tensor)."""
+
+
+def align_parameters(model: torch.nn.Module) -> torch.nn.Module:
+    """Every parameter of ``model`` on `ALIGNMENT`-byte storage: one that is not (a view into a weights
+    file's buffer, whose tensors start wherever the file's header puts them) is copied into fresh memory.
+
+    The same weights must compute the same numbers whichever way they arrived: MKL's one-row products
+    (a sampler's prefill of one prompt, a dynamic-sampling round of one group) round differently with the
+    weight's alignment, so a run resumed from a checkpoint drew log-probs 1e-7 off the uninterrupted run's,
+    which had built its model in fresh memory. Returns the model."""
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.data_ptr() % ALIGNMENT:
+                parameter.data = parameter.data.clone(memory_format=torch.contiguous_format)
+    return model
 
 
 def _gguf_problem(path: Path, error: Exception) -> str:
@@ -430,7 +479,8 @@ def add_lora(model: PreTrainedModel, config: LoraConfig) -> PreTrainedModel:
         task_type="CAUSAL_LM",
     )
     try:
-        wrapped = peft.get_peft_model(model, lora)
+        with quiet_peft():
+            wrapped = peft.get_peft_model(model, lora)
     except ValueError as error:  # peft's NoMatchingPeftModuleError, or a module type it cannot adapt
         names = linear_module_names(model)
         raise ConfigError(
@@ -458,5 +508,25 @@ def is_lora(model: torch.nn.Module) -> bool:
 
 def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, directory: str | Path) -> None:
     """Save so that `AutoModelForCausalLM.from_pretrained(directory)` (or peft, for adapters) loads it."""
-    model.save_pretrained(directory)
+    with quiet_peft():
+        model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
+
+
+PEFT_WARNINGS = [
+    # peft asks transformers for a property transformers renamed (is_activation_checkpointing)
+    (FutureWarning, r"`is_gradient_checkpointing` is deprecated"),
+    # adapters of a model loaded from a .gguf file (the embedded SmolLM2): peft finds no config.json to compare
+    # the vocabulary with, and gspo never resizes it
+    (UserWarning, r"Could not find a config file in .* will assume that the vocabulary was not modified"),
+]
+"""(category, message regex) of what peft says when gspo calls it that no user can act on."""
+
+
+@contextlib.contextmanager
+def quiet_peft() -> Iterator[None]:
+    """A call into peft without `PEFT_WARNINGS` (gspo's calls only: the user's own stay as they are)."""
+    with warnings.catch_warnings():
+        for category, message in PEFT_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=category)
+        yield

@@ -14,7 +14,7 @@ import re
 from decimal import Decimal
 from typing import Any
 
-from gspo.rewards.calling import RewardFunction
+from gspo.rewards.calling import RewardFunction, reward
 from gspo.rollout.reasoning_gym import scorer
 
 _NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?"
@@ -47,6 +47,7 @@ def last_number(text: str) -> Decimal | None:
     return _to_decimal(matches[-1]) if matches else None
 
 
+@reward(best=1.0)
 def correct_number(prompts: list[str], completions: list[str], *, answer: list[Any], **_: Any) -> list[float]:
     """1.0 where the last number in the completion equals the answer, else 0.0.
 
@@ -78,6 +79,7 @@ def _check_has_answer(fields: dict[str, Any]) -> None:
 correct_number.validate_example = _check_number_answer  # type: ignore[attr-defined]
 
 
+@reward(best=1.0)
 def exact_answer(prompts: list[str], completions: list[str], *, answer: list[Any], **_: Any) -> list[float]:
     """1.0 where the completion, stripped of whitespace and one trailing period, is the answer; else 0.0.
 
@@ -94,6 +96,7 @@ def exact_answer(prompts: list[str], completions: list[str], *, answer: list[Any
     return rewards
 
 
+@reward(best=1.0)
 def number_format(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
     """1.0 where the completion is a bare number (whitespace and one trailing period allowed), else 0.0.
 
@@ -103,6 +106,7 @@ def number_format(prompts: list[str], completions: list[str], **_: Any) -> list[
     return [float(_BARE_NUMBER.fullmatch(completion.strip()) is not None) for completion in completions]
 
 
+@reward(best=1.0)
 def digit_fraction(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
     """Share of the completion's non-space characters that are digits: a dense shaping reward toward a
     numeric answer (it gives a random model a signal; pair it with an answer reward).
@@ -138,6 +142,7 @@ def extract_answer(completion: str) -> str:
     return lines[-1].strip() if lines else ""
 
 
+@reward(best=1.0)
 def reasoning_gym(
     prompts: list[str],
     completions: list[str],

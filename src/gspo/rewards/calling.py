@@ -8,74 +8,77 @@ A reward function is declared by its signature:
 - **one completion per call**: ``f(completion, **fields) -> float``, its first parameter named
   ``completion`` (``prompt=`` and each field arrive as single values; only the keywords it accepts, unless it
   takes ``**kwargs``);
-- either may be ``async def``: its calls then run concurrently on the run's event loop (`reward_loop`),
-  at most ``reward_concurrency`` at a time; a plain function may opt into the same concurrency in threads
-  with ``@gspo.reward(threads=True)`` (a function that waits on I/O without asyncio).
+- either may be ``async def``: its calls then run concurrently on the run's event loop (gspo.workers), at
+  most ``reward_concurrency`` at a time; a plain function may opt into the same concurrency in the run's
+  threads with ``@gspo.reward(threads=True)`` (a function that waits on I/O without asyncio).
 
 Every call has a deadline (``reward_timeout`` seconds per call); an error, a timeout, or a value that is not
-a finite number stops the run with one line naming the function and the sample (`RewardError`, exit code 7).
-A batch's plain functions run in the caller's thread, in order, while its concurrent ones run on the loop.
+a finite number stops the run with one line naming the function and the sample (`RewardError`, exit code 7),
+whatever the function raised or returned (a BaseException of its own, an int too large for a float); a
+KeyboardInterrupt inside one stops the run as Ctrl-C does. A batch's plain functions run one call after
+another in the run's reward-calls thread (with a deadline: the caller waits for each at most its timeout,
+and a call that outlives it is left behind in its thread), while its concurrent ones run on the loop; an
+``async def`` that blocks the loop (a time.sleep inside) is cut off the same way. No thread is started per
+call: every thread and the loop are the run's (gspo.workers.Workers).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import inspect
 import math
 import numbers
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
 from gspo.rollout.user_code import raised, raised_where
+from gspo.workers import Escaped, Workers
 
 RewardFunction = Callable[..., Any]
 """A reward function, as the user writes it (module docstring)."""
 
 T = TypeVar("T")
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+_FLOAT32_EPS = float(torch.finfo(torch.float32).eps)
 
 
 class RewardError(RuntimeError):
     """A reward function failed or returned something unusable; the message names it and the sample."""
 
 
-def reward(function: RewardFunction | None = None, *, threads: bool = False) -> Any:
+def reward(
+    function: RewardFunction | None = None, *, threads: bool = False, best: float | None = None
+) -> Any:
     """Declare how gspo calls a plain reward function: ``threads=True`` runs its calls in threads,
     concurrently (at most ``reward_concurrency``), as an ``async def`` one's run on the event loop.
+    ``best``: the value of a completion that is all right, the most the function gives. A group whose
+    completions all score the rewards' best has learned its prompt: a run whose groups all reach it is
+    saturated, not collapsed, and with rollout.keep_solved_groups dynamic sampling draws no other prompt in
+    its place
+    (gspo.rewards.scoring.Rewards.best).
 
-    >>> @reward(threads=True)
+    >>> @reward(threads=True, best=1.0)
     ... def judged(completion, **_):
     ...     return 1.0
+    >>> judged.gspo_best
+    1.0
     """
 
     def mark(f: RewardFunction) -> RewardFunction:
         f.gspo_threads = threads  # type: ignore[attr-defined]
+        if best is not None:
+            if isinstance(best, bool) or not isinstance(best, numbers.Real) or not math.isfinite(best):
+                raise TypeError(f"reward(best={best!r}): best is a finite number, e.g. best=1.0")
+            f.gspo_best = float(best)  # type: ignore[attr-defined]
         return f
 
     return mark(function) if function is not None else mark
-
-
-# ---- the run's event loop -----------------------------------------------------------------------------
-_LOOP: asyncio.AbstractEventLoop | None = None
-_LOOP_LOCK = threading.Lock()
-
-
-def reward_loop() -> asyncio.AbstractEventLoop:
-    """The event loop every concurrent reward call of this process (a run) awaits on, in a daemon thread of
-    its own, started on first use: one loop, whichever thread scores a batch."""
-    global _LOOP
-    with _LOOP_LOCK:
-        if _LOOP is None or _LOOP.is_closed():
-            loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, name="gspo-rewards", daemon=True).start()
-            _LOOP = loop
-        return _LOOP
 
 
 # ---- one function, as gspo calls it -------------------------------------------------------------------
@@ -113,17 +116,69 @@ class Prepared:
         return getattr(self.function, name)
 
     def __call__(self, prompts: list[Any], completions: list[Any], **fields: Any) -> list[Any]:
-        return score_batch([self], prompts, completions, fields)[self.name]
+        with borrowed(None) as workers:
+            return score_batch([self], prompts, completions, fields, workers)[self.name]
 
     # -- the calls of one batch --
-    def _kwargs(self, prompts: list[Any], completions: list[Any], fields: dict[str, list], i: int) -> dict:
+    def _kwargs(
+        self,
+        prompts: list[Any],
+        completions: list[Any],
+        fields: dict[str, list],
+        i: int,
+        shared: dict[str, Any],
+    ) -> dict:
         values = {"completion": completions[i], "prompt": prompts[i], **{k: v[i] for k, v in fields.items()}}
+        values |= shared
         return values if self.accepts is None else {k: v for k, v in values.items() if k in self.accepts}
 
-    def _batch_call(self, prompts: list[Any], completions: list[Any], fields: dict[str, list]) -> Any:
+    def takes(self, keyword: str) -> bool:
+        """Whether it takes ``keyword`` (by name, or in ``**kwargs``)."""
+        return self.accepts is None or keyword in self.accepts
+
+    def own_fields(self, fields: dict[str, list], keywords: Keywords | None) -> dict[str, list]:
+        """``fields`` with the run's per-sample keywords it takes (`Keywords.per_sample`: a batch function
+        gets the lists, one per completion its own value, under the singular name where there is one)."""
+        if keywords is None:
+            return fields
+        own = dict(fields)
+        for key, values in keywords.per_sample.items():
+            name = SINGULAR.get(key, key) if self.per_completion else key
+            if self.takes(name):
+                own[name] = values
+        return own
+
+    def own_shared(self, keywords: Keywords | None) -> dict[str, Any]:
+        """The run's shared keywords it takes (`Keywords.shared`)."""
+        if keywords is None:
+            return {}
+        return {key: value for key, value in keywords.shared.items() if self.takes(key)}
+
+    def _batch_call(
+        self, prompts: list[Any], completions: list[Any], fields: dict[str, list], shared: dict[str, Any]
+    ) -> Any:
         if self.keywords:
-            return self.function(prompts=prompts, completions=completions, **fields)
-        return self.function(prompts, completions, **fields)
+            return self.function(prompts=prompts, completions=completions, **fields, **shared)
+        return self.function(prompts, completions, **fields, **shared)
+
+
+SINGULAR = {"group_ids": "group_id", "example_prompts": "example_prompt"}
+KEYWORDS = frozenset({"group_ids", "completion_ids", "example_prompts", "trainer_state", "log_metric"})
+"""Every name `Keywords` passes: none of them is an example's field."""
+"""A per-sample keyword's name for a function called per completion (it gets its own value)."""
+
+
+@dataclass(frozen=True)
+class Keywords:
+    """What gspo passes a reward function beside prompts, completions and the examples' fields, where it
+    takes them (by name or in ``**kwargs``), as TRL passes its keywords: per sample, ``group_ids`` (each
+    completion's group in the batch), ``completion_ids`` (its token ids) and ``example_prompts`` (its
+    example's own prompt, before the chat template); shared by the batch,
+    ``trainer_state`` (``global_step``: the rollout batch's step) and ``log_metric(name, value)``, which
+    logs a value with the step's metrics (its mean over the batch's calls)."""
+
+    per_sample: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
+    shared: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 DEFAULT_CONCURRENCY = 32
@@ -169,25 +224,50 @@ def prepare(
 
 
 # ---- a batch, all functions -----------------------------------------------------------------------------
+@contextlib.contextmanager
+def borrowed(workers: Workers | None) -> Iterator[Workers]:
+    """``workers`` (a run's), or, outside a run (a reward function called on its own), ones of the call's
+    own, closed after it."""
+    if workers is not None:
+        yield workers
+        return
+    own = Workers("reward call")
+    try:
+        yield own
+    finally:
+        own.close(timeout=0)
+
+
 def score_batch(
-    rewards: Sequence[Prepared], prompts: list[Any], completions: list[Any], fields: dict[str, list]
-) -> dict[str, list[float]]:
+    rewards: Sequence[Prepared],
+    prompts: list[Any],
+    completions: list[Any],
+    fields: dict[str, list],
+    workers: Workers,
+    *,
+    keywords: Keywords | None = None,
+) -> dict[str, list[float | None]]:
     """Each reward's values on the batch, checked (module docstring): the concurrent functions' calls start
-    on the loop, the plain ones run here meanwhile, in order; the first error, in the rewards' order, is
-    raised."""
+    on the run's loop, the plain ones run meanwhile, in order; the first error, in the rewards' order, is
+    raised (a KeyboardInterrupt raised inside one as a KeyboardInterrupt). ``keywords``: the run's, for the
+    functions that take them (`Keywords`). A value is None where a function scores no such sample (TRL's
+    multi-task rewards)."""
     concurrent = [r for r in rewards if r.concurrent]
-    pending = asyncio.run_coroutine_threadsafe(
-        _gather(concurrent, prompts, completions, fields), reward_loop()
-    ) if concurrent else None  # fmt: skip
+    pending = (
+        workers.run(_gather(concurrent, prompts, completions, fields, keywords, workers))
+        if concurrent
+        else None
+    )
     outcomes: dict[str, list[Any] | BaseException] = {}
     for r in rewards:
         if not r.concurrent:
             try:
-                outcomes[r.name] = _plain(r, prompts, completions, fields)
+                own = r.own_fields(fields, keywords)
+                outcomes[r.name] = _plain(r, prompts, completions, own, r.own_shared(keywords), workers)
             except (RewardError, KeyboardInterrupt) as error:
                 outcomes[r.name] = error
     if pending is not None:
-        outcomes |= pending.result()
+        outcomes |= _on_the_loop(pending, concurrent, len(completions), workers)
     values = {}
     for r in rewards:
         outcome = outcomes[r.name]
@@ -197,32 +277,64 @@ def score_batch(
     return values
 
 
-def _plain(r: Prepared, prompts: list[Any], completions: list[Any], fields: dict[str, list]) -> list[Any]:
-    """A plain function's values, its calls one after another in this thread, each with its deadline."""
+def _on_the_loop(
+    pending: concurrent.futures.Future, rewards: list[Prepared], calls: int, workers: Workers
+) -> dict[str, list[Any] | BaseException]:
+    """The concurrent functions' outcomes. Each call has its deadline on the loop; a call that blocks the
+    loop itself (a blocking call inside an ``async def``) stops every deadline there, so the whole batch
+    has one here too: its calls' deadlines in turn, as the concurrency bound lets them run."""
+    bounds = [r.timeout * -(-(calls if r.per_completion else 1) // r.concurrency) for r in rewards]
+    limit = None if not all(bounds) else max(bounds) + 1.0
+    try:
+        return pending.result(limit)
+    except concurrent.futures.TimeoutError:
+        if pending.done():
+            raise
+    workers.abandon_loop()  # stuck: the rest of the run (its error's checkpoint) gets a fresh loop
+    names = ", ".join(repr(r.name) for r in rewards if r.is_async) or ", ".join(repr(r.name) for r in rewards)
+    raise RewardError(
+        f"reward function {names} did not return within {limit:g} s and blocked the run's event loop: an async "
+        "def reward must not make blocking calls (time.sleep, requests, a subprocess's wait): await "
+        "asyncio.sleep or an async client instead, or make it a plain def (gspo calls those in a thread "
+        "of their own, one call at a time)"
+    )
+
+
+def _plain(
+    r: Prepared,
+    prompts: list[Any],
+    completions: list[Any],
+    fields: dict[str, list],
+    shared: dict[str, Any],
+    workers: Workers,
+) -> list[Any]:
+    """A plain function's values, its calls one after another, each with its deadline (`_within`)."""
     if r.per_completion:
         return [
             _guarded(
                 r,
                 i,
                 completions,
-                lambda i=i: _deadline(r, lambda: r.function(**r._kwargs(prompts, completions, fields, i))),
+                lambda i=i: _within(
+                    r, workers, lambda: r.function(**r._kwargs(prompts, completions, fields, i, shared))
+                ),
             )
             for i in range(len(completions))
         ]
     try:
-        return _deadline(r, lambda: r._batch_call(prompts, completions, fields))
-    except RewardError:  # a timeout: calling it again per sample would only hang again
+        return _within(r, workers, lambda: r._batch_call(prompts, completions, fields, shared))
+    except (RewardError, KeyboardInterrupt):  # a timeout: calling it again per sample would only hang again
         raise
-    except (Exception, SystemExit) as error:  # sys.exit in a reward is its failure, not gspo's exit
-        raise _culprit(r, prompts, completions, fields, error) from error
+    except BaseException as error:  # a reward's own exception, sys.exit and GeneratorExit included
+        raise _culprit(r, prompts, completions, fields, shared, error, workers) from error
 
 
 def _guarded(r: Prepared, i: int, completions: list[Any], call: Callable[[], T]) -> T:
     try:
         return call()
-    except RewardError:
+    except (RewardError, KeyboardInterrupt):
         raise
-    except (Exception, SystemExit) as error:
+    except BaseException as error:
         raise _at_sample(r, i, completions, error) from error
 
 
@@ -234,18 +346,35 @@ def _at_sample(r: Prepared, i: int, completions: list[Any], error: BaseException
 
 
 def _culprit(
-    r: Prepared, prompts: list[Any], completions: list[Any], fields: dict[str, list], error: BaseException
+    r: Prepared,
+    prompts: list[Any],
+    completions: list[Any],
+    fields: dict[str, list],
+    shared: dict[str, Any],
+    error: BaseException,
+    workers: Workers,
 ) -> RewardError:
-    """A batch call's error, named with its sample: found by calling again one sample at a time (an async
-    function to its end on a loop of its own: this runs in a thread of its own then)."""
+    """A batch call's error, named with its sample: found by calling again one sample at a time, each call
+    within its deadline (an async function's on the run's loop)."""
     for i in range(len(completions)):
         single = {key: values[i : i + 1] for key, values in fields.items()}
-        try:
-            called = r._batch_call(prompts[i : i + 1], completions[i : i + 1], single)
+
+        def alone(i: int = i, single: dict[str, list] = single) -> Any:
+            called = r._batch_call(prompts[i : i + 1], completions[i : i + 1], single, shared)
             if inspect.isawaitable(called):
-                asyncio.run(_awaited(called))
-        except (Exception, SystemExit) as alone:
-            return _at_sample(r, i, completions, alone)
+                return workers.run(_awaited(called)).result(r.timeout or None)
+            return called
+
+        try:
+            _within(r, workers, alone)
+        except RewardError:  # a timeout alone: the batch's error stands
+            break
+        except Escaped as escaped:
+            return _at_sample(r, i, completions, escaped.original)
+        except BaseException as failure:
+            if isinstance(failure, KeyboardInterrupt):
+                raise
+            return _at_sample(r, i, completions, failure)
     return RewardError(
         f"reward function {r.name!r} {raised(error)} on the batch of {len(completions)} samples, though no "
         f"single sample raises alone{raised_where(error, r.function)}"
@@ -263,85 +392,121 @@ def _too_slow(r: Prepared) -> RewardError:
     )
 
 
-def _deadline(r: Prepared, call: Callable[[], T]) -> T:
-    """``call()`` with ``r``'s deadline: a call still running then raises RewardError. Python cannot stop a
-    running function from outside, so the call runs in a daemon thread that is abandoned at the deadline:
-    it ends with the process (the run stops with the error, after a checkpoint)."""
+def _within(r: Prepared, workers: Workers, call: Callable[[], T]) -> T:
+    """``call()`` within ``r``'s deadline: run in the run's reward-calls thread, waited for at most
+    r.timeout seconds (none: here, at once). Python cannot stop a running function from outside: a call
+    that outlives its deadline is left behind in that thread, the next calls get a fresh one, and the run
+    stops with the error (after a checkpoint); the thread, a daemon, ends with the process."""
     if not r.timeout:
         return call()
-    outcome: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            outcome["value"] = call()
-        except BaseException as error:  # handed to the caller's thread
-            outcome["error"] = error
-
-    thread = threading.Thread(target=target, name=f"gspo-reward-{r.name}", daemon=True)
-    thread.start()
-    thread.join(r.timeout)
-    if thread.is_alive():
-        raise _too_slow(r)
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
+    calls = workers.stage("reward-calls")
+    future = calls.submit(call)
+    try:
+        return future.result(r.timeout)
+    except concurrent.futures.TimeoutError:
+        if future.done():  # the function's own TimeoutError
+            raise
+    calls.replace()
+    raise _too_slow(r)
 
 
 async def _gather(
-    rewards: list[Prepared], prompts: list[Any], completions: list[Any], fields: dict[str, list]
+    rewards: list[Prepared],
+    prompts: list[Any],
+    completions: list[Any],
+    fields: dict[str, list],
+    keywords: Keywords | None,
+    workers: Workers,
 ) -> dict[str, list[Any] | BaseException]:
     """The concurrent functions' values (or errors), every call on the loop at once, at most each one's
     concurrency of its calls in flight."""
     results = await asyncio.gather(
-        *(_concurrent(r, prompts, completions, fields) for r in rewards), return_exceptions=True
+        *(
+            _concurrent(
+                r, prompts, completions, r.own_fields(fields, keywords), r.own_shared(keywords), workers
+            )
+            for r in rewards
+        ),
+        return_exceptions=True,
     )
-    return {r.name: result for r, result in zip(rewards, results, strict=True)}
+    return {r.name: _own_error(r, result) for r, result in zip(rewards, results, strict=True)}
 
 
-_POOLS: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
-
-
-def _pool(size: int) -> concurrent.futures.ThreadPoolExecutor:
-    """The threads of ``@reward(threads=True)`` functions: one pool per concurrency bound, kept."""
-    if size not in _POOLS:
-        _POOLS[size] = concurrent.futures.ThreadPoolExecutor(size, thread_name_prefix="gspo-reward")
-    return _POOLS[size]
+def _own_error(r: Prepared, result: Any) -> Any:
+    """A KeyboardInterrupt carried out of the loop is one again; any other escaped BaseException is the
+    function's failure."""
+    if isinstance(result, Escaped):
+        if isinstance(result.original, KeyboardInterrupt):
+            return result.original
+        return RewardError(
+            f"reward function {r.name!r} {raised(result.original)}{raised_where(result.original, r.function)}"
+        )
+    return result
 
 
 async def _concurrent(
-    r: Prepared, prompts: list[Any], completions: list[Any], fields: dict[str, list]
+    r: Prepared,
+    prompts: list[Any],
+    completions: list[Any],
+    fields: dict[str, list],
+    shared: dict[str, Any],
+    workers: Workers,
 ) -> list[Any]:
     limit = asyncio.Semaphore(r.concurrency)
 
     async def run(call: Callable[[], Any]) -> Any:
         async with limit:
-            waited = (
-                call()
-                if r.is_async
-                else asyncio.get_running_loop().run_in_executor(_pool(r.concurrency), call)
-            )
+            if r.is_async:
+                waited = _contained(call())
+            else:
+                waited = _contained(asyncio.wrap_future(workers.pool(r.concurrency).submit(call)))
             try:
                 return await asyncio.wait_for(waited, r.timeout or None)
             except TimeoutError:
+                if not r.is_async:  # its thread is stuck in the call: the pool's next calls get fresh ones
+                    workers.pool(r.concurrency).replace()
                 raise _too_slow(r) from None
 
     if r.per_completion:
 
         async def one(i: int) -> Any:
             try:
-                return await run(lambda: r.function(**r._kwargs(prompts, completions, fields, i)))
-            except RewardError:
+                return await run(lambda: r.function(**r._kwargs(prompts, completions, fields, i, shared)))
+            except (RewardError, asyncio.CancelledError):
                 raise
-            except (Exception, SystemExit) as error:
+            except Escaped as escaped:
+                if isinstance(escaped.original, KeyboardInterrupt):
+                    raise
+                raise _at_sample(r, i, completions, escaped.original) from None
+            except Exception as error:
                 raise _at_sample(r, i, completions, error) from error
 
         return list(await asyncio.gather(*(one(i) for i in range(len(completions)))))
     try:
-        return await run(lambda: r._batch_call(prompts, completions, fields))
-    except RewardError:
+        return await run(lambda: r._batch_call(prompts, completions, fields, shared))
+    except (RewardError, asyncio.CancelledError):
         raise
-    except (Exception, SystemExit) as error:
-        raise await asyncio.to_thread(_culprit, r, prompts, completions, fields, error) from error
+    except Escaped as escaped:
+        if isinstance(escaped.original, KeyboardInterrupt):
+            raise
+        error: BaseException = escaped.original
+    except Exception as failure:
+        error = failure
+    culprit = workers.pool(1).submit(
+        lambda: _culprit(r, prompts, completions, fields, shared, error, workers)
+    )
+    raise await asyncio.wrap_future(culprit) from error
+
+
+async def _contained(awaitable: Any) -> Any:
+    """``awaitable``'s result, with a BaseException raised inside it (SystemExit, KeyboardInterrupt, a
+    subclass of the user's) carried as `Escaped`: raised in a task on the loop, it would stop the loop."""
+    try:
+        return await awaitable
+    except (Exception, asyncio.CancelledError):
+        raise
+    except BaseException as error:
+        raise Escaped(error) from error
 
 
 # ---- the checked values, combined -----------------------------------------------------------------------
@@ -350,9 +515,17 @@ def _excerpt(completion: Any) -> str:
     return repr(text[:80]) + ("..." if len(text) > 80 else "")
 
 
-def check_values(name: str, values: Any, completions: list[Any]) -> list[float]:
+def _shown(value: Any) -> str:
+    """A returned value as a message shows it: a huge int by its size, anything else by its repr, cut."""
+    if isinstance(value, int) and value.bit_length() > 128:
+        return f"an int of {len(str(abs(value)))} digits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_values(name: str, values: Any, completions: list[Any]) -> list[float | None]:
     """A function's values as floats: one finite number per completion (a list, a tuple, a tensor or a numpy
-    array; not a boolean), within float32's range."""
+    array; not a boolean), within float32's range, or None where it scores no such sample."""
     if hasattr(values, "tolist"):  # tensors and numpy arrays
         values = values.tolist()
     if not isinstance(values, (list, tuple)):
@@ -365,67 +538,32 @@ def check_values(name: str, values: Any, completions: list[Any]) -> list[float]:
             f"reward function {name!r} returned {len(values)} values for {len(completions)} completions"
         )
     for index, value in enumerate(values):
+        if value is None:  # no score for this sample (TRL's multi-task rewards): left out of the sum
+            continue
         if isinstance(value, bool):  # a bool is an int to Python, but "passed?" is no amount of reward
             raise RewardError(
                 f"reward function {name!r} returned {value!r} at sample {index} "
                 f"(completion {_excerpt(completions[index])}); rewards are numbers, not booleans: return "
                 "1.0 or 0.0 (float(passed))"
             )
-        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+        if not isinstance(value, numbers.Real):
+            raise RewardError(
+                f"reward function {name!r} returned {_shown(value)} at sample {index} "
+                f"(completion {_excerpt(completions[index])}); rewards must be finite numbers"
+            )
+        try:
+            finite = math.isfinite(value)
+        except OverflowError:  # an int too large for a float: beyond float32's range too
+            finite = True
+        if not finite:
             raise RewardError(
                 f"reward function {name!r} returned {value!r} at sample {index} "
                 f"(completion {_excerpt(completions[index])}); rewards must be finite numbers"
             )
         if abs(value) > _FLOAT32_MAX:
             raise RewardError(
-                f"reward function {name!r} returned {value!r} at sample {index} "
+                f"reward function {name!r} returned {_shown(value)} at sample {index} "
                 f"(completion {_excerpt(completions[index])}), beyond float32's range (about 3.4e38), "
                 "in which rewards are combined; return smaller values"
             )
-    return [float(value) for value in values]
-
-
-def compute_rewards(
-    functions: Sequence[tuple[str, RewardFunction, float]],
-    prompts: list[str],
-    completions: list[str],
-    fields: dict[str, list],
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Score the batch with each reward function and combine: ``(total, {name: rewards})``.
-
-    ``functions`` holds ``(name, function, weight)`` (a plain function is called as a batch function with
-    no deadline; `prepare` says how to call it otherwise); every list (prompts, each field) is aligned with
-    ``completions``, B long. Returns float32 tensors:
-
-        total = sum_k weight_k * r_k    (B,)
-        r_k                             (B,)
-
-    A function that raises, returns a non-finite or non-numeric value, or the wrong number of values gives a
-    :class:`RewardError` naming it (and the sample, where there is one).
-    """
-    if not functions:
-        raise ValueError("compute_rewards needs at least one reward function")
-    names = [name for name, _, _ in functions]
-    duplicates = sorted({name for name in names if names.count(name) > 1})
-    if duplicates:
-        raise ValueError(f"reward names must be unique, repeated: {duplicates}")
-    for name, _, weight in functions:
-        if not isinstance(weight, numbers.Real) or not math.isfinite(weight):
-            raise ValueError(f"reward {name!r} has weight {weight!r}; weights must be finite numbers")
-    for key, values in {"prompts": prompts, **fields}.items():
-        if len(values) != len(completions):
-            raise ValueError(f"{key!r} has {len(values)} entries for {len(completions)} completions")
-    prepared = [prepare(function, name) for name, function, _ in functions]
-    values = score_batch(prepared, prompts, completions, fields)
-    total = torch.zeros(len(completions), dtype=torch.float32)
-    per_function = {}
-    for name, _, weight in functions:
-        rewards = torch.tensor(values[name], dtype=torch.float32)
-        per_function[name] = rewards
-        total += float(weight) * rewards
-    if not torch.isfinite(total).all():
-        raise RewardError(
-            f"the weighted sum of the rewards {names} overflows float32 at sample "
-            f"{int((~torch.isfinite(total)).nonzero()[0])}: lower the weights or the rewards"
-        )
-    return total, per_function
+    return [None if value is None else float(value) for value in values]

@@ -188,9 +188,11 @@ def export_policy(
     """The policy as a GGUF file for llama.cpp; LoRA adapters are merged into a copy (the trainer keeps its own)."""
     from gspo.models import is_lora
     from gspo.models.gguf_export import write_gguf
+    from gspo.models.loading import quiet_peft
 
     if is_lora(model):
-        model = copy.deepcopy(model).merge_and_unload()
+        with quiet_peft():
+            model = copy.deepcopy(model).merge_and_unload()
     return write_gguf(model, tokenizer, path, quant=quant, source=source)
 
 

@@ -9,6 +9,7 @@ docs/rollout_servers.md describes the alignment rules, the transport and weight 
 from __future__ import annotations
 
 import contextlib
+import functools
 import http.client
 import json
 import math
@@ -20,7 +21,6 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -30,6 +30,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from gspo.config.rules import http_url_problem
 from gspo.core.seeds import request_seed
 from gspo.rollout.samplers import Rollouts, ServerError, logprob_problem, tokenize_prompts
+from gspo.workers import Workers
 
 TRANSIENT_HTTP = {408, 429, 500, 502, 503, 504}
 ERROR_BODY_BYTES = 64 * 1024
@@ -82,7 +83,9 @@ class OpenAIBackend:
     token ids (vLLM, SGLang) instead of text; sampling: extra request fields (defaults: DEFAULT_SAMPLING);
     logprobs_tempered: the server's log-probs already include the temperature; api_key: sent as a bearer
     token, to base_url's server only (redirects are not followed; the key is kept out of repr and
-    messages); weight_sync: see `sync_weights`; max_response_bytes: a larger answer is refused.
+    messages); weight_sync: see `sync_weights`; max_response_bytes: a larger answer is refused; workers: the
+    run's threads (gspo.workers), in which requests run side by side and their watchdogs fire (None: its
+    own).
 
     The transport speaks plain HTTP(S) to base_url's host (no proxy) with http.client; an answer that is
     not the JSON object of a completion is a ServerError with the URL and an excerpt.
@@ -105,9 +108,12 @@ class OpenAIBackend:
     current: bool = False
     """An external engine: its log-probs are not the trainer's own (other kernels, dtype, quantisation)."""
     max_response_bytes: int = 128 * 2**20
+    workers: Workers | None = field(default=None, repr=False)
     _vocabulary: int | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.workers is None:
+            self.workers = Workers("openai backend")
         if self.api_key is not None and (why := api_key_problem(self.api_key)):
             raise ValueError(f"api_key {why}; it is not shown")
         problem = http_url_problem(self.base_url)
@@ -177,9 +183,8 @@ class OpenAIBackend:
                 if connection.sock is not None:
                     connection.sock.shutdown(socket.SHUT_RDWR)
 
-        watchdog = threading.Timer(seconds, expire)
-        watchdog.daemon = True
-        watchdog.start()
+        assert self.workers is not None
+        watchdog = self.workers.later(seconds, expire)
         target = parts.path + (f"?{parts.query}" if parts.query else "")
         try:
             connection.request("POST", target or "/", body=data, headers=headers)
@@ -262,8 +267,10 @@ class OpenAIBackend:
             prompt = prompt_ids[j] if self.send_token_ids else prompts[j]
             return self._sample_group(j, prompt, prompt_ids[j], group_size, request, base_seed, resample_cap)
 
-        with ThreadPoolExecutor(max_workers=max(1, self.max_concurrency)) as pool:
-            per_prompt = list(pool.map(sample, range(len(prompts))))
+        assert self.workers is not None
+        pool = self.workers.pool(max(1, self.max_concurrency))
+        futures = [pool.submit(functools.partial(sample, j)) for j in range(len(prompts))]
+        per_prompt = [future.result() for future in futures]
         rollouts = Rollouts([], [], [], [], [])
         for j, samples in enumerate(per_prompt):
             for ids, logprobs, truncated, text in samples:

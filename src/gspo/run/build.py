@@ -23,6 +23,7 @@ from gspo.core.row_slices import supports_split
 from gspo.core.surrogates import register_objective
 from gspo.learning.policy import Policy, UpdateSpec, entropy_control, score, update_choices
 from gspo.models import add_lora, default_model_file, is_lora, load_model
+from gspo.models.loading import align_parameters, quiet_peft
 from gspo.parallel.wrap import compute_dtype, full_parameters, wrap_model
 from gspo.rollout.user_code import CodeFileError, load_function
 from gspo.run.checkpoint import verify_checkpoint
@@ -85,11 +86,12 @@ def setup_model(config: Config, checkpoint: Path | None) -> tuple[Any, Any]:
         if checkpoint is not None:
             import peft
 
-            model = peft.PeftModel.from_pretrained(model, checkpoint / "model", is_trainable=True)
+            with quiet_peft():
+                model = peft.PeftModel.from_pretrained(model, checkpoint / "model", is_trainable=True)
             model.eval()
         else:
             model = add_lora(model, config.lora)
-    return model, tokenizer
+    return align_parameters(model), tokenizer  # the adapters too: a resumed run computes as the first
 
 
 def load_checkpoint_policy(config: Config, checkpoint: Path) -> tuple[Any, Any]:
@@ -97,7 +99,8 @@ def load_checkpoint_policy(config: Config, checkpoint: Path) -> tuple[Any, Any]:
     `config` is the run's own (its model and LoRA settings)."""
     model, tokenizer = setup_model(config, checkpoint)
     if is_lora(model):
-        model = model.merge_and_unload()
+        with quiet_peft():
+            model = model.merge_and_unload()
     model.eval()
     return model, tokenizer
 

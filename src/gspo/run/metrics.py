@@ -34,6 +34,7 @@ import torch
 from gspo.files import check_still_there, folder_identity, open_for_appending, run_path
 from gspo.learning.reduction import tensors_to_floats
 from gspo.run.trackers import SAMPLE_COLUMNS, Tracker, open_trackers
+from gspo.workers import Workers
 
 METRICS_FILE = "metrics.jsonl"
 COMPLETIONS_FILE = "completions.jsonl"
@@ -205,6 +206,7 @@ class MetricsLogger:
         project: str = "gspo",
         resume_step: int | None = None,
         completions_per_step: int = 0,
+        workers: Workers | None = None,
     ):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -222,7 +224,7 @@ class MetricsLogger:
             lines = _kept_lines(self.run_dir, COMPLETIONS_FILE, resume_step, COMPLETIONS_LINE_MAX)
             self._completions = open_for_appending(self.completions_path, lines)
         self._trackers: list[Tracker] = open_trackers(
-            self.run_dir, report_to, config=config, project=project, resume_step=resume_step
+            self.run_dir, report_to, config=config, project=project, resume_step=resume_step, workers=workers
         )
 
     def log(

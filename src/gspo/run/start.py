@@ -12,8 +12,8 @@ and opens the metrics log. `Run.save` writes a checkpoint; `Run.spec_for` resolv
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +37,7 @@ from gspo.run.metrics import MetricsLogger, SilentLogger
 from gspo.run.resume import restore_state
 from gspo.run.trackers import check_installed
 from gspo.run.trust import continue_command
+from gspo.workers import Workers
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,10 @@ class Run:
     identity: FolderIdentity | None = field(default=None, repr=False)
     """The run folder's, on the rank that writes (None elsewhere): a checkpoint is not written into
     another folder that came to have its path (`save`)."""
-    _writer: threading.Thread | None = field(default=None, repr=False)
-    _write_error: BaseException | None = field(default=None, repr=False)
+    workers: Workers = field(default_factory=lambda: Workers("run"), repr=False)
+    """Every thread, pool and event loop the run starts (gspo.workers): its stages, the rewards' loop, the
+    checkpoint writer; closed when the run ends (`close`)."""
+    _writing: concurrent.futures.Future[None] | None = field(default=None, repr=False)
 
     @property
     def path(self) -> Path:
@@ -138,6 +141,7 @@ class Run:
                     project=self.config.project,
                     resume_step=resume_step,
                     completions_per_step=self.config.completions_per_step,
+                    workers=self.workers,
                 )
                 if is_main()
                 else SilentLogger()
@@ -159,9 +163,10 @@ class Run:
         (the prompt stream, the server's version); every rank calls it, and each rank's random streams and
         stream position go into it. Returns the latest checkpoint's path once all ranks are done.
 
-        ``background`` (one process): written by a thread while the run samples its next batch, which only
-        reads the weights; `wait` joins it, and comes before anything changes them (an update). Until it is
-        renamed into place it is not the latest checkpoint (gspo.run.checkpoint). Returns None then."""
+        ``background`` (one process): written by the run's checkpoint stage (a thread of its workers) while
+        the run samples its next batch, which only reads the weights; `wait` waits for it, and comes before
+        anything changes them (an update). Until it is renamed into place it is not the latest checkpoint
+        (gspo.run.checkpoint). Returns None then."""
         self.wait()  # one write at a time
         self._check_folder()
         step = self.step if step is None else step
@@ -173,8 +178,7 @@ class Run:
         )
         self.saved_step = step
         if background and world_size() == 1:
-            self._writer = threading.Thread(target=self._write, args=(write, extra), name="gspo-checkpoint")
-            self._writer.start()
+            self._writing = self.workers.stage("checkpoint").submit(lambda: write(**extra))
             return None
         try:
             write(**extra)
@@ -184,27 +188,28 @@ class Run:
         barrier()  # complete before any rank goes on
         return latest_checkpoint(self.path)
 
-    def _write(self, write: Callable[..., Any], extra: dict[str, Any]) -> None:
-        try:
-            write(**extra)
-        except BaseException as error:  # raised by `wait`, in the run's own thread
-            self._write_error = error
-
     def _check_folder(self, cause: BaseException | None = None) -> None:
         """RunFolderGone when the run folder was removed, moved or replaced (gspo.files)."""
         if self.identity is not None:
             check_still_there(self.path, self.identity, cause)
 
     def wait(self) -> None:
-        """Join a checkpoint written in the background (`save`), raising what it raised."""
-        if self._writer is not None:
-            self._writer.join()
-            self._writer = None
-        error, self._write_error = self._write_error, None
+        """Wait for a checkpoint written in the background (`save`), raising what it raised."""
+        writing, self._writing = self._writing, None
+        if writing is None:
+            return
+        error = writing.exception()
         if isinstance(error, OSError):  # a folder removed under the write: said as such
             self._check_folder(error)
         if error is not None:
             raise error
+
+    def close(self) -> None:
+        """The run's threads stop (gspo.workers.Workers.close), a checkpoint being written first."""
+        try:
+            self.wait()
+        finally:
+            self.workers.close()
 
     def kept(self, then: str, *, code: bool = False, python_rewards: Sequence[str] = ()) -> str:
         """What a stopped run kept, and the command that continues it (gspo.run.trust.continue_command:

@@ -17,6 +17,7 @@ own monotonic counter), so they land; MLflow and trackio keep both values in the
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import importlib.util
 import json
@@ -32,6 +33,7 @@ from typing import Any, Protocol
 from gspo.config import ConfigError
 from gspo.config.values import shown
 from gspo.files import replace_file, run_path, run_tree
+from gspo.workers import Workers
 
 TENSORBOARD_DIR = "tensorboard"
 TRACKERS_FILE = "trackers.json"
@@ -80,9 +82,11 @@ def open_trackers(
     config: Mapping[str, Any] | None,
     project: str,
     resume_step: int | None,
+    workers: Workers | None = None,
 ) -> list[Tracker]:
     """Open each tracker of ``report_to`` for ``run_dir``, continuing the runs ``trackers.json`` names, and
-    store the ids of the runs opened."""
+    store the ids of the runs opened. ``workers``: the run's threads (gspo.workers), in which each tracker
+    starts (None: threads of this call's own)."""
     check_installed(report_to)
     ids_path = run_path(run_dir, TRACKERS_FILE)
     ids = read_ids(ids_path)
@@ -95,7 +99,7 @@ def open_trackers(
             continue
         tracker_class = {"wandb": WandbTracker, "mlflow": MlflowTracker, "trackio": TrackioTracker}[name]
         start = functools.partial(tracker_class, run_dir, project, dict(config or {}), ids.get(name))
-        tracker = started(name, start)
+        tracker = started(name, start, workers)
         ids[name] = tracker.run_id
         opened.append(tracker)
     if set(ids) & set(report_to) - {"tensorboard"}:
@@ -152,22 +156,24 @@ def _damaged(path: Path, why: str) -> str:
     )
 
 
-def started(name: str, start: Callable[[], Tracker]) -> Tracker:
+def started(name: str, start: Callable[[], Tracker], workers: Workers | None = None) -> Tracker:
     """``start()`` (a tracker's run, opened), within `TRACKER_TIMEOUT` seconds; its failure, or its silence,
-    as one TrackerError line with any URL's credentials left out (`redact`). The call runs in a daemon
-    thread that is abandoned at the deadline (a tracker's retries cannot be stopped from outside); it ends
-    with the process, which stops with the error."""
-    outcome: list[Any] = []
-
-    def run() -> None:
-        try:
-            outcome.append(start())
-        except BaseException as error:  # reported below, in this thread's caller
-            outcome.append(error)
-
-    thread = threading.Thread(target=run, name=f"gspo-{name}-start", daemon=True)
-    thread.start()
-    thread.join(TRACKER_TIMEOUT)
+    as one TrackerError line with any URL's credentials left out (`redact`). The call runs in a thread of
+    ``workers`` (the run's; None: one of this call's own) and is left behind at the deadline (a tracker's
+    retries cannot be stopped from outside): a daemon, it ends with the process, which stops with the
+    error."""
+    own = workers is None
+    workers = workers or Workers("tracker start")
+    stage = workers.stage(f"{name}-start")
+    future = stage.submit(start)
+    try:
+        done, _ = concurrent.futures.wait([future], TRACKER_TIMEOUT)  # a Ctrl-C while waiting: raised here
+    finally:
+        if not future.done():
+            stage.replace()  # the stuck start is left behind
+        if own:
+            workers.close(timeout=0)
+    outcome: list[Any] = [future.exception() or future.result()] if done else []
     fix = f"{FIXES[name]}, or remove {name} from report_to"
     if not outcome:
         raise TrackerError(f"report_to: {name} did not start its run within {TRACKER_TIMEOUT:g} s: {fix}")

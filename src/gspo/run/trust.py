@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +120,7 @@ REACHES = {
     "rollout.vllm.server_weights_dir": "the folder gspo tells the vLLM server to load weights from",
     "rollout.vllm.nccl_address": "the address gspo opens its NCCL group on for the server's workers",
     "task.data_path": "the data gspo reads, and copies into its evaluation reports",
+    "task.eval_data_path": "the held-out data gspo reads, and copies into its evaluation reports",
     "judge.url": "the LLM judge gspo sends the completions (and the API key) to",
     "judge.api_key_env": "the environment variable whose secret gspo sends to the judge as the API key",
     "judge.template": "the prompt template gspo reads and sends to the judge",
@@ -133,6 +134,7 @@ A run folder's value is used only when the user names it (module docstring); doc
 LOCAL_PATHS = (
     "rollout.vllm.weights_dir",
     "task.data_path",
+    "task.eval_data_path",
     "model.path",
     "judge.template",
     "reward_model.path",
@@ -167,6 +169,8 @@ def used_reaches(config: Config) -> list[str]:
     used = engine.reaches(config) if engine is not None else []
     if config.task.name == "file" and config.task.data_path is not None:
         used.append("task.data_path")
+    if config.task.eval_data_path is not None:
+        used.append("task.eval_data_path")
     if "judge" in config.rewards:
         used += ["judge.url", "judge.template"]
         if config.judge.api_key_env != type(config.judge)().api_key_env:
@@ -188,6 +192,7 @@ def check_reaches(
     overrides name it, it is a path inside the folder (`LOCAL_PATHS`), the user started this run with that
     value (gspo.run.own_runs), or `trust_run_folder`."""
     given = overridden_keys(overrides)
+    refused: list[tuple[str, Any, str]] = []  # every one at once: a user confirms them in one command
     for key in [] if trust_run_folder else keys:
         value = _value(config, key)
         if key in given or (key in LOCAL_PATHS and _inside(str(value), folder)):
@@ -198,11 +203,18 @@ def check_reaches(
         why = f" ({problem})" if problem else ""
         if key in recorded:
             why = f" (you started this run with {key}={recorded[key]})"
-        raise UntrustedRunFolder(
-            f"{folder / 'config.yaml'} names {key}={str(value)!r}, {REACHES[key]}: a run folder does not "
-            f"choose where gspo connects, nor what it reads or writes outside the folder{why}; pass "
-            f"{key}={value} on the command line to confirm it, or --trust-run-folder"
-        )
+        refused.append((key, value, why))
+    if not refused:
+        return
+    named = "; ".join(f"{key}={str(value)!r}, {REACHES[key]}" for key, value, _ in refused)
+    whys = "".join(dict.fromkeys(why for _, _, why in refused))
+    confirm = " ".join(f"{key}={value}" for key, value, _ in refused)
+    them = "it" if len(refused) == 1 else "them"
+    raise UntrustedRunFolder(
+        f"{folder / 'config.yaml'} names {named}: a run folder does not choose where gspo connects, nor what "
+        f"it reads or writes outside the folder{whys}; pass {confirm} on the command line to confirm {them}, "
+        "or --trust-run-folder"
+    )
 
 
 def users_reaches(config: Config, overrides: Sequence[str], *, resumed: bool) -> dict[str, str]:
@@ -255,18 +267,31 @@ def check_run_folder_config(
     the run with it (gspo.run.own_runs), or with `trust_run_folder`; the rewards pass too when
     `rewards_replaced` (Python callables replace them: nothing of theirs is imported)."""
     source = folder / "config.yaml"
-    check_code_keys(config, overrides, folder=folder, trust_run_folder=trust_run_folder)
+    refusals: list[str] = []  # every confirmation the folder needs, said at once
+
+    def refusal(check: Callable[[], None]) -> None:
+        try:
+            check()
+        except UntrustedRunFolder as error:
+            refusals.append(str(error))
+
+    refusal(lambda: check_code_keys(config, overrides, folder=folder, trust_run_folder=trust_run_folder))
     mine = named_rewards(overrides)
     foreign = [name for name in code_rewards(config) if name not in mine]
     for name in [] if trust_run_folder or rewards_replaced else foreign:
         own, why = _own_code(name, folder)
         if own:
             continue
-        raise UntrustedRunFolder(
+        refusals.append(
             f"{source} names the reward {name!r}, Python code that gspo would import and run: a run "
             f"folder is data, so its code runs only when you name it yourself{why}. Read the code, then pass "
             f"{rewards_override(config)} on the command line, or --trust-run-folder"
         )
+        break  # one override names every reward
     used = used_reaches(config)
     keys = used if reaches is None else [key for key in used if key in set(reaches)]
-    check_reaches(config, overrides, folder=folder, trust_run_folder=trust_run_folder, keys=keys)
+    refusal(
+        lambda: check_reaches(config, overrides, folder=folder, trust_run_folder=trust_run_folder, keys=keys)
+    )
+    if refusals:
+        raise UntrustedRunFolder(" Also: ".join(refusals))

@@ -5,28 +5,37 @@ Dynamic sampling (DAPO's, with resampling): a group whose G rewards are all equa
 advantage of 0, so it teaches nothing. After the batch's prompts are drawn and scored, further prompts of the
 training set are drawn as whole groups, round after round, each round as many as the batch still lacks,
 until the batch holds `rollout.prompts_per_step` groups with a spread, or `rollout.max_extra_groups` extra
-groups were drawn. The batch keeps its size either way: its groups with a spread first, then, when the cap
-was reached, the earliest groups without one (which move nothing, and keep the loss normaliser, the metrics
-and the schedule those of a batch of that size). Round r's prompts and completions come from
+groups were drawn. With `rollout.keep_solved_groups` a solved group (every completion at the rewards' best:
+gspo.rewards.scoring.Rewards.best) counts as learned: no other is drawn in its place, so late in a run, when
+most groups are all right, a batch draws few or none. The batch keeps its size either way: its groups with a spread first, then
+the earliest groups without one (which move nothing, and keep the loss normaliser, the metrics and the
+schedule those of a batch of that size). Round r's prompts and completions come from
 `gspo.core.seeds.resample_seed` of the batch's own seed: a batch is the same whenever, and in whichever
 thread, it is drawn, and the prompt stream is not touched by the extra draws.
+
+The stages (gspo.sampling.stages) run this module's pure steps: `sample` on the sampling stage, `score` on
+the scoring stage, `draw_dynamic` (dynamic sampling's rounds) on the sampling stage, waiting for each
+round's scores; `assemble` makes the batch of the rounds.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gspo.config import RolloutConfig
 from gspo.core.samples import Sample
 from gspo.core.seeds import resample_seed
-from gspo.rewards.calling import RewardError, RewardFunction, compute_rewards
+from gspo.rewards.calling import RewardError
+from gspo.rewards.scoring import Rewards
 from gspo.rollout.data import Example, batch_fields
 from gspo.rollout.samplers import Rollouts, Sampler
+from gspo.workers import Workers
 
 
 @dataclass
@@ -53,6 +62,11 @@ class Drawn:
     """Groups sampled for it, the extra ones of dynamic sampling included."""
     groups_kept: int = 0
     """Groups of the batch with a reward spread."""
+    flat: list[FlatGroup] = field(default_factory=list)
+    """The groups drawn for it whose completions all scored the same (the training side tells the learned
+    from the stuck: gspo.sampling.schedule)."""
+    logged: dict[str, list[float]] = field(default_factory=dict)
+    """What its reward functions logged with ``log_metric``, by name (gspo.rewards.scoring)."""
     scoring_seconds: float = 0.0
     """Scoring it (of `seconds`)."""
 
@@ -76,7 +90,24 @@ class Drawn:
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Drawn:
-        return cls(**{**state, "samples": [Sample(**s) for s in state["samples"]]})
+        flat = [FlatGroup(**group) for group in state.get("flat", [])]
+        return cls(**{**state, "samples": [Sample(**s) for s in state["samples"]], "flat": flat})
+
+
+@dataclass(frozen=True)
+class FlatGroup:
+    """A group whose completions all scored the same: its reward, its most common completion, and the share
+    of its completions that are that one (1.0: all G alike, an answer the group agrees on)."""
+
+    reward: float
+    answer: str
+    agreement: float
+
+    @classmethod
+    def of(cls, reward: float, completions: list[str]) -> FlatGroup:
+        counts = collections.Counter(c.strip() for c in completions)
+        answer, count = counts.most_common(1)[0]
+        return cls(reward, answer, count / len(completions))
 
 
 @dataclass(frozen=True)
@@ -99,15 +130,24 @@ class Resampling:
     pool: Sequence[Example]
     prompt: Callable[[Example], str]
     max_groups: int
+    keep_solved: bool = False
+    """rollout.keep_solved_groups: a solved group counts as one with a spread (nothing is drawn in its place)."""
 
 
-def extra_examples(pool: Sequence[Example], n: int, *, seed: int, drawn: set[str]) -> list[Example]:
-    """``n`` examples of ``pool`` drawn by ``seed``, without repeats, those whose prompt is not in ``drawn``
-    (the batch's so far) first: a prompt drawn twice in one batch teaches less than two prompts."""
+def extra_examples(
+    pool: Sequence[Example], n: int, *, seed: int, drawn: set[str], prompt: Callable[[Example], str]
+) -> list[Example]:
+    """``n`` examples of ``pool`` drawn by ``seed``, without repeats, those whose templated prompt (``prompt``)
+    is not in ``drawn`` (the batch's so far) first: a prompt drawn twice in one batch teaches less than two
+    prompts. Only the examples it looks at are templated."""
     order = list(range(len(pool)))
     random.Random(f"gspo.resample:{seed}").shuffle(order)
-    fresh = [i for i in order if pool[i].prompt not in drawn]
-    repeats = [i for i in order if pool[i].prompt in drawn]
+    fresh: list[int] = []
+    repeats: list[int] = []
+    for i in order:
+        if len(fresh) == n:
+            break
+        (repeats if prompt(pool[i]) in drawn else fresh).append(i)
     picked = (fresh + repeats)[:n]
     while len(picked) < n:  # a pool smaller than the batch: every example again, in the same order
         picked += order[: n - len(picked)]
@@ -115,7 +155,9 @@ def extra_examples(pool: Sequence[Example], n: int, *, seed: int, drawn: set[str
 
 
 @dataclass
-class _Group:
+class Group:
+    """One prompt's G completions, scored."""
+
     prompt: str
     samples: list[Sample]
     completions: list[str]
@@ -128,88 +170,63 @@ class _Group:
 
 @dataclass
 class Sampled:
-    """A batch's completions, drawn and not yet scored: what the sampling stage hands the scoring stage."""
+    """A round's completions, drawn and not yet scored: what the sampling stage hands the scoring stage."""
 
     request: Request
+    examples: list[Example]
+    prompts: list[str]
     rollouts: Rollouts
     seconds: float
     """Drawing them."""
 
 
-def sample(sampler: Sampler, cfg: RolloutConfig, request: Request) -> Sampled:
-    """The sampling stage: G completions of each of the request's prompts, with its seed."""
-    t0 = time.perf_counter()
-    rollouts = _generate(sampler, cfg, request.prompts, request.seed)
-    return Sampled(request, rollouts, time.perf_counter() - t0)
+@dataclass
+class Scored:
+    """A round's groups, scored: what the scoring stage hands back."""
+
+    sampled: Sampled
+    groups: list[Group]
+    seconds: float
+    """Scoring them."""
+    logged: dict[str, list[float]] = field(default_factory=dict)
+    """What the reward functions logged (``log_metric``)."""
 
 
-def score(rewards: list[tuple[str, RewardFunction, float]], cfg: RolloutConfig, sampled: Sampled) -> Drawn:
-    """The scoring stage: the sampled completions scored by the rewards (a batch without dynamic sampling's
-    extra draws, whose rounds need the scores before they sample: `draw`)."""
-    t0 = time.perf_counter()
-    request = sampled.request
-    try:
-        groups = _groups(rewards, cfg, request.examples, request.prompts, sampled.rollouts, request.version)
-    except RewardError as error:
-        return _failed(request, sampled.seconds + time.perf_counter() - t0, error)
-    scoring = time.perf_counter() - t0
-    return _batch(
-        request, groups, float(sampled.rollouts.computed_tokens), sampled.seconds + scoring, scoring
-    )
-
-
-def draw(
+def sample(
     sampler: Sampler,
-    rewards: list[tuple[str, RewardFunction, float]],
     cfg: RolloutConfig,
     request: Request,
-    resampling: Resampling | None = None,
-) -> Drawn:
-    """Draw and reward one batch, both stages in this thread (module docstring): G completions of each
-    prompt, scored by the rewards, with further groups in place of those without a spread when
-    ``resampling`` is given. No collective: the training side reduces over ranks."""
-    if resampling is None:
-        return score(rewards, cfg, sample(sampler, cfg, request))
+    examples: list[Example] | None = None,
+    prompts: list[str] | None = None,
+    seed: int | None = None,
+) -> Sampled:
+    """The sampling stage's work: G completions of each prompt (the request's, or a resampling round's
+    ``examples`` and ``prompts``), drawn with the request's seed (or the round's)."""
+    examples = request.examples if examples is None else examples
+    prompts = request.prompts if prompts is None else prompts
     t0 = time.perf_counter()
-    clock = _Clock()
-    try:
-        groups, tokens = _drawn_groups(
-            sampler, rewards, cfg, request.examples, request.prompts, request.seed, request.version, clock
-        )
-        groups, tokens = _resample(sampler, rewards, cfg, request, resampling, groups, tokens, clock)
-    except RewardError as error:
-        return _failed(request, time.perf_counter() - t0, error)
-    return _batch(request, groups, tokens, time.perf_counter() - t0, clock.scoring)
-
-
-@dataclass
-class _Clock:
-    scoring: float = 0.0
-    """Seconds spent scoring."""
-
-
-def _generate(sampler: Sampler, cfg: RolloutConfig, prompts: list[str], seed: int) -> Rollouts:
     settings = {"group_size": cfg.group_size, "max_new_tokens": cfg.max_new_tokens, "top_p": cfg.top_p}
-    return sampler.generate(prompts, temperature=cfg.temperature, seed=seed, **settings)
+    seed = request.seed if seed is None else seed
+    rollouts = sampler.generate(prompts, temperature=cfg.temperature, seed=seed, **settings)
+    return Sampled(request, examples, prompts, rollouts, time.perf_counter() - t0)
 
 
-def _groups(
-    rewards: list[tuple[str, RewardFunction, float]],
-    cfg: RolloutConfig,
-    examples: list[Example],
-    prompts: list[str],
-    rollouts: Rollouts,
-    version: int,
-) -> list[_Group]:
-    """The rollouts scored, one group per prompt. Raises RewardError."""
-    G = cfg.group_size
-    total, per_function = compute_rewards(
-        rewards,
+def score(rewards: Rewards, cfg: RolloutConfig, sampled: Sampled, workers: Workers | None = None) -> Scored:
+    """The scoring stage's work: the sampled completions scored by the rewards, one group per prompt, each
+    completion's reward function told its group (``group_ids``). Raises RewardError."""
+    t0 = time.perf_counter()
+    G, rollouts, prompts = cfg.group_size, sampled.rollouts, sampled.prompts
+    scores = rewards.score(
         [p for p in prompts for _ in range(G)],
         rollouts.completions,
-        batch_fields(examples, repeat=G),
+        batch_fields(sampled.examples, repeat=G),
+        group_ids=[j for j in range(len(prompts)) for _ in range(G)],
+        completion_ids=rollouts.completion_ids,
+        example_prompts=[ex.prompt for ex in sampled.examples for _ in range(G)],
+        step=sampled.request.step,
+        workers=workers,
     )
-    values = [float(v) for v in total]
+    values = [float(v) for v in scores.total]
     groups = []
     for j, prompt in enumerate(prompts):
         rows = range(j * G, (j + 1) * G)
@@ -221,87 +238,107 @@ def _groups(
                 values[i],
                 group=j,
                 truncated=rollouts.truncated[i],
-                version=version,
+                version=sampled.request.version,
             )
             for i in rows
         ]
-        scores = {name: [float(v[i]) for i in rows] for name, v in per_function.items()}
-        groups.append(_Group(prompt, samples, [rollouts.completions[i] for i in rows], scores))
-    return groups
+        per_function = {name: [float(v[i]) for i in rows] for name, v in scores.per_function.items()}
+        groups.append(Group(prompt, samples, [rollouts.completions[i] for i in rows], per_function))
+    return Scored(sampled, groups, time.perf_counter() - t0, scores.logged)
 
 
-def _drawn_groups(
+def solved_by(rewards: Rewards, resampling: Resampling) -> Callable[[Group], bool]:
+    """Whether a group is solved and kept (rollout.keep_solved_groups): every completion at the rewards'
+    best (a flat group below it is not). Without the setting no group is: every flat group is replaced."""
+    if not resampling.keep_solved:
+        return lambda group: False
+    return lambda group: not group.spread and rewards.solved(group.samples[0].reward)
+
+
+def draw(
     sampler: Sampler,
-    rewards: list[tuple[str, RewardFunction, float]],
+    rewards: Rewards | Sequence[tuple[str, Any, float]],
     cfg: RolloutConfig,
-    examples: list[Example],
-    prompts: list[str],
-    seed: int,
-    version: int,
-    clock: _Clock,
-) -> tuple[list[_Group], float]:
-    """G completions of each prompt, sampled and scored: one group per prompt, and the tokens run through
-    the model."""
-    rollouts = _generate(sampler, cfg, prompts, seed)
-    t0 = time.perf_counter()
-    groups = _groups(rewards, cfg, examples, prompts, rollouts, version)
-    clock.scoring += time.perf_counter() - t0
-    return groups, float(rollouts.computed_tokens)
+    request: Request,
+    resampling: Resampling | None = None,
+    workers: Workers | None = None,
+) -> Drawn:
+    """One batch drawn and scored in this thread, the stages one after another (what the stages do in place
+    at rollout.lag 0: gspo.sampling.stages); a reward's failure is the batch's (`failed`)."""
+    rewards = rewards if isinstance(rewards, Rewards) else Rewards.of(rewards)
+
+    def scores(sampled: Sampled) -> Scored:
+        return score(rewards, cfg, sampled, workers)
+
+    try:
+        if resampling is None:
+            return assemble(request, [scores(sample(sampler, cfg, request))])
+        return draw_dynamic(sampler, cfg, request, resampling, scores, solved_by(rewards, resampling))
+    except RewardError as error:
+        return failed(request, 0.0, error)
 
 
-def _resample(
+def draw_dynamic(
     sampler: Sampler,
-    rewards: list[tuple[str, RewardFunction, float]],
     cfg: RolloutConfig,
     request: Request,
     resampling: Resampling,
-    groups: list[_Group],
-    tokens: float,
-    clock: _Clock,
-) -> tuple[list[_Group], float]:
-    """``groups`` and the extra ones drawn, round after round, until as many have a spread as the request
-    has prompts, or the cap is reached (module docstring); and the tokens run through the model."""
+    scores: Callable[[Sampled], Scored],
+    solved: Callable[[Group], bool],
+) -> Drawn:
+    """Dynamic sampling, a policy of the sampling stage (module docstring): the request's groups, then round
+    after round of further ones, each round's scores from the scoring stage (``scores``) before the next is
+    drawn, until as many groups have a spread or are ``solved`` (learned: none is drawn in place of one) as
+    the request has prompts, or the cap is reached."""
+    rounds = [scores(sample(sampler, cfg, request))]
     extra, round_ = 0, 0
     while extra < resampling.max_groups:
-        missing = len(request.prompts) - sum(g.spread for g in groups)
+        groups = [g for r in rounds for g in r.groups]
+        missing = len(request.prompts) - sum(g.spread or solved(g) for g in groups)
         if missing <= 0:
             break
         n = min(missing, resampling.max_groups - extra)
         round_seed = resample_seed(request.seed, round_)
-        examples = extra_examples(resampling.pool, n, seed=round_seed, drawn={g.prompt for g in groups})
-        prompts = [resampling.prompt(ex) for ex in examples]
-        more, more_tokens = _drawn_groups(
-            sampler, rewards, cfg, examples, prompts, round_seed, request.version, clock
+        examples = extra_examples(
+            resampling.pool, n, seed=round_seed, drawn={g.prompt for g in groups}, prompt=resampling.prompt
         )
-        groups, tokens, extra, round_ = groups + more, tokens + more_tokens, extra + n, round_ + 1
-    return groups, tokens
+        prompts = [resampling.prompt(ex) for ex in examples]
+        rounds.append(scores(sample(sampler, cfg, request, examples, prompts, round_seed)))
+        extra, round_ = extra + n, round_ + 1
+    return assemble(request, rounds)
 
 
-def _failed(request: Request, seconds: float, error: RewardError) -> Drawn:
+def failed(request: Request, seconds: float, error: RewardError) -> Drawn:
     """A batch whose scoring failed: the error, raised on every rank together by the training side."""
     return Drawn(request.step, request.version, [], list(request.prompts), [], {}, seconds, 0.0, str(error))
 
 
-def _batch(request: Request, groups: list[_Group], tokens: float, seconds: float, scoring: float) -> Drawn:
-    """The batch of the drawn ``groups``: the first with a spread, then (the cap reached) the earliest
-    without one, in the order drawn, as many as the request has prompts."""
+def assemble(request: Request, rounds: list[Scored]) -> Drawn:
+    """The batch of the drawn rounds' groups: the first with a spread, then (the cap reached, or the rest
+    solved) the earliest without one, in the order drawn, as many as the request has prompts."""
+    groups = [g for r in rounds for g in r.groups]
     wanted = len(request.prompts)
     spread = [i for i, g in enumerate(groups) if g.spread][:wanted]
     fillers = [i for i, g in enumerate(groups) if not g.spread][: wanted - len(spread)]
-    batch = [groups[i] for i in sorted(spread + fillers)]
-    samples = [dataclasses.replace(s, group=j) for j, group in enumerate(batch) for s in group.samples]
-    names = batch[0].per_function if batch else {}
-    per_function = {name: [v for group in batch for v in group.per_function[name]] for name in names}
+    kept = [groups[i] for i in sorted(spread + fillers)]
+    samples = [dataclasses.replace(s, group=j) for j, group in enumerate(kept) for s in group.samples]
+    names = kept[0].per_function if kept else {}
+    per_function = {name: [v for group in kept for v in group.per_function[name]] for name in names}
+    scoring = sum(r.seconds for r in rounds)
     return Drawn(
         request.step,
         request.version,
         samples,
-        [g.prompt for g in batch],
-        [c for g in batch for c in g.completions],
+        [g.prompt for g in kept],
+        [c for g in kept for c in g.completions],
         per_function,
-        seconds,
-        tokens,
+        sum(r.sampled.seconds for r in rounds) + scoring,
+        float(sum(r.sampled.rollouts.computed_tokens for r in rounds)),
         groups_drawn=len(groups),
         groups_kept=len(spread),
+        flat=[FlatGroup.of(g.samples[0].reward, g.completions) for g in groups if not g.spread],
+        logged={
+            name: [v for r in rounds for v in r.logged.get(name, [])] for r in rounds for name in r.logged
+        },
         scoring_seconds=scoring,
     )

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gspo.rollout.requests import Event, SamplingParams, StepEngine
+from gspo.workers import Workers
 
 
 class Busy(RuntimeError):
@@ -73,27 +74,14 @@ class Handle:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
-class NoEngine:
-    """The engine of a driver that only runs calls (`gspo train` sampling ahead): always idle."""
-
-    idle = True
-    slots = 0
-
-    def release(self) -> None:
-        pass
-
-    def reset_prefix_cache(self) -> None:
-        pass
-
-
 class Driver:
-    """Runs the calls it is handed and steps `engine_factory()`'s engine (None: none, calls only) in a thread
-    while there is work (module docstring)."""
+    """Runs the calls it is handed and steps `engine_factory()`'s engine in a thread of ``workers`` (the
+    run's: gspo.workers) while there is work (module docstring)."""
 
     def __init__(
-        self, engine_factory: Callable[[], StepEngine] | None = None, *, max_waiting: int = 0
+        self, engine_factory: Callable[[], StepEngine], workers: Workers, *, max_waiting: int = 0
     ) -> None:
-        self.engine_factory = engine_factory or NoEngine
+        self.engine_factory = engine_factory
         self.engine = self.engine_factory()
         self.max_waiting = max_waiting
         self.version = 0
@@ -112,8 +100,8 @@ class Driver:
         self._drained = threading.Event()
         self._stopping = False
         self._busy_since: float | None = None  # when the current step began (health: a stuck step shows)
-        self._thread = threading.Thread(target=self._run, name="gspo-engine", daemon=True)
-        self._thread.start()
+        self.workers = workers
+        self._thread = workers.thread("engine", self._run)
 
     # ---- the event loop's side -------------------------------------------------------------------------
     def submit(
@@ -161,7 +149,7 @@ class Driver:
             self._paused = True
             self._drained.clear()
             self._cond.notify()
-        if not await asyncio.to_thread(self._drained.wait, timeout):
+        if not await self.workers.in_thread(lambda: self._drained.wait(timeout)):
             self.resume()
             raise TimeoutError(f"the running samples did not finish within {timeout:.0f} s")
 

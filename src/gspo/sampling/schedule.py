@@ -18,7 +18,9 @@ resumed run draws again from the same weights and seed.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,14 +30,23 @@ import torch
 
 from gspo.config import Config, ConfigError
 from gspo.core.seeds import sample_seed
-from gspo.parallel.collectives import all_gather_cat, all_reduce_sum, all_reduce_sums, raise_together
+from gspo.parallel.collectives import (
+    all_gather_cat,
+    all_gather_list,
+    all_reduce_sum,
+    all_reduce_sums,
+    raise_together,
+)
 from gspo.parallel.group import rank, rank_slice, world_size
-from gspo.rewards.calling import RewardError, RewardFunction
+from gspo.rewards.calling import RewardError
+from gspo.rewards.scoring import Rewards
 from gspo.rollout.data import Example, PromptStream, format_prompt
 from gspo.rollout.samplers import Sampler
 from gspo.run.start import Run
-from gspo.sampling.batches import Drawn, Request, Resampling, Sampled, draw, sample, score
+from gspo.sampling.batches import Drawn, Request, Resampling
 from gspo.sampling.side import SamplingSide
+from gspo.sampling.stages import Stages
+from gspo.workers import Workers
 
 
 def training_side(run: Run, sampler: Sampler | None = None) -> SamplingSide:
@@ -48,38 +59,30 @@ def training_side(run: Run, sampler: Sampler | None = None) -> SamplingSide:
 
 @dataclass
 class Schedule:
-    """The batches of the steps ahead (module docstring), drawn by ``side`` with ``draw_batch``. Requests take
-    this rank's share of each batch's prompts from ``stream``, templated by ``prompt`` (in the trainer's
-    thread, with its tokenizer)."""
+    """The batches of the steps ahead (module docstring), drawn by the ``stages`` (gspo.sampling.stages).
+    Requests take this rank's share of each batch's prompts from ``stream``, templated by ``prompt`` (in the
+    trainer's thread, with its tokenizer); every step ahead is a future of its batch, whatever the lag."""
 
-    side: SamplingSide
+    stages: Stages
     lag: int
     stream: PromptStream
     prompt: Callable[[Example], str]
-    draw_batch: Callable[[Request], Drawn]
-    """Both stages at once: in line with the updates, or with dynamic sampling (its rounds need scores)."""
-    sample_batch: Callable[[Request], Sampled]
-    score_batch: Callable[[Sampled], Drawn]
     seed: int
     groups: int
     """Groups in a rollout batch, over every rank (rollout.prompts_per_step)."""
-    resampling: bool = False
-    """Whether batches draw further prompts in place of groups without a spread (rollout.dynamic_sampling)."""
+    best_seen: float | None = None
+    """The highest reward a sample of the run has scored so far: what a flat group is compared with when
+    the rewards declare no best."""
+    agreed_answer: str | None = None
+    """The completion that the most stuck groups of the last batch agreed on."""
     last_step: int | None = None
     """No batch beyond it is drawn (train.steps)."""
     kept: list[Drawn] = field(default_factory=list)
     """Batches a checkpoint kept, trained before any is drawn."""
-    ahead: dict[int, concurrent.futures.Future[Drawn] | Drawn | Request] = field(default_factory=dict)
-    """Each step ahead: its batch drawn (kept by a checkpoint), being drawn (a future), or, in line with the
-    updates, the request drawn when the step asks for it."""
+    ahead: dict[int, concurrent.futures.Future[Drawn]] = field(default_factory=dict)
+    """Each step ahead: the future of its batch (in place at lag 0: drawn when the step asks for it)."""
     stream_before: dict[int, dict[str, Any]] = field(default_factory=dict)
-    scoring: concurrent.futures.ThreadPoolExecutor | None = None
-    """The scoring stage's thread, beside the sampling side's (None: in line, scored as drawn)."""
     _started: bool = False
-
-    def __post_init__(self) -> None:
-        if self.side.driver is not None and not self.resampling:
-            self.scoring = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gspo-scoring")
 
     @classmethod
     def resume(
@@ -87,12 +90,14 @@ class Schedule:
         config: Config,
         side: SamplingSide,
         examples: list[Example],
-        rewards: list[tuple[str, RewardFunction, float]],
+        rewards: Rewards,
         tokenizer: Any,
         restored: dict[str, Any],
+        workers: Workers,
     ) -> Schedule:
         """The schedule of a run over its training ``examples``, from where a checkpoint left it
-        (``restored``: the prompt stream's position and the batches drawn ahead; {} for a new run)."""
+        (``restored``: the prompt stream's position and the batches drawn ahead; {} for a new run), its
+        stages on ``side`` and the run's ``workers``."""
         stream = PromptStream(examples, config.rollout.prompts_per_step, seed=config.seed)
         if "stream" in restored:
             try:
@@ -103,19 +108,20 @@ class Schedule:
         # further prompts of dynamic sampling are templated on the sampling side, with its own tokenizer
         resampling = dynamic_sampling(config, examples, side.tokenizer)
         return cls(
-            side,
+            Stages.open(side, rewards, config.rollout, resampling, workers),
             config.rollout.lag,
             stream,
             lambda ex: format_prompt(tokenizer, ex.prompt, system_prompt=system),
-            lambda request: draw(side.sampler, rewards, config.rollout, request, resampling),
-            lambda request: sample(side.sampler, config.rollout, request),
-            lambda sampled: score(rewards, config.rollout, sampled),
             config.seed,
             config.rollout.prompts_per_step,
-            resampling=resampling is not None,
+            best_seen=restored.get("best_seen"),
             last_step=config.train.steps,
             kept=[Drawn.from_state(state) for state in restored.get("ahead", [])],
         )
+
+    @property
+    def side(self) -> SamplingSide:
+        return self.stages.side
 
     @property
     def stale(self) -> bool:
@@ -138,7 +144,8 @@ class Schedule:
         step + lag + 1 is drawn from the current weights (version ``step``), as the schedule says."""
         self._started = True
         for drawn in self.kept:
-            self.ahead[drawn.step] = drawn
+            self.ahead[drawn.step] = concurrent.futures.Future()
+            self.ahead[drawn.step].set_result(drawn)
         for b in range(step + 1, step + self.lag + 2):
             if b not in self.ahead:
                 self._submit(b, step)
@@ -149,14 +156,7 @@ class Schedule:
         if self.last_step is not None and step > self.last_step:
             return
         self.stream_before[step] = self.stream.state_dict()
-        request = self.request(step, version)
-        if self.side.driver is None:  # drawn when the step asks for it, in the trainer's thread
-            self.ahead[step] = request
-        elif self.scoring is None:  # dynamic sampling: its rounds sample again once scored
-            self.ahead[step] = self.side.call(lambda: self.draw_batch(request))
-        else:  # three stages: batch b is scored while b + 1 samples and the trainer learns
-            sampled = self.side.call(lambda: self.sample_batch(request))
-            self.ahead[step] = self.scoring.submit(lambda: self.score_batch(sampled.result()))
+        self.ahead[step] = self.stages.draw(self.request(step, version))
 
     def updated(self, model: Any, version: int) -> None:
         """The trainer made ``version``: the sampling side takes its weights, then draws batch version + lag
@@ -185,57 +185,92 @@ class Schedule:
             "staleness_mean": sum(staleness) / max(len(staleness), 1),
             "staleness_max": float(max(staleness, default=0)),
         }
-        if self.side.driver is not None:  # the sampling and scoring stages' own time, overlapping the updates
+        if self.side.threaded:  # the sampling and scoring stages' own time, overlapping the updates
             metrics["time_sampling_overlapped"] = drawn.seconds - drawn.scoring_seconds
             metrics["time_scoring_overlapped"] = drawn.scoring_seconds
-        if self.resampling:
-            groups, kept = all_reduce_sums([float(drawn.groups_drawn), float(drawn.groups_kept)])
-            metrics |= {"groups_drawn": groups, "groups_kept": kept, "extra_groups": groups - self.groups}
+        metrics |= self._flat_groups(drawn)
+        if self.stages.resampling is not None:
+            groups, kept = metrics["groups_drawn"], all_reduce_sum(float(drawn.groups_kept))
+            metrics |= {"groups_kept": kept, "extra_groups": groups - self.groups}
         per_reward = {
-            f"reward/{name}": float(all_gather_cat(torch.tensor(values)).mean())
+            f"reward/{name}": float(all_gather_cat(torch.tensor(values)).nanmean())  # None: left out
             for name, values in drawn.per_function.items()
         }
-        return drawn, per_reward | metrics
+        metrics = per_reward | metrics
+        for name in sorted(all_gather_names(drawn.logged)):  # what the rewards logged, by its own name
+            values = all_gather_cat(torch.tensor(drawn.logged.get(name, []), dtype=torch.float32))
+            metrics.setdefault(name if name not in metrics else f"logged/{name}", float(values.mean()))
+        return drawn, metrics
+
+    def _flat_groups(self, drawn: Drawn) -> dict[str, float]:
+        """The groups drawn for the batch, over every rank, and of those whose completions all scored the
+        same: the solved, at the rewards' best (learned), and the stuck, below it; of the stuck, those whose
+        completions agree (most of them alike: one wrong answer, the collapse). Rewards that declare no best
+        are compared with the highest reward the run has seen so far. Keeps the answer the most stuck groups
+        agreed on (`agreed_answer`)."""
+        seen = [s.reward for s in drawn.samples] + [group.reward for group in drawn.flat]
+        highest = float(
+            all_gather_cat(torch.tensor([max(seen, default=-math.inf)], dtype=torch.float64)).max()
+        )
+        if math.isfinite(highest) and (self.best_seen is None or highest > self.best_seen):
+            self.best_seen = highest
+        rewards = self.stages.rewards
+        best = rewards.best if rewards.best is not None else self.best_seen
+        solved = [rewards.solved(g.reward, best) for g in drawn.flat]
+        stuck = [g for g, done in zip(drawn.flat, solved, strict=True) if not done]
+        agreeing = [g for g in stuck if g.agreement > 0.5]
+        answers = collections.Counter(g.answer for g in agreeing)
+        self.agreed_answer = answers.most_common(1)[0][0] if answers else None
+        drawn_groups = drawn.groups_drawn or len(drawn.prompts)
+        totals = all_reduce_sums(
+            [float(drawn_groups), float(sum(solved)), float(len(stuck)), float(len(agreeing))]
+        )
+        return dict(
+            zip(("groups_drawn", "groups_solved", "groups_stuck", "groups_agreeing"), totals, strict=True)
+        )
 
     def next(self, step: int) -> Drawn:
         """Batch ``step``, waiting for it; a sampling-side error (a server that died) is raised here."""
         if not self._started:
             self._start(step - 1)
-        pending = self.ahead.pop(step)
-        if isinstance(pending, Drawn):
-            return pending
-        if isinstance(pending, Request):
-            return self.draw_batch(pending)
-        return pending.result()
+        return self.ahead.pop(step).result()
 
     def state(self, step: int) -> dict[str, Any]:
         """What a checkpoint at ``step`` keeps: the batches of steps step + 1 .. step + lag (waited for),
         those up to the first that failed, and the stream's position before the first batch not kept."""
         if not self._started:
-            return {"ahead": [drawn.state() for drawn in self.kept], "stream": self.stream.state_dict()}
+            return {
+                "ahead": [drawn.state() for drawn in self.kept],
+                "stream": self.stream.state_dict(),
+                "best_seen": self.best_seen,
+            }
         kept = []
         for b in range(step + 1, step + self.lag + 1):
             pending = self.ahead.get(b)
-            if pending is None or isinstance(pending, Request):
+            if pending is None:
                 break
-            try:
-                drawn = pending if isinstance(pending, Drawn) else pending.result()
-            except BaseException:  # raised when the step asks for it (a reward's KeyboardInterrupt too): the
-                break  # checkpoint stops here
+            # waits for it; a Ctrl-C while waiting is raised here and stops the checkpoint, while a batch's
+            # own exception (a reward's KeyboardInterrupt too) is raised when its step asks for it
+            if pending.exception() is not None:
+                break
+            drawn = pending.result()
             if drawn.failure is not None:
                 break
             kept.append(drawn.state())
         first = step + 1 + len(kept)
         stream = self.stream_before.get(first, self.stream.state_dict())
-        return {"ahead": kept, "stream": stream}
+        return {"ahead": kept, "stream": stream, "best_seen": self.best_seen}
 
     def close(self) -> None:
         """Stop the sampling side after the batch it is drawing, and the scoring stage after the batch it is
         scoring (none is trained: the run ends or stops)."""
         self.side.close()
-        if self.scoring is not None:
-            self.scoring.shutdown(wait=True, cancel_futures=True)
-            self.scoring = None
+        self.stages.close()
+
+
+def all_gather_names(logged: dict[str, list[float]]) -> set[str]:
+    """The names any rank's rewards logged (every rank reduces every name)."""
+    return {name for names in all_gather_list([sorted(logged)]) for name in names}
 
 
 def dynamic_sampling(config: Config, pool: list[Example], tokenizer: Any) -> Resampling | None:
@@ -248,5 +283,8 @@ def dynamic_sampling(config: Config, pool: list[Example], tokenizer: Any) -> Res
     cap = 3 * config.rollout.prompts_per_step if cap is None else cap
     system = config.task.system_prompt
     return Resampling(
-        pool, lambda ex: format_prompt(tokenizer, ex.prompt, system_prompt=system), cap // world_size()
+        pool,
+        lambda ex: format_prompt(tokenizer, ex.prompt, system_prompt=system),
+        cap // world_size(),
+        config.rollout.keep_solved_groups,
     )

@@ -8,11 +8,14 @@ and the version of its weights.
 - **One road for new weights.** `updated(model, version)` takes the trainable weights (beside the updates: a
   snapshot, at once) and hands them to the sampler in its own turn (`Sampler.sync_weights`), then the
   version goes up; nothing else gives the sampler weights.
-- **One thread.** Beside the updates, or serving, one thread (gspo.sampling.driver.Driver) runs everything
-  that touches the sampler, in the order it was asked: draws and weight syncs as calls (`call`, a future
-  each), and, serving, the streaming engine's steps between them. In line with the updates there is no
-  thread: `call` runs at once. The one model keeps the order of draws and syncs that the schedule needs
-  (gspo.sampling.schedule) and the server's rule that a sample never straddles two weight syncs.
+- **One turn.** Everything that touches the sampler runs in the side's turn, in the order it was asked:
+  draws and weight syncs as calls (`call`, a future each). Beside the updates that turn is a thread of the
+  run's (a gspo.workers.Stage, whose torch ops run on one CPU thread: gspo.run.cpu); serving, it is the
+  streaming engine's thread (gspo.sampling.driver.Driver), which steps the engine between calls. In line
+  with the updates there is no thread: a call runs in the thread that asks for its result
+  (gspo.workers.InPlace), and a weight sync at once. The one model keeps the order of draws and syncs that
+  the schedule needs (gspo.sampling.schedule) and the server's rule that a sample never straddles two
+  weight syncs.
 """
 
 from __future__ import annotations
@@ -31,9 +34,11 @@ from gspo.learning.policy import Policy
 from gspo.learning.weights import copy_weights
 from gspo.rollout.data import Example
 from gspo.rollout.samplers import Sampler
+from gspo.run.cpu import one_cpu_thread
 from gspo.run.start import Run
 from gspo.sampling.driver import Driver
 from gspo.sampling.factories import build_sampler, sampler_is_current
+from gspo.workers import InPlace, Stage
 
 T = TypeVar("T")
 
@@ -41,14 +46,18 @@ T = TypeVar("T")
 @dataclass
 class SamplingSide:
     """A run's sampler and what it owns (module docstring). ``beside``: it samples from ``model``, a copy of
-    the policy's of its own; ``driver``: its thread (None: calls run at once, in the caller's thread)."""
+    the policy's of its own; ``turn``: where its calls run (a thread of the run's, the serving engine's
+    `driver`, or in place)."""
 
     sampler: Sampler
     model: nn.Module
     tokenizer: Any
     version: int
     beside: bool
+    turn: Stage | InPlace | None
+    """Where its calls run: a thread of the run's, or in place; None: the serving `driver`'s thread."""
     driver: Driver | None = None
+    """The streaming engine's thread, serving."""
     failure: BaseException | None = None
     """A weight sync's error: the sampler holds no known weights since."""
 
@@ -73,12 +82,19 @@ class SamplingSide:
             )
             tokenizer = copy.deepcopy(tokenizer)
         sampler = sampler or build_sampler(run.config, policy, tokenizer, run.path)
-        driver = None
-        if threaded:
-            factory = (lambda: engine(sampler)) if engine is not None else None
-            driver = Driver(factory, max_waiting=run.config.serve.max_waiting)
+        driver, turn = None, InPlace()
+        if engine is not None:  # serving: the engine's thread is the side's turn
+            driver = Driver(lambda: engine(sampler), run.workers, max_waiting=run.config.serve.max_waiting)
             driver.version = run.step
-        return cls(sampler, policy.model, tokenizer, run.step, beside, driver)
+            turn = None
+        elif threaded:
+            turn = run.workers.stage("sampling", on_start=one_cpu_thread)
+        return cls(sampler, policy.model, tokenizer, run.step, beside, turn, driver)
+
+    @property
+    def threaded(self) -> bool:
+        """Whether its calls run in a thread of their own."""
+        return not isinstance(self.turn, InPlace)
 
     def current(self, config: Config, policy: Policy, probe: list[Example]) -> bool:
         """Whether its samples' log-probs are the current weights' own (measured on the ``probe`` prompts
@@ -86,20 +102,18 @@ class SamplingSide:
         return sampler_is_current(config, self.sampler, policy, probe)
 
     def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
-        """Run ``fn`` in the side's turn: in its thread after what was asked before it (its future holds the
-        result or the error), or now (no thread: an error is raised here). Once a weight sync has failed,
-        every later call fails with its error: nothing is drawn from weights the sampler did not take."""
+        """Run ``fn`` in the side's turn, after what was asked before it; its future holds the result or the
+        error. Once a weight sync has failed, every later call fails with its error: nothing is drawn from
+        weights the sampler did not take."""
 
         def guarded() -> T:
             if self.failure is not None:
                 raise self.failure
             return fn()
 
-        if self.driver is not None:
+        if self.turn is None:
             return self.driver.between_steps(guarded)
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        future.set_result(guarded())
-        return future
+        return self.turn.submit(guarded)
 
     def updated(
         self, model: nn.Module, version: int, *, settled: bool = False
@@ -123,10 +137,15 @@ class SamplingSide:
                 self.driver.engine.reset_prefix_cache()
                 self.driver.version = version
 
-        return self.call(take)
+        future = self.call(take)
+        if not self.threaded:  # in line with the updates: taken now, its error raised here
+            future.result()
+        return future
 
     def close(self, timeout: float | None = None) -> None:
-        """Stop the thread: what it runs ends first (``timeout``: waiting at most that many seconds), what
+        """Stop its thread: what it runs ends first (``timeout``: waiting at most that many seconds), what
         waits is cancelled. A server the sampler started stops with the process."""
         if self.driver is not None:
             self.driver.close(timeout)
+        if self.turn is not None:
+            self.turn.close(timeout)

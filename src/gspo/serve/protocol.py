@@ -108,6 +108,19 @@ def _plain_text(value: dict[str, Any] | None) -> dict[str, Any] | None:
     return value
 
 
+def _tool_choice(value: Any) -> Any:
+    """tool_choice: "none" or "auto"; forcing a call ("required", a named function) constrains the sampling
+    (as `_unscored`), so it is refused with the reason and what to do instead."""
+    if value is None or value in ("none", "auto"):
+        return value
+    forced = value if isinstance(value, str) else "a named function"
+    raise ValueError(
+        f"tool_choice={forced!r} forces a tool call, which constrains the sampling and changes the distribution "
+        "the trainer scores: send tool_choice='auto' (the model calls a tool when the template and its training "
+        "lead it to; reward the calls you want), or leave tool_choice out"
+    )
+
+
 class Message(BaseModel):
     """A chat message; keys beyond these are passed to the chat template (templates may read them)."""
 
@@ -149,7 +162,7 @@ class ChatRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto"] | None = None
+    tool_choice: Annotated[Any, AfterValidator(_tool_choice)] = None
     parallel_tool_calls: bool | None = None
     response_format: Annotated[dict[str, Any] | None, AfterValidator(_plain_text)] = None
 

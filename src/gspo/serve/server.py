@@ -291,8 +291,7 @@ def start_in_thread(service: Service, host: str = "127.0.0.1") -> Running:
 
     sock = bind(host, 0)
     server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
+    thread = service.trainer.run.workers.thread("uvicorn", server.run, sockets=[sock])
     while not server.started and thread.is_alive():
         with contextlib.suppress(Exception):
             thread.join(0.02)

@@ -101,7 +101,9 @@ class TrainService:
             self.state = "training"
             t1 = time.perf_counter()
             try:
-                metrics = await asyncio.to_thread(run_update, self.policy, update, self.snapshot)
+                metrics = await self.run.workers.in_thread(
+                    lambda: run_update(self.policy, update, self.snapshot), stage="train"
+                )
             except Exception as error:
                 raise self._failed("the update", error) from error
             metrics |= {"time_wait_samples": t1 - t0, "time_train": time.perf_counter() - t1}
@@ -171,7 +173,7 @@ class TrainService:
         self.state = "checkpointing"
         t0 = time.perf_counter()
         try:
-            path = await asyncio.to_thread(self._save)
+            path = await self.run.workers.in_thread(self._save, stage="train")
         except Exception as error:
             self.snapshot.restore()
             self.version -= 1
@@ -203,7 +205,7 @@ class TrainService:
         async with self._lock:
             self.state = "checkpointing"
             try:
-                return await asyncio.to_thread(self._save)
+                return await self.run.workers.in_thread(self._save, stage="train")
             finally:
                 self.state = "idle"
 

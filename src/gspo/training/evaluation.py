@@ -29,13 +29,16 @@ from gspo.learning.policy import Policy
 from gspo.models import load_model
 from gspo.parallel.collectives import all_gather_list
 from gspo.parallel.group import rank, resolve_device, world_size
-from gspo.rewards.calling import RewardFunction, compute_rewards
+from gspo.rewards.calling import RewardFunction
+from gspo.rewards.resolve import resolve_rewards
+from gspo.rewards.scoring import Rewards
 from gspo.rollout.data import Example, batch_fields, format_prompt, load_examples
 from gspo.rollout.samplers import HFSampler
 from gspo.run.build import generating, load_checkpoint_policy
 from gspo.run.checkpoint import check_output, checkpoint_step, find_checkpoint
 from gspo.run.trust import check_reaches, check_run_folder_config, model_reaches
-from gspo.training.inputs import build_examples, resolve_rewards
+from gspo.training.inputs import build_examples
+from gspo.workers import Workers
 
 EVALS_DIR = "evals"
 
@@ -70,12 +73,14 @@ def evaluate_policy(
     tokenizer: Any,
     config: Config,
     examples: Sequence[Example],
-    rewards: Sequence[tuple[str, RewardFunction, float]],
+    rewards: Rewards,
     step: int,
+    *,
+    workers: Workers | None = None,
 ) -> dict[str, float]:
     """The trainer's evaluation at ``step``: greedy completions of the held-out ``examples`` by the policy in
-    training, scored by the run's rewards, drawn with a seed of their own (gspo.core.seeds.evaluation_seed):
-    how often a run evaluates changes nothing it trains on."""
+    training, scored by the run's rewards (their calls in the run's ``workers``), drawn with a seed of their
+    own (gspo.core.seeds.evaluation_seed): how often a run evaluates changes nothing it trains on."""
     sampler = HFSampler(policy.model, tokenizer, config.eval.batch_size, lambda: generating(policy))
     return evaluate(
         sampler,
@@ -84,24 +89,29 @@ def evaluate_policy(
         max_new_tokens=config.eval.max_new_tokens,
         system_prompt=config.task.system_prompt,
         seed=evaluation_seed(config.seed, step),
+        workers=workers,
     ).metrics
 
 
 def evaluate(
     sampler: HFSampler,
     examples: Sequence[Example],
-    rewards: Sequence[tuple[str, RewardFunction, float]],
+    rewards: Rewards | Sequence[tuple[str, RewardFunction, float]],
     *,
     max_new_tokens: int,
     system_prompt: str | None = None,
     samples: int | None = None,
     temperature: float = 1.0,
     seed: int | None = None,
+    workers: Workers | None = None,
 ) -> Evaluation:
-    """Complete every example (greedy, or `samples` draws at `temperature`) and score it (module docstring).
-    seed: the draws' (None: from torch's global generator)."""
+    """Complete every example (greedy, or `samples` draws at `temperature`) and score it (module docstring):
+    a problem's completions are a group. seed: the draws' (None: from torch's global generator); workers:
+    the run's threads and loop, which the rewards' calls borrow (None: ones of this call's own). ``rewards``:
+    the run's, or (name, function, weight) triples, the first the accuracy."""
     if samples is not None and samples < 1:
         raise ValueError(f"samples={samples}: draw at least one completion per problem")
+    rewards = rewards if isinstance(rewards, Rewards) else Rewards.of(rewards)
     k = samples or 1
     mine = list(enumerate(examples))[rank() :: world_size()]  # this rank's share
     prompts = [format_prompt(sampler.tokenizer, ex.prompt, system_prompt=system_prompt) for _, ex in mine]
@@ -113,13 +123,17 @@ def evaluate(
         greedy=samples is None,
         seed=seed,
     )
-    total, per_function = compute_rewards(
-        rewards,
+    scores = rewards.score(
         [p for p in prompts for _ in range(k)],
         rollouts.completions,
         batch_fields([ex for _, ex in mine], repeat=k),
+        group_ids=[j for j in range(len(mine)) for _ in range(k)],
+        completion_ids=rollouts.completion_ids,
+        example_prompts=[ex.prompt for _, ex in mine for _ in range(k)],
+        workers=workers,
     )
-    first = rewards[0][0]
+    total, per_function = scores.total, scores.per_function
+    first = rewards.accuracy
     problems = []
     for j, (index, example) in enumerate(mine):
         rows = slice(j * k, (j + 1) * k)  # sample-major: problem j's k completions
@@ -141,7 +155,8 @@ def evaluate(
 
 def _metrics(problems: list[dict[str, Any]], first: str, samples: int | None) -> dict[str, float]:
     def mean(values: list[float]) -> float:
-        return sum(values) / len(values) if values else math.nan  # no held-out problems: nothing measured
+        values = [v for v in values if not math.isnan(v)]  # a reward that scored no such sample (None)
+        return sum(values) / len(values) if values else math.nan  # nothing measured
 
     lengths = [n for p in problems for n in p["completion_tokens"]]
     scores = [r for p in problems for r in p["rewards"][first]]
@@ -231,19 +246,24 @@ def _run_configs(
     trust_run_folder: bool,
 ) -> tuple[Config, Config]:
     """(the run's config, which loads its checkpoint; the evaluation's config) of a run folder target, the
-    folder's reward code, data and base model checked first (gspo.run.trust): data until the user names
-    them."""
+    folder's reward code, data, reward model, judge (its URL, template and key variable) and base model
+    checked first (gspo.run.trust): data until the user names them, as for --resume."""
     # the model the checkpoint loads with: the run's, or the base model the user names (model.path=...)
     model_given = [o for o in overrides if o.partition("=")[0].strip().startswith("model.")]
     run_config = load_config(run_path(target, "config.yaml"), model_given)
     config = load_config(config_file or run_path(target, "config.yaml"), overrides)
     folder, trust = Path(target), trust_run_folder
     if config_file is None:  # a config file of the user's is theirs: its rewards and data too
-        reads = () if data is not None else ("task.data_path",)
+        reads = [*REWARD_REACHES, *(() if data is not None else ("task.data_path", "task.eval_data_path"))]
         check_run_folder_config(config, overrides, folder=folder, trust_run_folder=trust, reaches=reads)
     reads = model_reaches(run_config, copies_gguf=False)
     check_reaches(run_config, overrides, folder=folder, trust_run_folder=trust, keys=reads)
     return run_config, config
+
+
+REWARD_REACHES = ("judge.url", "judge.template", "judge.api_key_env", "reward_model.path")
+"""What an evaluation's rewards reach outside the run folder (gspo.run.trust.REACHES): the judge's server,
+template and key variable, and the reward model's folder."""
 
 
 def _problems(config: Config, data: str | None) -> tuple[list[Example], str]:

@@ -5,6 +5,7 @@ recorded as theirs (gspo.run.own_runs), and the run folder's lock released whate
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,8 @@ def train(
     force: bool = False,
     trust_run_folder: bool = False,
     from_step: int | None = None,
+    eval_data: Any = None,
+    on_log: Sequence[Callable[[int, str, dict[str, float]], Any]] = (),
 ) -> dict[str, Any]:
     """Run GSPO training; returns the run folder and the first/last eval accuracy.
 
@@ -36,8 +39,8 @@ def train(
     only when ``overrides`` name them again, or ``reward_functions`` replaces the rewards, or the user
     started this run in this folder with those files and values, unchanged (gspo.run.own_runs), or
     ``trust_run_folder`` (gspo.run.trust). The code files and values the user names are recorded as theirs
-    for this run. ``from_step``: resume that step's checkpoint instead of the latest. ``reward_functions``
-    and ``data``: as `Trainer`'s.
+    for this run. ``from_step``: resume that step's checkpoint instead of the latest. ``reward_functions``,
+    ``data``, ``eval_data`` and ``on_log``: as `Trainer`'s.
 
     >>> from gspo import train, load_config
     >>> result = train(load_config("configs/tiny.yaml"), reward_functions=[my_reward])  # doctest: +SKIP
@@ -64,6 +67,8 @@ def train(
             resume=resume,
             force=force,
             from_step=from_step,
+            eval_data=eval_data,
+            on_log=on_log,
         )
         files = users_code_files(trainer.config, overrides, resumed=resume is not None)
         named = users_reaches(trainer.config, overrides, resumed=resume is not None)

@@ -11,10 +11,11 @@ and go through `_learn`: gspo.learning.step's `learn_from_samples`, which `gspo 
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,10 @@ class Trainer:
     ``force``: resume even when ``config`` changes keys the checkpoint was trained with (gspo.run.resume).
     ``from_step``: resume the checkpoint of that step instead of the latest (one that is damaged: an
     earlier one).
+    ``eval_data``: held-out rows in memory (as ``data``), the run's evaluation problems instead of
+    task.num_eval of the task's (RUN/eval_data.jsonl, which task.eval_data_path names). ``on_log``: functions
+    called with (step, kind, metrics) after each line is logged, kind "train" or "eval" (TRL's callbacks'
+    on_log, gspo.trl).
     """
 
     def __init__(
@@ -64,29 +69,35 @@ class Trainer:
         sampler: Sampler | None = None,
         force: bool = False,
         from_step: int | None = None,
+        eval_data: Any = None,
+        on_log: Sequence[Callable[[int, str, dict[str, float]], Any]] = (),
     ) -> None:
         # each step takes what the one before it made: its order is in its arguments
         validate(config)  # a config built in Python: what relates its keys (each key is checked when set)
         folder = open_folder(config, resume, force=force, from_step=from_step)  # locked, resume checked
-        inputs = task_inputs(config, folder, reward_functions, data, resumed=resume is not None)
+        inputs = task_inputs(
+            config, folder, reward_functions, data, resumed=resume is not None, eval_data=eval_data
+        )
         self.rewards, self.train_examples, self.eval_examples = inputs.rewards, inputs.train, inputs.held_out
         # a stopped run's message names them again: config.yaml holds their names, no built-in's
-        self._python_rewards = [name for name, _, _ in self.rewards] if reward_functions else []
+        self._python_rewards = self.rewards.names if reward_functions else []
         self.home = start_run(inputs.config, folder)  # the folder claimed: the inputs are checked
-        write_data(self.home, inputs.rows)
+        write_data(self.home, inputs.rows, inputs.eval_rows)
+        self.on_log = list(on_log)
         check_sizes(self.config, self.tokenizer, self.policy.model, self.train_examples, self.eval_examples)
         side = training_side(self.home, sampler)
         probe = self.train_examples[:4]
-        self.spec = self.home.spec_for(
-            exact=lambda: side.current(self.config, self.policy, probe), stale=side.beside
-        )
+        exact = functools.cache(lambda: side.current(self.config, self.policy, probe))
+        self.spec = self.home.spec_for(exact=exact, stale=side.beside)
+        # a batch all of whose samples the current weights drew (staleness 0: the first, beside the updates)
+        self._fresh_spec = self.home.spec_for(exact=exact, stale=False) if side.beside else self.spec
         self._warned_mismatch = False
         self.progress = Progress(self.config, 0)
         if self.progress.shows_bar():  # which, once; the metrics say how many (skipped_samples_frac)
             self.progress.note(skip_notice(self.config, self.spec))
         restored = self.home.restore()  # after the sampler: what building it drew is not replayed
         self.rollouts = Schedule.resume(
-            self.config, side, self.train_examples, self.rewards, self.tokenizer, restored
+            self.config, side, self.train_examples, self.rewards, self.tokenizer, restored, self.home.workers
         )
 
     # ---- what the run holds (its home: gspo.run.start.Run) ----------------------------------------
@@ -129,7 +140,7 @@ class Trainer:
         samples = trajectory_samples(self.tokenizer, groups, need_sampler_logprobs=need)
         metrics = self._learn(samples, {}, self.home.spec_for(exact=False))  # another engine drew them
         self.rollouts.updated(self.policy.model, self.step)
-        self.logger.log(self.step, metrics)
+        self._log(metrics)
         every = self.config.checkpoint.every
         if every and self.step % every == 0:
             self.checkpoint()
@@ -140,7 +151,8 @@ class Trainer:
     ) -> dict[str, float]:
         """Samples -> batch -> old-policy log-probs and updates (gspo.learning.step); Ctrl-C waits for the
         step's last update (`_whole_step`), so a stopped run keeps every step it finished."""
-        spec = spec or self.spec
+        if spec is None:  # no proximal pass for samples the current weights drew: their log-probs are its own
+            spec = self.spec if any(s.version < self.step for s in samples) else self._fresh_spec
         self.home.wait()  # a checkpoint written in the background reads the weights this step changes
         metrics = {**metrics, "lr": self.policy.scheduler.get_last_lr()[0]}
         with _whole_step():
@@ -168,7 +180,13 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Greedy completions on the held-out split, scored by the run's rewards (gspo.training.evaluation)."""
         return evaluate_policy(
-            self.policy, self.tokenizer, self.config, self.eval_examples, self.rewards, self.step
+            self.policy,
+            self.tokenizer,
+            self.config,
+            self.eval_examples,
+            self.rewards,
+            self.step,
+            workers=self.home.workers,
         )
 
     # ---- the loop -----------------------------------------------------------------------------------
@@ -176,8 +194,7 @@ class Trainer:
         """A checkpoint of this step with ``rng`` (default: now), the batches drawn ahead and the prompt
         stream's position (gspo.sampling.schedule.Schedule.state) as the state a resumed run continues from.
         ``background``: written while the next batch is drawn (gspo.run.start.Run.save); returns None."""
-        state = self.rollouts.state(self.step)
-        return self.home.save(rng=rng, stream=state["stream"], ahead=state["ahead"], background=background)
+        return self.home.save(rng=rng, background=background, **self.rollouts.state(self.step))
 
     def train(self) -> dict[str, Any]:
         """`run`, under the name TRL's trainers use."""
@@ -199,6 +216,7 @@ class Trainer:
             raise RunInterrupted(f"interrupted; {self._stopped('continue it with')}") from error
         finally:
             self.rollouts.close()
+            self.home.close()  # the run's threads: a checkpoint being written ends first
 
     def _stopped(self, then: str, *, code: bool = False) -> str:
         """Keep the steps a stopped run finished (one process: under torchrun the other ranks may not have
@@ -224,12 +242,13 @@ class Trainer:
                 metrics = self.train_step()
             except (RewardError, ServerError):
                 self.home.wait()  # a checkpoint in flight completes first
-                if self.home.saved_step != self.step:
+                if self.step > 0 and self.home.saved_step != self.step:
                     # updated (the engine did not take the new weights): keep the step; else record its start,
-                    # so that `--resume` redoes it exactly
+                    # so that `--resume` redoes it exactly (never step 0: the initial model, which a resume
+                    # without a checkpoint starts from again, to the same results)
                     self.checkpoint(rng=None if self.step != started else start_rng)
                 raise
-            self.logger.log(self.step, metrics)
+            self._log(metrics)
             self.progress.step(self.step, metrics)
             last = self.step == cfg.train.steps
             if last or (cfg.eval.every and self.step % cfg.eval.every == 0):
@@ -239,11 +258,17 @@ class Trainer:
         self.progress.close()
         return self.finish()
 
+    def _log(self, metrics: dict[str, float], kind: str = "train") -> None:
+        """A line of metrics.jsonl (and the trackers'), then the `on_log` functions."""
+        self.logger.log(self.step, metrics, kind=kind)
+        for hook in self.on_log:
+            hook(self.step, kind, dict(metrics))
+
     def _log_eval(self) -> None:
         if not self.eval_examples:  # task.num_eval=0: nothing held out, nothing to measure
             return
         result = self.evaluate()
-        self.logger.log(self.step, result, kind="eval")
+        self._log(result, kind="eval")
         self.progress.evaluated(self.step, result)
 
     def finish(self) -> dict[str, Any]:
