@@ -1,8 +1,16 @@
 """The README's main job at several seeds: `gspo train seed=S` (the default config, plus any overrides), one
 run at a time, each timed as a whole process. Prints a table row per seed: held-out accuracy first -> last,
-wall seconds, peak RSS and bytes the process wrote to disk (/proc/PID/io, read until it exits), and the CPU.
+wall seconds, peak RSS and bytes the process wrote to disk (/proc/PID/io, read until it exits), and the CPU;
+appends each run's row (its evaluations too) to RUNS/results.jsonl as it ends, so a sweep stopped at any
+point continues where it stopped (a seed already there is not trained again). The run folders' checkpoints
+are deleted after each run (1.6 GB each); the metrics stay.
+
+`--plot OUT.png RUNS [RUNS ...]`: held-out accuracy against step, the mean over seeds and the band from the
+lowest to the highest, one line per RUNS folder (its label: the folder's name), and the table of each.
 
     HF_HUB_OFFLINE=1 python scripts/default_run_seeds.py [--seeds 0 1 2 3 4] [--runs runs/seeds] [key=value ...]
+    HF_HUB_OFFLINE=1 python scripts/default_run_seeds.py --runs runs/seeds-plain configs/plain.yaml
+    python scripts/default_run_seeds.py --plot docs/default_run_seeds.png runs/seeds runs/seeds-old
 """
 
 from __future__ import annotations
@@ -10,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -23,9 +33,9 @@ def cpu_name() -> str:
     return "unknown CPU"
 
 
-def run(seed: int, folder: Path, overrides: list[str]) -> dict[str, float]:
+def run(seed: int, folder: Path, overrides: list[str]) -> dict:
     """One whole `gspo train` process: its held-out accuracy, wall seconds, peak RSS and bytes written."""
-    command = [sys.executable, "-m", "gspo", "train", f"seed={seed}", f"output_dir={folder}", *overrides]
+    command = [sys.executable, "-m", "gspo", "train", *overrides, f"seed={seed}", f"output_dir={folder}"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     folder.parent.mkdir(parents=True, exist_ok=True)
     log = folder.parent / f"seed{seed}.log"
@@ -47,14 +57,79 @@ def run(seed: int, folder: Path, overrides: list[str]) -> dict[str, float]:
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"seed {seed} failed:\n{log.read_text()[-3000:]}")
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    evals = [r for r in rows if r["kind"] == "eval"]
+    evals = [(r["step"], r["accuracy"]) for r in rows if r["kind"] == "eval"]
+    notes = [
+        line
+        for line in log.read_text().splitlines()
+        if line.startswith(("warning: collapse", "note: saturated"))
+    ]
+    shutil.rmtree(folder / "checkpoints", ignore_errors=True)
     return {
-        "first": evals[0]["accuracy"],
-        "last": evals[-1]["accuracy"],
+        "seed": seed,
+        "overrides": overrides,
+        "evals": evals,
+        "first": evals[0][1],
+        "last": evals[-1][1],
         "seconds": seconds,
         "peak_gib": usage.ru_maxrss / 2**20,
         "written_gb": written / 1e9,
+        "notes": notes,
+        "cpu": cpu_name(),
     }
+
+
+def results(runs: Path) -> dict[int, dict]:
+    path = runs / "results.jsonl"
+    if not path.is_file():
+        return {}
+    return {r["seed"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| seed | held-out accuracy | wall | peak RSS | disk written |", "|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: r["seed"]):
+        lines.append(
+            f"| {r['seed']} | {r['first']:.3f} -> {r['last']:.3f} | {r['seconds']:.0f} s | {r['peak_gib']:.2f} GiB "
+            f"| {r['written_gb']:.2f} GB |"
+        )
+    lasts = [r["last"] for r in rows]
+    walls = [r["seconds"] for r in rows]
+    lines.append(
+        f"\nmean held-out {statistics.mean(lasts):.3f}, lowest {min(lasts):.3f}, highest {max(lasts):.3f}; wall "
+        f"{min(walls):.0f}-{max(walls):.0f} s (median {statistics.median(walls):.0f} s)"
+    )
+    return "\n".join(lines)
+
+
+def plot(path: Path, sets: list[Path]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for runs in sets:
+        rows = list(results(runs).values())
+        if not rows:
+            continue
+        steps = [s for s, _ in rows[0]["evals"]]
+        curves = [[a for _, a in r["evals"]] for r in rows if [s for s, _ in r["evals"]] == steps]
+        mean = [statistics.mean(col) for col in zip(*curves, strict=True)]
+        (line,) = ax.plot(steps, mean, marker="o", label=f"{runs.name} ({len(curves)} seeds)")
+        low = [min(col) for col in zip(*curves, strict=True)]
+        high = [max(col) for col in zip(*curves, strict=True)]
+        ax.fill_between(steps, low, high, alpha=0.15, color=line.get_color())
+        print(
+            f"## {runs.name} ({rows[0]['cpu']}; overrides: {rows[0]['overrides'] or 'none'})\n{table(rows)}\n"
+        )
+    ax.set_xlabel("rollout batch (step)")
+    ax.set_ylabel("held-out accuracy (greedy, 40 sums)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 def main() -> None:
@@ -63,22 +138,28 @@ def main() -> None:
     )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--runs", type=Path, default=Path("runs/seeds"))
-    parser.add_argument("overrides", nargs="*", help="key=value overrides of the default config")
+    parser.add_argument("--plot", nargs="+", metavar="OUT.png RUNS", help="plot and tabulate finished sweeps")
+    parser.add_argument(
+        "overrides", nargs="*", help="a config file and key=value overrides (default: the default config)"
+    )
     args = parser.parse_args()
+    if args.plot:
+        plot(Path(args.plot[0]), [Path(p) for p in args.plot[1:]])
+        return
     print(f"{cpu_name()}, {os.cpu_count()} CPUs; overrides: {args.overrides or 'none'}")
-    print("| seed | held-out accuracy | wall | peak RSS | disk written |\n|---|---|---|---|---|")
-    results = []
+    done = results(args.runs)
     for seed in args.seeds:
+        if seed in done:
+            continue
         folder = args.runs / f"seed{seed}"
-        if folder.exists():
-            subprocess.run(["rm", "-rf", str(folder)], check=True)
+        if folder.exists():  # an unfinished run of this script's: started again
+            shutil.rmtree(folder)
         r = run(seed, folder, args.overrides)
-        results.append(r)
-        row = f"| {seed} | {r['first']:.3f} -> {r['last']:.3f} | {r['seconds']:.0f} s | {r['peak_gib']:.2f} GiB |"
-        print(f"{row} {r['written_gb']:.2f} GB |", flush=True)
-    mean = sum(r["last"] for r in results) / len(results)
-    low = min(r["last"] for r in results)
-    print(f"mean held-out {mean:.3f}, lowest {low:.3f}")
+        done[seed] = r
+        with (args.runs / "results.jsonl").open("a") as out:
+            out.write(json.dumps(r) + "\n")
+        print(f"seed {seed}: {r['first']:.3f} -> {r['last']:.3f}, {r['seconds']:.0f} s", flush=True)
+    print(table([done[s] for s in args.seeds]))
 
 
 if __name__ == "__main__":

@@ -155,6 +155,8 @@ def _tiny_overrides() -> list[str]:
         f"rollout.prompts_per_step={tiny.rollout.prompts_per_step}",
         f"rollout.group_size={tiny.rollout.group_size}",
         f"rollout.max_new_tokens={tiny.rollout.max_new_tokens}",
+        f"rollout.temperature={tiny.rollout.temperature}",
+        f"rollout.dynamic_sampling={str(tiny.rollout.dynamic_sampling).lower()}",
         f"train.minibatches={tiny.train.minibatches}",
         f"train.lr={tiny.train.lr}",
         f"eval.max_new_tokens={tiny.eval.max_new_tokens}",

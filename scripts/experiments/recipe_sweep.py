@@ -63,7 +63,7 @@ ARMS: dict[str, list[str]] = {
         "train.lr=2e-5",
         "train.entropy_coef=0.01",
     ],
-    # configs/robust.yaml
+    # the default run's stability settings (configs/plain.yaml is the default without them)
     "temperature 1.2, lr 2e-5, dynamic": [
         *EVERY_5,
         "rollout.temperature=1.2",

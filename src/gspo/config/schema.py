@@ -175,13 +175,13 @@ class RolloutConfig(Section, key="rollout"):
     """Completions per prompt (G); advantages are computed within each group."""
     max_new_tokens: int = 4
     """Completion length limit; a completion without EOS by then is flagged truncated."""
-    temperature: float = 1.0
+    temperature: float = 1.2
     """Sampling temperature; the trainer's log-probs divide the logits by the same value."""
     top_p: float = 1.0
     """Nucleus sampling threshold (1.0: off)."""
     mask_truncated: bool = False
     """Give truncated completions no gradient (they still count in the 1/G normaliser)."""
-    dynamic_sampling: bool = False
+    dynamic_sampling: bool = True
     """Dynamic sampling with resampling (DAPO; verl's filter_groups): a group whose G completions all scored
     the same teaches nothing, so further prompts of the training set are drawn, as whole groups, until the
     rollout batch holds prompts_per_step groups with a reward spread, or max_extra_groups were drawn; then
@@ -244,7 +244,7 @@ class TrainConfig(Section, key="train"):
     e.g. agents' system prompts and tool outputs)."""
     micro_batch_tokens: int = 4096
     """Token budget of one forward/backward; minibatches above it accumulate gradients exactly."""
-    lr: float = 1e-5
+    lr: float = 2e-5
     """AdamW peak learning rate."""
     weight_decay: float = 0.0
     """AdamW weight decay."""

@@ -19,9 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gspo.config import Config, load_config
 from gspo.files import replace_file, replacing, run_path
 from gspo.run.checkpoint import checkpoint_step, latest_checkpoint
 from gspo.run.metrics import iter_metrics
+from gspo.training.stalls import FlatWatch
 
 PLOTS_DIR = "plots"
 SUMMARY_FILE = "summary.md"
@@ -35,6 +37,8 @@ class Series:
     kind: str = "train"
     label: str | None = None
     style: str = "-"
+    per: str | None = None
+    """Plot the key's value divided by this key's, of the same record (a share)."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,23 @@ FIGURES: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             Panel("|log ratio|", (Series("log_ratio_abs_mean", label="mean |log r_t|"),), "nats"),
         ),
     ),
+    (
+        "groups",
+        (
+            Panel(
+                "Flat groups, share of the groups drawn",
+                (
+                    Series("groups_solved", label="solved (all at the rewards' best)", per="groups_drawn"),
+                    Series(
+                        "groups_stuck", label="stuck (all alike, below it)", style="--", per="groups_drawn"
+                    ),
+                    Series("groups_agreeing", label="stuck, one answer", style=":", per="groups_drawn"),
+                ),
+                "share",
+            ),
+            Panel("Groups drawn per rollout batch", (Series("groups_drawn"),), "groups"),
+        ),
+    ),
     ("kl", (Panel("KL to reference", (Series("kl"),), "nats"),)),
     (
         "completion_lengths",
@@ -175,7 +196,7 @@ def _wanted(kind: str, key: str) -> bool:
     """Whether some figure plots `key` of the records of `kind`."""
     return any(
         series.kind == kind
-        and (key == series.key or (series.key.endswith("/") and key.startswith(series.key)))
+        and (key in (series.key, series.per) or (series.key.endswith("/") and key.startswith(series.key)))
         for _, panels in FIGURES
         for panel in panels
         for series in panel.series
@@ -239,11 +260,20 @@ class Scan:
 
 
 def scan_run(run_dir: str | Path) -> Scan:
-    """One pass over ``run_dir/metrics.jsonl``, read as a stream, for `plot_run` and `write_summary`."""
-    scan = Scan()
+    """One pass over ``run_dir/metrics.jsonl``, read as a stream, for `plot_run` and `write_summary`; the
+    run's config.yaml says how long a streak of flat groups is a collapse (as the run's progress said)."""
+    scan = Scan(summary=Summary(watch=FlatWatch(_run_config(Path(run_dir)))))
     for record in iter_metrics(run_dir):
         scan.add(record)
     return scan
+
+
+def _run_config(run_dir: Path) -> Config | None:
+    """The config a run folder's config.yaml holds (read as data), or None where it cannot be read."""
+    try:
+        return load_config(run_dir / "config.yaml")
+    except Exception:  # absent, damaged, or of another version: the summary does without it
+        return None
 
 
 def _expand(series: Series, lines: dict[tuple[str, str], Points]) -> list[tuple[str, Series]]:
@@ -252,7 +282,10 @@ def _expand(series: Series, lines: dict[tuple[str, str], Points]) -> list[tuple[
         keys = sorted(key for kind, key in lines if kind == series.kind and key.startswith(series.key))
     else:
         keys = [series.key]
-    return [(key, series) for key in keys if (series.kind, key) in lines and lines[series.kind, key].finite]
+    present = [
+        (key, series) for key in keys if (series.kind, key) in lines and lines[series.kind, key].finite
+    ]
+    return present if series.per is None or (series.kind, series.per) in lines else []
 
 
 def _import_matplotlib() -> tuple[Any, Any, Any]:
@@ -299,6 +332,11 @@ def plot_run(run_dir: str | Path, scan: Scan | None = None) -> list[Path]:
         for ax, (panel, lines) in zip(axes, present, strict=True):
             for key, series in lines:
                 steps, values = points[series.kind, key].sorted()
+                if series.per is not None:  # a share: divided by the same record's value of `per`
+                    per = dict(zip(*points[series.kind, series.per].sorted(), strict=True))
+                    values = [
+                        v / per[s] if per.get(s) else math.nan for s, v in zip(steps, values, strict=True)
+                    ]
                 label = series.label or key
                 marker = "o" if series.kind == "eval" or len(steps) <= 20 else None
                 ax.plot(steps, values, series.style, marker=marker, markersize=3, label=label)
@@ -337,6 +375,11 @@ class Summary:
     clip: dict[str, list[float]] = field(default_factory=dict)  # key -> [sum, count]
     skipped: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0, 0.0])  # sum, n, tokens, n, any
     times: dict[str, float] = field(default_factory=dict)
+    groups: dict[str, float] = field(
+        default_factory=dict
+    )  # groups_* and extra_groups: sums; "steps"; "extra_max"
+    watch: FlatWatch = field(default_factory=lambda: FlatWatch(None))
+    notes: list[str] = field(default_factory=list)
 
     def add(self, record: dict[str, Any], times: Sequence[str], clips: Sequence[str]) -> None:
         """Count `record` in; `times` and `clips`: its time_* and (train) clip_frac_* keys."""
@@ -363,6 +406,14 @@ class Summary:
                 total = self.clip.setdefault(key, [0.0, 0.0])
                 if _finite(record[key]):
                     total[0], total[1] = total[0] + record[key], total[1] + 1
+        if _finite(record.get("groups_drawn")) and record["groups_drawn"] > 0:
+            self.groups["steps"] = self.groups.get("steps", 0.0) + 1
+            for key in ("groups_drawn", "groups_solved", "groups_stuck", "groups_agreeing", "extra_groups"):
+                if _finite(record.get(key)):
+                    self.groups[key] = self.groups.get(key, 0.0) + record[key]
+            if _finite(record.get("extra_groups")):
+                self.groups["extra_max"] = max(self.groups.get("extra_max", 0.0), record["extra_groups"])
+            self.notes += self.watch.update(step, record)
         for i, key in ((0, "skipped_samples_frac"), (2, "skipped_tokens_frac")):
             if _finite(record.get(key)):
                 self.skipped[i] += record[key]
@@ -405,10 +456,36 @@ class Summary:
                 f"- Zero-advantage samples left out of the updates (train.skip_zero_advantage), mean over steps: "
                 f"{_fmt(samples / n)} of the samples, {_fmt(tokens / max(n_tokens, 1))} of their tokens"
             )
+        lines += self.group_lines()
         if self.times:
             phases = ", ".join(f"{k.removeprefix('time_')} {v:.1f} s" for k, v in sorted(self.times.items()))
             lines.append(f"- Total time: {sum(self.times.values()):.1f} s ({phases})")
         return "\n".join([*lines, ""])
+
+    def group_lines(self) -> list[str]:
+        """The flat groups (every completion scored alike), of the groups drawn, mean over steps; dynamic
+        sampling's extra groups; the collapse or saturation the run's lines showed, with the step it began."""
+        g = self.groups
+        if not g.get("groups_drawn"):
+            return []
+        share = {
+            key: g.get(key, 0.0) / g["groups_drawn"]
+            for key in ("groups_solved", "groups_stuck", "groups_agreeing")
+        }
+        lines = [
+            f"- Flat groups (every completion scored alike), share of the groups drawn over the run: solved (at the "
+            f"rewards' best) {_fmt(share['groups_solved'])}, stuck (below it) {_fmt(share['groups_stuck'])}, of "
+            f"which agreeing on one answer {_fmt(share['groups_agreeing'])}"
+        ]
+        if "extra_groups" in g:
+            lines.append(
+                f"- Dynamic sampling: extra groups drawn per rollout batch, mean {g['extra_groups'] / g['steps']:.2f}, "
+                f"most {g.get('extra_max', 0.0):.0f}"
+            )
+        for note in self.notes:
+            kind, _, text = note.partition(": ")
+            lines.append(f"- {text[0].upper()}{text[1:]}" if kind in ("warning", "note") else f"- {note}")
+        return lines
 
 
 def _extremes(points: dict[str, tuple[int, float]], step: int, value: float, *, best: bool = False) -> None:

@@ -1,10 +1,10 @@
 """What a run shows as it goes, and what it leaves at its end.
 
 `Progress`: a progress bar in a terminal, else (piped, under nohup, in an IDE) a line per rollout batch and
-per evaluation; nothing with progress=false or on ranks but the first. `StallWatch`: warnings for a run
-that has stopped learning, rollout batches in a row with no reward spread in any group (every advantage 0)
-or with a zero gradient norm; both look like a quiet, healthy run in the loss curve, so the run goes on
-(it may recover) but says so on stderr and in the bar. `report`: the plots and summary.md of a run folder.
+per evaluation; nothing with progress=false or on ranks but the first. `FlatWatch`: a note, once, for a run
+that has stopped learning: collapsed (groups agree on a wrong answer), saturated (groups all right) or still
+(a zero gradient norm); each looks like a quiet, healthy run in the loss curve, so the run goes on (it may
+recover) but says so on stderr and in the bar. `report`: the plots and summary.md of a run folder.
 """
 
 from __future__ import annotations
@@ -19,47 +19,7 @@ from tqdm.auto import tqdm
 from gspo.config import Config
 from gspo.learning.policy import UpdateSpec
 from gspo.parallel.group import is_main
-
-
-class StallWatch:
-    """Counts the current streaks; ``update`` returns the warnings that become due at this step (once per
-    streak, when it reaches ``after`` steps); ``postfix`` is what the progress bar shows meanwhile."""
-
-    def __init__(self, after: int, groups_per_step: int) -> None:
-        self.after, self.groups = after, groups_per_step
-        self.flat = 0
-        self.still = 0
-
-    def update(self, step: int, metrics: Mapping[str, float]) -> list[str]:
-        if not self.after:
-            return []
-        flat = metrics.get("zero_std_groups", 0.0) >= self.groups
-        # a step that trained nothing (every group filtered out) has no gradient at all
-        still = metrics.get("grad_norm", 0.0) == 0.0
-        self.flat = self.flat + 1 if flat else 0
-        self.still = self.still + 1 if still else 0
-        due = []
-        if self.flat == self.after:
-            due.append(
-                f"steps {step - self.after + 1}-{step}: every group's completions got the same reward, so "
-                "every advantage is 0 and nothing is learned; the rewards may be saturated (all right or "
-                "all wrong): try a lower train.lr, a larger rollout.group_size, a higher "
-                "rollout.temperature or a shaping reward"
-            )
-        if self.still == self.after:
-            due.append(
-                f"steps {step - self.after + 1}-{step}: the gradient norm was 0 at every update, so the "
-                "weights did not move (zero advantages, or no trainable parameter reached by the loss)"
-            )
-        return due
-
-    def postfix(self) -> dict[str, str]:
-        stalled = [
-            label
-            for label, streak in (("no reward spread", self.flat), ("zero grad", self.still))
-            if self.after and streak >= self.after
-        ]
-        return {"warn": ", ".join(stalled)} if stalled else {}
+from gspo.training.stalls import FlatWatch
 
 
 def skip_notice(config: Config, spec: UpdateSpec) -> str:
@@ -82,7 +42,7 @@ class Progress:
 
     def __init__(self, config: Config, step: int) -> None:
         self.config = config
-        self.stalls = StallWatch(config.train.warn_after_flat_steps, config.rollout.prompts_per_step)
+        self.stalls = FlatWatch(config)
         self.bar = tqdm(
             total=config.train.steps, initial=step, disable=not self.shows_bar(), desc="gspo", unit="step"
         )
@@ -103,11 +63,12 @@ class Progress:
         elif self.prints_lines():
             print(line, file=sys.stderr, flush=True)
 
-    def step(self, step: int, metrics: Mapping[str, float]) -> None:
-        """Rollout batch ``step`` is trained, with ``metrics``: the bar (or a line), and any stall warning."""
-        for warning in self.stalls.update(step, metrics):
+    def step(self, step: int, metrics: Mapping[str, float], answer: str | None = None) -> None:
+        """Rollout batch ``step`` is trained, with ``metrics``: the bar (or a line), and any note of a run that
+        stopped learning (``answer``: what the most stuck groups agreed on)."""
+        for warning in self.stalls.update(step, metrics, answer):
             if is_main():
-                tqdm.write(f"warning: {warning}", file=sys.stderr)
+                tqdm.write(warning, file=sys.stderr)
         shown = {
             "reward": f"{metrics['reward_mean']:.3f}",
             "clip": f"{metrics.get('clip_frac_token', 0.0):.3f}",

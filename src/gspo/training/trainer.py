@@ -249,7 +249,7 @@ class Trainer:
                     self.checkpoint(rng=None if self.step != started else start_rng)
                 raise
             self._log(metrics)
-            self.progress.step(self.step, metrics)
+            self.progress.step(self.step, metrics, self.rollouts.agreed_answer)
             last = self.step == cfg.train.steps
             if last or (cfg.eval.every and self.step % cfg.eval.every == 0):
                 self._log_eval()
