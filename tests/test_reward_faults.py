@@ -141,6 +141,41 @@ def test_a_reward_that_hangs_beside_the_updates_stops_the_run(tmp_path: Path, ca
     assert code == EXIT_CODES["reward"] and "did not return within 1 s" in err, err
 
 
+def test_a_busy_loop_past_the_batch_deadline_is_waited_for_and_a_blocked_one_is_not() -> None:
+    """On a loaded machine the loop can reach its calls' own deadlines after the whole batch's (a hung
+    thread reward then read as a blocked loop: seen with two test processes on 2 cores). Past the batch's
+    deadline the loop is asked to run a callback: one that answers is waited for; one that does not, whose
+    coroutine never yields, is blocked."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from gspo.rewards.calling import RewardError, _on_the_loop
+    from gspo.workers import Workers
+
+    reward = SimpleNamespace(name="r", timeout=0.2, per_completion=False, concurrency=1, is_async=True)
+    # one call of 0.2 s: the batch's deadline is 1.2 s
+
+    async def busy() -> dict:
+        await asyncio.sleep(2.0)  # past the deadline, the loop free all along
+        return {"r": [1.0]}
+
+    async def blocked() -> dict:
+        time.sleep(4.0)  # never yields
+        return {"r": [1.0]}
+
+    workers = Workers("test")
+    try:
+        assert _on_the_loop(workers.run(busy()), [reward], 1, workers) == {"r": [1.0]}
+        start = time.monotonic()
+        with pytest.raises(
+            RewardError, match=r"did not return within 1\.2 s and blocked the run.s event loop"
+        ):
+            _on_the_loop(workers.run(blocked()), [reward], 1, workers)
+        assert time.monotonic() - start < 3.5  # the deadline and one second's question, not the 4 s
+    finally:
+        workers.close(timeout=1.0)
+
+
 def test_the_process_of_a_run_whose_reward_hangs_exits(tmp_path: Path) -> None:
     """The whole process, as the user runs it: a threads=True reward that hangs printed its line but the
     process did not exit (the interpreter joined the executor's stuck thread)."""

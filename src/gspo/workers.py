@@ -8,7 +8,8 @@ trainer's own thread borrows from it and never starts a thread, pool or loop of 
   sampling side makes its torch ops single-threaded there: gspo.run.cpu).
 - `pool(size)`: daemon threads for calls that may run side by side (``@gspo.reward(threads=True)``
   functions, a server's requests); one pool per size, reused.
-- `loop()`: the run's event loop, in a thread of its own (async rewards, the LLM judge).
+- `loop()`: the run's event loop, in a thread of its own (async rewards, the LLM judge); `loop_answers`
+  tells a busy loop from a blocked one.
 - `later(seconds, fn)`: one timer thread for every deadline (a request's watchdog); `Timer.cancel`.
 - `thread(name, target)`: a thread for one long call (uvicorn's server loop).
 - `close()`: stops them all: what waits is cancelled, what runs ends first (for at most ``timeout``
@@ -223,6 +224,17 @@ class Workers:
         """``coroutine`` on the run's loop; its future holds the result, or any exception, a BaseException
         included (which never reaches the loop itself: a SystemExit there would stop it)."""
         return asyncio.run_coroutine_threadsafe(_contained(coroutine), self.loop())
+
+    def loop_answers(self, within: float) -> bool:
+        """Whether the run's loop runs a callback within ``within`` seconds: busy (a loaded machine) rather
+        than blocked (a coroutine that never yields). False when no loop has started."""
+        with self._lock:
+            loop = self._loop
+        if loop is None:
+            return False
+        ran = threading.Event()
+        loop.call_soon_threadsafe(ran.set)
+        return ran.wait(within)
 
     def abandon_loop(self) -> None:
         """Leave the loop behind (a coroutine blocks it past its deadline); the next `loop` is a fresh one."""

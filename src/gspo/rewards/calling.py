@@ -277,19 +277,29 @@ def score_batch(
     return values
 
 
+BUSY_ROUNDS = 4
+"""How many more times a batch's deadline is waited for when the loop is busy rather than blocked."""
+
+
 def _on_the_loop(
     pending: concurrent.futures.Future, rewards: list[Prepared], calls: int, workers: Workers
 ) -> dict[str, list[Any] | BaseException]:
     """The concurrent functions' outcomes. Each call has its deadline on the loop; a call that blocks the
     loop itself (a blocking call inside an ``async def``) stops every deadline there, so the whole batch
-    has one here too: its calls' deadlines in turn, as the concurrency bound lets them run."""
+    has one here too: its calls' deadlines in turn, as the concurrency bound lets them run. Past it, a loop
+    that still runs callbacks is only slow (a loaded machine: its calls' own deadlines end them, as
+    `reward_timeout` errors), and is waited for, up to `BUSY_ROUNDS` more times; one that does not is
+    blocked."""
     bounds = [r.timeout * -(-(calls if r.per_completion else 1) // r.concurrency) for r in rewards]
     limit = None if not all(bounds) else max(bounds) + 1.0
-    try:
-        return pending.result(limit)
-    except concurrent.futures.TimeoutError:
-        if pending.done():
-            raise
+    for _ in range(1 + BUSY_ROUNDS):
+        try:
+            return pending.result(limit)
+        except concurrent.futures.TimeoutError:
+            if pending.done():
+                raise
+        if not workers.loop_answers(within=1.0):
+            break
     workers.abandon_loop()  # stuck: the rest of the run (its error's checkpoint) gets a fresh loop
     names = ", ".join(repr(r.name) for r in rewards if r.is_async) or ", ".join(repr(r.name) for r in rewards)
     raise RewardError(
