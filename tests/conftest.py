@@ -27,6 +27,14 @@ if settings is not None:
     settings.register_profile("explore", derandomize=False)
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `pytest -n N` (the README's test command runs 2 workers): the workers share the machine's cores, so
+    # each gets its share of them, and the runs its tests start inherit it (two OpenMP teams of all cores
+    # each on one machine wait on each other's threads: a compute-bound op slows by several times)
+    _share = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    os.environ["OMP_NUM_THREADS"] = str(_share)
+    torch.set_num_threads(_share)
+
 if not torch.cuda.is_available():
     # Triton's kernels (gspo.core.triton_logprobs) run interpreted on a CPU. Triton reads this when it is
     # first imported, and torch or transformers import it early: so here, before any test module.
