@@ -285,6 +285,17 @@ def rollout_logprobs() -> Callable[..., list[torch.Tensor]]:
     return score
 
 
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny random Llama and its tokenizer saved as a model folder (a path where a hub id may go)."""
+    from gspo.models import save_model, tiny_model, tiny_tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny") / "model"
+    tokenizer = tiny_tokenizer()
+    save_model(tiny_model("llama", len(tokenizer), 0), tokenizer, folder)
+    return str(folder)
+
+
 @pytest.fixture(scope="session")
 def two_step_run(tmp_path_factory: pytest.TempPathFactory):
     """configs/tiny.yaml trained for 2 steps with every checkpoint kept (steps 0, 1 and 2) and no

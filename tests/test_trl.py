@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from conftest import plant_hub_dataset, plant_hub_model
 from gspo.config import Config, ConfigError
 from gspo.config.trl import LACKING, TrlValueError
-from gspo.models import save_model, tiny_model, tiny_tokenizer
+from gspo.models import tiny_tokenizer
 from gspo.run.checkpoint import latest_checkpoint
 from gspo.run.metrics import read_metrics
 from gspo.trl import GRPOConfig, GRPOTrainer
@@ -345,15 +345,6 @@ def test_gspos_own_keys_apply_last_and_errors_name_the_setting() -> None:
 # ---- GRPOTrainer ------------------------------------------------------------------------------------------
 def reward_len(completions, **kwargs):
     return [-abs(20 - len(completion)) for completion in completions]
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The tiny random Llama saved as a model folder (model= takes a folder as well as a hub id)."""
-    folder = tmp_path_factory.mktemp("tiny") / "model"
-    tokenizer = tiny_tokenizer()
-    save_model(tiny_model("llama", len(tokenizer), 0), tokenizer, folder)
-    return str(folder)
 
 
 def test_grpo_trainer_refuses_what_gspo_lacks_in_one_line_naming_the_fix(tiny_folder: str, tmp_path) -> None:

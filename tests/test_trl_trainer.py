@@ -19,20 +19,12 @@ from transformers import TrainerCallback
 
 from conftest import HUB_REVISION
 from gspo.config import ConfigError, load_config
-from gspo.models import save_model, tiny_model, tiny_tokenizer
+from gspo.models import tiny_model, tiny_tokenizer
 from gspo.run.checkpoint import latest_checkpoint
 from gspo.run.metrics import read_metrics
 from gspo.trl import GRPOConfig, GRPOTrainer
 
 datasets = pytest.importorskip("datasets", reason="the train extra installs datasets")
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
-    folder = tmp_path_factory.mktemp("tiny") / "model"
-    tokenizer = tiny_tokenizer()
-    save_model(tiny_model("llama", len(tokenizer), 0), tokenizer, folder)
-    return str(folder)
 
 
 def tiny_args(out: Path, **settings) -> GRPOConfig:

@@ -119,19 +119,6 @@ class Prepared:
         with borrowed(None) as workers:
             return score_batch([self], prompts, completions, fields, workers)[self.name]
 
-    # -- the calls of one batch --
-    def _kwargs(
-        self,
-        prompts: list[Any],
-        completions: list[Any],
-        fields: dict[str, list],
-        i: int,
-        shared: dict[str, Any],
-    ) -> dict:
-        values = {"completion": completions[i], "prompt": prompts[i], **{k: v[i] for k, v in fields.items()}}
-        values |= shared
-        return values if self.accepts is None else {k: v for k, v in values.items() if k in self.accepts}
-
     def takes(self, keyword: str) -> bool:
         """Whether it takes ``keyword`` (by name, or in ``**kwargs``)."""
         return self.accepts is None or keyword in self.accepts
@@ -154,12 +141,43 @@ class Prepared:
             return {}
         return {key: value for key, value in keywords.shared.items() if self.takes(key)}
 
-    def _batch_call(
-        self, prompts: list[Any], completions: list[Any], fields: dict[str, list], shared: dict[str, Any]
-    ) -> Any:
-        if self.keywords:
-            return self.function(prompts=prompts, completions=completions, **fields, **shared)
-        return self.function(prompts, completions, **fields, **shared)
+    def calls(
+        self, prompts: list[Any], completions: list[Any], fields: dict[str, list], keywords: Keywords | None
+    ) -> Calls:
+        """Its calls on this batch, with the fields and keywords it takes."""
+        return Calls(self, prompts, completions, self.own_fields(fields, keywords), self.own_shared(keywords))
+
+
+@dataclass(frozen=True)
+class Calls:
+    """One function's calls on one batch: the whole batch at once (`batch`), or one completion (`one`)."""
+
+    r: Prepared
+    prompts: list[Any]
+    completions: list[Any]
+    fields: dict[str, list]
+    shared: dict[str, Any]
+
+    def one(self, i: int) -> Any:
+        r = self.r
+        values = {"completion": self.completions[i], "prompt": self.prompts[i]}
+        values |= {k: v[i] for k, v in self.fields.items()} | self.shared
+        return r.function(
+            **(values if r.accepts is None else {k: values[k] for k in values if k in r.accepts})
+        )
+
+    def batch(self) -> Any:
+        r = self.r
+        if r.keywords:
+            return r.function(
+                prompts=self.prompts, completions=self.completions, **self.fields, **self.shared
+            )
+        return r.function(self.prompts, self.completions, **self.fields, **self.shared)
+
+    def alone(self, i: int) -> Calls:
+        """The batch of sample ``i`` alone."""
+        own = {key: values[i : i + 1] for key, values in self.fields.items()}
+        return Calls(self.r, self.prompts[i : i + 1], self.completions[i : i + 1], own, self.shared)
 
 
 SINGULAR = {"group_ids": "group_id", "example_prompts": "example_prompt"}
@@ -262,8 +280,7 @@ def score_batch(
     for r in rewards:
         if not r.concurrent:
             try:
-                own = r.own_fields(fields, keywords)
-                outcomes[r.name] = _plain(r, prompts, completions, own, r.own_shared(keywords), workers)
+                outcomes[r.name] = _plain(r.calls(prompts, completions, fields, keywords), workers)
             except (RewardError, KeyboardInterrupt) as error:
                 outcomes[r.name] = error
     if pending is not None:
@@ -310,33 +327,20 @@ def _on_the_loop(
     )
 
 
-def _plain(
-    r: Prepared,
-    prompts: list[Any],
-    completions: list[Any],
-    fields: dict[str, list],
-    shared: dict[str, Any],
-    workers: Workers,
-) -> list[Any]:
+def _plain(calls: Calls, workers: Workers) -> list[Any]:
     """A plain function's values, its calls one after another, each with its deadline (`_within`)."""
+    r, completions = calls.r, calls.completions
     if r.per_completion:
         return [
-            _guarded(
-                r,
-                i,
-                completions,
-                lambda i=i: _within(
-                    r, workers, lambda: r.function(**r._kwargs(prompts, completions, fields, i, shared))
-                ),
-            )
+            _guarded(r, i, completions, lambda i=i: _within(r, workers, lambda: calls.one(i)))
             for i in range(len(completions))
         ]
     try:
-        return _within(r, workers, lambda: r._batch_call(prompts, completions, fields, shared))
+        return _within(r, workers, calls.batch)
     except (RewardError, KeyboardInterrupt):  # a timeout: calling it again per sample would only hang again
         raise
     except BaseException as error:  # a reward's own exception, sys.exit and GeneratorExit included
-        raise _culprit(r, prompts, completions, fields, shared, error, workers) from error
+        raise _culprit(calls, error, workers) from error
 
 
 def _guarded(r: Prepared, i: int, completions: list[Any], call: Callable[[], T]) -> T:
@@ -355,22 +359,14 @@ def _at_sample(r: Prepared, i: int, completions: list[Any], error: BaseException
     )
 
 
-def _culprit(
-    r: Prepared,
-    prompts: list[Any],
-    completions: list[Any],
-    fields: dict[str, list],
-    shared: dict[str, Any],
-    error: BaseException,
-    workers: Workers,
-) -> RewardError:
+def _culprit(calls: Calls, error: BaseException, workers: Workers) -> RewardError:
     """A batch call's error, named with its sample: found by calling again one sample at a time, each call
     within its deadline (an async function's on the run's loop)."""
+    r, completions = calls.r, calls.completions
     for i in range(len(completions)):
-        single = {key: values[i : i + 1] for key, values in fields.items()}
 
-        def alone(i: int = i, single: dict[str, list] = single) -> Any:
-            called = r._batch_call(prompts[i : i + 1], completions[i : i + 1], single, shared)
+        def alone(i: int = i) -> Any:
+            called = calls.alone(i).batch()
             if inspect.isawaitable(called):
                 return workers.run(_awaited(called)).result(r.timeout or None)
             return called
@@ -431,12 +427,7 @@ async def _gather(
     """The concurrent functions' values (or errors), every call on the loop at once, at most each one's
     concurrency of its calls in flight."""
     results = await asyncio.gather(
-        *(
-            _concurrent(
-                r, prompts, completions, r.own_fields(fields, keywords), r.own_shared(keywords), workers
-            )
-            for r in rewards
-        ),
+        *(_concurrent(r.calls(prompts, completions, fields, keywords), workers) for r in rewards),
         return_exceptions=True,
     )
     return {r.name: _own_error(r, result) for r, result in zip(rewards, results, strict=True)}
@@ -454,14 +445,8 @@ def _own_error(r: Prepared, result: Any) -> Any:
     return result
 
 
-async def _concurrent(
-    r: Prepared,
-    prompts: list[Any],
-    completions: list[Any],
-    fields: dict[str, list],
-    shared: dict[str, Any],
-    workers: Workers,
-) -> list[Any]:
+async def _concurrent(calls: Calls, workers: Workers) -> list[Any]:
+    r, completions = calls.r, calls.completions
     limit = asyncio.Semaphore(r.concurrency)
 
     async def run(call: Callable[[], Any]) -> Any:
@@ -481,7 +466,7 @@ async def _concurrent(
 
         async def one(i: int) -> Any:
             try:
-                return await run(lambda: r.function(**r._kwargs(prompts, completions, fields, i, shared)))
+                return await run(lambda: calls.one(i))
             except (RewardError, asyncio.CancelledError):
                 raise
             except Escaped as escaped:
@@ -493,7 +478,7 @@ async def _concurrent(
 
         return list(await asyncio.gather(*(one(i) for i in range(len(completions)))))
     try:
-        return await run(lambda: r._batch_call(prompts, completions, fields, shared))
+        return await run(calls.batch)
     except (RewardError, asyncio.CancelledError):
         raise
     except Escaped as escaped:
@@ -502,9 +487,7 @@ async def _concurrent(
         error: BaseException = escaped.original
     except Exception as failure:
         error = failure
-    culprit = workers.pool(1).submit(
-        lambda: _culprit(r, prompts, completions, fields, shared, error, workers)
-    )
+    culprit = workers.pool(1).submit(lambda: _culprit(calls, error, workers))
     raise await asyncio.wrap_future(culprit) from error
 
 
