@@ -243,9 +243,7 @@ def old_policy(
                     mismatch=mismatch if own or (index == 0 and not recompute) else None,
                 )
             )
-    if (
-        spec.old_logprobs == "recompute"
-    ):  # both log-probs known: how far apart (the first update's own, with it)
+    if spec.old_logprobs == "recompute":  # both known: how far apart (the first update measures its own)
         metrics = {} if parts and parts[0].measures_mismatch else mismatch.metrics()
     else:
         trained = sum(sum(batch.sequences[i].train_mask) for i in computed)
